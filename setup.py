@@ -1,0 +1,34 @@
+"""tapered-megatron: distributed pretraining of Tapered Language Models on DeepSpeed."""
+
+from setuptools import find_packages, setup
+
+setup(
+    name="tapered-megatron",
+    version="0.1.0",
+    description="DeepSpeed/Megatron-style pretraining of Tapered Language Models",
+    packages=find_packages(include=["tapered_megatron", "tapered_megatron.*"]),
+    python_requires=">=3.10",
+    install_requires=[
+        # A range, never a CPU pin: GPU clusters install their own CUDA build first.
+        "torch>=2.4",
+        "deepspeed>=0.15",
+        "sentencepiece>=0.2",
+        "numpy>=1.24",
+        "mpi4py>=3.1",
+        "tensorboardX>=2.6",
+        "pyyaml>=6",
+        "matplotlib>=3.7",
+        "tqdm>=4.60",
+    ],
+    extras_require={
+        "dev": ["pytest>=7", "hypothesis>=6.80", "ruff>=0.5"],
+        # Benchmark-only peers and references; never imported by the library.
+        "bench": ["transformers>=4.40"],
+    },
+    entry_points={
+        "console_scripts": [
+            "tm-taper=tapered_megatron.taper:main",
+            "tm-config=tapered_megatron.config:main",
+        ]
+    },
+)

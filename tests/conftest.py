@@ -1,0 +1,7 @@
+"""Shared pytest setup: tests import helpers from this folder and run single-threaded ranks."""
+
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(__file__))
+os.environ.setdefault("OMP_NUM_THREADS", "1")
