@@ -241,7 +241,7 @@ def make_plan(
     unit = multiple * tp
     budget = layers * d_ff
     raw = raw_schedule(schedule, layers, d_ff, ratios, sigmoid_k)
-    if min(raw) < unit / 2:
+    if min(raw) < unit:
         raise TaperError(
             f"taper: the narrowest layer would be {min(raw):.1f} wide, below one rounding unit "
             f"(taper.multiple * parallel.tp = {unit}); raise model.d_ff, make the taper gentler "
@@ -259,7 +259,7 @@ def make_plan(
     for first, last in product(candidates(raw[0]), candidates(raw[-1])):
         if layers == 1:
             last = first
-        if (first - last) * (raw[0] - raw[-1]) < 0:
+        if (first < last) if raw[0] >= raw[-1] else (first > last):
             continue
         for target in targets:
             w = _fit(raw, first, last, unit, target)
