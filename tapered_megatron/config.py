@@ -156,6 +156,7 @@ class TrainConfig:
     save_dir: str = "checkpoints/quickstart"
     keep_last: int = 2
     resume: str = ""  # "" (fresh), "auto" (newest complete checkpoint in save_dir) or a path
+    exit_interval: int = 0  # stop (after saving) once the iteration is a multiple of it; 0: never
 
 
 @dataclass(frozen=True)
@@ -172,6 +173,8 @@ class LoggingConfig:
 
     interval: int = 10
     tensorboard_dir: str = ""  # empty: <train.save_dir>/tensorboard
+    peak_tflops: float = 0.0  # per-device peak for MFU; 0: known accelerator or measured probe
+    metrics_file: str = ""  # JSON line per iteration (loss, lr, grad_norm, val_loss); "": none
 
 
 @dataclass(frozen=True)
@@ -453,6 +456,9 @@ def validate(cfg: Config) -> None:
     _require(tr.warmup_iters >= 0, "train.warmup_iters: must be >= 0")
     _require(tr.keep_last >= 1, "train.keep_last: must be >= 1")
     _require(tr.save_interval >= 0, "train.save_interval: must be >= 0")
+    _require(tr.exit_interval >= 0, "train.exit_interval: must be >= 0")
+    _require(cfg.logging.interval >= 1, "logging.interval: must be >= 1")
+    _require(cfg.logging.peak_tflops >= 0, "logging.peak_tflops: must be >= 0")
     parts = cfg.data.split.replace("/", ",").split(",")
     try:
         weights = [float(x) for x in parts]

@@ -1,0 +1,336 @@
+"""Benchmarks of the pipeline balancer and the planner (issue 7). Each mode prints JSON lines.
+
+    python scripts/bench_balance.py predict            # 1.3B presets, 4 archs, PP 4/8, all methods
+    python scripts/bench_balance.py measure            # real PP=2 CPU runs (2 gloo processes)
+    python scripts/bench_balance.py memory             # planner memory vs measured peak (PP=2)
+
+``measure`` trains one strongly tapered small model (cosine 1.75/0.25, large vocabulary) with
+DeepSpeed's pipeline engine (1F1B, 2 stages, our ``BalancedPipelineModule``) once per partition
+method, in one invocation, on the same batches, and reports per method: step time (median),
+per-stage busy time (forward + backward instructions, measured inside the engine) next to the
+cost model's prediction (profiled per-unit times, and the analytic FLOP model), and the losses.
+It also runs the balancer's sub-layer split and checks its losses equal the whole-layer split's.
+``memory`` starts fresh process pairs per configuration and compares each stage's peak resident
+memory growth with the planner's per-stage memory prediction.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import platform
+import socket
+import statistics
+import sys
+import time
+import traceback
+from datetime import datetime, timezone
+
+MODEL = [
+    "--model.d_model", "256", "--model.layers", "12", "--model.heads", "4",
+    "--model.d_ff", "1024", "--model.vocab_size", "8192", "--model.seq_len", "256",
+    "--taper.schedule", "cosine", "--taper.ratio", "1.75", "0.25", "--taper.multiple", "16",
+    "--train.micro_batch_size", "2", "--train.global_batch_size", "16",
+]  # fmt: skip
+MICRO_BATCH = 2
+MICRO_BATCHES = 8
+
+
+def stamp() -> dict:
+    """Machine and date of a result."""
+    return {
+        "machine": f"{platform.node()} {platform.machine()} {os.cpu_count()} cpus",
+        "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+    }
+
+
+# --------------------------------------------------------------------------- predicted (1.3B)
+def predict() -> list[dict]:
+    from tapered_megatron.config import load_config
+    from tapered_megatron.pipeline.balance import METHODS, analyse
+
+    rows = []
+    for arch in ("transformer", "gated_attention", "titans", "hope_attention"):
+        cfg = load_config(f"{arch}_1.3b")
+        for pp in (4, 8):
+            for unit in ("layer", "sublayer"):
+                res = analyse(cfg, pp, 128, unit=unit, device="h100")
+                row = {
+                    "bench": "balance_predict",
+                    "config": f"{arch}_1.3b",
+                    "pp": pp,
+                    "unit": unit,
+                    **{m: round(res.methods[m].bottleneck, 4) for m in METHODS},
+                    "parts": list(res.methods["balancer"].parts),
+                }
+                rows.append(row)
+                print(json.dumps(row), flush=True)
+    return rows
+
+
+# --------------------------------------------------------------------------- measured (PP=2)
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _spawn(fn, world: int, *args) -> list:
+    import torch.multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    port = _free_port()
+    procs = [ctx.Process(target=_entry, args=(r, world, port, fn, args, q)) for r in range(world)]
+    for p in procs:
+        p.start()
+    out = {}
+    try:
+        for _ in procs:
+            r, ok, val = q.get(timeout=1800)
+            if not ok:
+                raise RuntimeError(f"rank {r} failed:\n{val}")
+            out[r] = val
+    finally:
+        for p in procs:
+            p.join(timeout=60)
+            if p.is_alive():
+                p.kill()
+    return [out[r] for r in range(world)]
+
+
+def _entry(rank, world, port, fn, args, q) -> None:
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
+        LOCAL_RANK=str(rank), LOCAL_SIZE=str(world),
+    )  # fmt: skip
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    try:
+        dist.init_process_group("gloo", rank=rank, world_size=world)
+        q.put((rank, True, fn(rank, world, *args)))
+    except BaseException:
+        q.put((rank, False, traceback.format_exc()))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _batches(cfg, steps: int) -> list[list]:
+    import torch
+
+    g = torch.Generator().manual_seed(1234)
+    out = []
+    for _ in range(steps):
+        mb = []
+        for _ in range(MICRO_BATCHES):
+            ids = torch.randint(0, cfg.model.vocab_size, (MICRO_BATCH, cfg.model.seq_len + 1),
+                                generator=g)  # fmt: skip
+            mb.append((ids[:, :-1].contiguous(), ids[:, 1:].contiguous()))
+        out.append(mb)
+    return out
+
+
+class _Run:
+    """One DeepSpeed pipeline engine (2 stages) over a given split, instrumented for busy time."""
+
+    def __init__(self, cfg, unit: str, parts, zero: int) -> None:
+        import deepspeed
+        import torch
+        from deepspeed.runtime.pipe import schedule
+
+        from tapered_megatron.models import lm_loss, pipeline_layer_specs
+        from tapered_megatron.pipeline.module import BalancedPipelineModule
+
+        torch.manual_seed(cfg.train.seed)
+        self.module = BalancedPipelineModule(
+            pipeline_layer_specs(cfg, unit=unit), list(parts), num_stages=2, loss_fn=lm_loss,
+            table=f"[bench] unit={unit} parts={list(parts)}",
+        )  # fmt: skip
+        opt = torch.optim.AdamW(self.module.parameters(), lr=1e-3, weight_decay=0.0)
+        ds = {
+            "train_micro_batch_size_per_gpu": MICRO_BATCH,
+            "gradient_accumulation_steps": MICRO_BATCHES,
+            "train_batch_size": MICRO_BATCH * MICRO_BATCHES,
+            "zero_optimization": {"stage": zero},
+            "steps_per_print": 10**9,
+            "wall_clock_breakdown": False,
+        }
+        self.engine, _, _, _ = deepspeed.initialize(model=self.module, optimizer=opt, config=ds)
+        self.busy = 0.0
+        imap = dict(self.engine._INSTRUCTION_MAP)
+        for kind in (schedule.ForwardPass, schedule.BackwardPass):
+            imap[kind] = self._timed(imap[kind])
+        self.engine._INSTRUCTION_MAP = imap  # instance attribute: shadows the class table
+        self.walls: list[float] = []
+        self.busys: list[float] = []
+        self.losses: list[float] = []
+
+    def _timed(self, fn):
+        # thread CPU time: the compute this stage did, not time spent waiting for a core
+        def wrapper(engine, *a, **k):
+            t0 = time.thread_time()
+            fn(engine, *a, **k)
+            self.busy += time.thread_time() - t0
+
+        return wrapper
+
+    def step(self, batches) -> None:
+        import torch
+
+        self.busy = 0.0
+        torch.distributed.barrier()
+        t0 = time.perf_counter()
+        loss = self.engine.train_batch(iter(batches))
+        self.walls.append(time.perf_counter() - t0)
+        self.busys.append(self.busy)
+        self.losses.append(float(loss))
+
+
+def _measure_worker(rank: int, world: int, steps: int, runs: list) -> list[dict]:
+    import deepspeed
+
+    from tapered_megatron.config import load_config
+
+    deepspeed.init_distributed(dist_backend="gloo")
+    cfg = load_config("quickstart", MODEL)
+    engines = [_Run(cfg, unit, parts, zero=0) for unit, _, parts in runs]
+    for i, step_batches in enumerate(_batches(cfg, steps)):
+        # interleaved, rotating order: every split sees the same background load
+        for k in range(len(engines)):
+            engines[(i + k) % len(engines)].step(step_batches)
+    return [{"wall": e.walls, "busy": e.busys, "losses": e.losses} for e in engines]
+
+
+def measure(steps: int) -> list[dict]:
+    import torch
+
+    from tapered_megatron.config import load_config
+    from tapered_megatron.pipeline.balance import analyse, evaluate
+
+    torch.set_num_threads(1)
+    cfg = load_config("quickstart", MODEL)
+    runs, models = [], {}
+    for unit in ("layer", "sublayer"):
+        prof = analyse(cfg, 2, MICRO_BATCHES, unit=unit, device="cpu", profiled=True, zero_stage=0)
+        ana = analyse(cfg, 2, MICRO_BATCHES, unit=unit, device="cpu", zero_stage=0)
+        models[unit] = (prof, ana)
+        for m in (("balancer", "uniform", "parameters") if unit == "layer" else ("balancer",)):
+            runs.append((unit, m, list(prof.methods[m].parts)))
+    per_rank = _spawn(_measure_worker, 2, steps, runs)
+    warm = 1  # the first step allocates and warms up
+    rows, by_key = [], {}
+    for i, (unit, method, parts) in enumerate(runs):
+        r0, r1 = per_rank[0][i], per_rank[1][i]
+        prof, ana = models[unit]
+        wall = statistics.median([max(a, b) for a, b in zip(r0["wall"], r1["wall"])][warm:])
+        busy = [statistics.median(r["busy"][warm:]) for r in (r0, r1)]
+        ev = [evaluate(method, parts, x.costs, MICRO_BATCHES, x.cap, x.overhead) for x in (prof, ana)]
+        pred_p = [MICRO_BATCHES * t for t in ev[0].stage_times]  # M micro-batches per step
+        pred_a = [MICRO_BATCHES * t for t in ev[1].stage_times]
+        row = {
+            "bench": "balance_measure", "unit": unit, "method": method, "parts": parts,
+            "step_s": round(wall, 4), "busy_s": [round(x, 4) for x in busy],
+            "pred_profiled_s": [round(x, 4) for x in pred_p],
+            "pred_analytic_s": [round(x, 4) for x in pred_a],
+            "err_profiled": [round(p / m - 1, 4) for p, m in zip(pred_p, busy)],
+            "err_analytic": [round(p / m - 1, 4) for p, m in zip(pred_a, busy)],
+            "bottleneck_measured": round(max(busy) / statistics.mean(busy), 4),
+            "bottleneck_profiled": round(ev[0].bottleneck, 4),
+            "losses": [round(x, 6) for x in r1["losses"]],
+            **stamp(),
+        }  # fmt: skip
+        by_key[(unit, method)] = row
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    ours = by_key[("layer", "balancer")]
+    sub = by_key[("sublayer", "balancer")]
+    summary = {
+        "bench": "balance_measure_summary", "steps": steps, "micro_batches": MICRO_BATCHES,
+        "speedup_vs_uniform": round(by_key[("layer", "uniform")]["step_s"] / ours["step_s"], 4),
+        "speedup_vs_parameters": round(
+            by_key[("layer", "parameters")]["step_s"] / ours["step_s"], 4),
+        "sublayer_speedup_vs_layer": round(ours["step_s"] / sub["step_s"], 4),
+        "sublayer_max_loss_diff": max(abs(a - b) for a, b in zip(sub["losses"], ours["losses"])),
+        "sublayer_first_loss_equal": sub["losses"][0] == ours["losses"][0],
+        # float-noise floor: two whole-layer splits of the same model differ this much too
+        "layer_splits_max_loss_diff": max(
+            abs(a - b) for a, b in zip(by_key[("layer", "uniform")]["losses"], ours["losses"])),
+        "max_abs_err_profiled": max(abs(e) for r in rows for e in r["err_profiled"]),
+        "max_abs_err_analytic": max(abs(e) for r in rows for e in r["err_analytic"]),
+        **stamp(),
+    }  # fmt: skip
+    print(json.dumps(summary), flush=True)
+    return [*rows, summary]
+
+
+# --------------------------------------------------------------------------- memory (planner)
+def _rss() -> tuple[float, float]:
+    """(current, peak) resident bytes of this process."""
+    vals = {}
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(("VmRSS:", "VmHWM:")):
+                vals[line.split(":")[0]] = float(line.split()[1]) * 1024
+    return vals["VmRSS"], vals["VmHWM"]
+
+
+def _memory_worker(rank: int, world: int, unit: str, steps: int) -> dict:
+    import deepspeed
+
+    from tapered_megatron.config import load_config
+    from tapered_megatron.pipeline.balance import analyse
+
+    deepspeed.init_distributed(dist_backend="gloo")
+    cfg = load_config("quickstart", MODEL)
+    res = analyse(cfg, 2, MICRO_BATCHES, unit=unit, device="cpu", zero_stage=0)
+    batches = _batches(cfg, steps)
+    gc.collect()
+    rss0, _ = _rss()
+    with open("/proc/self/clear_refs", "w") as f:  # reset the peak-RSS watermark (VmHWM)
+        f.write("5")
+    run = _Run(cfg, unit, res.methods["balancer"].parts, zero=0)
+    for b in batches:
+        run.step(b)
+    _, peak = _rss()
+    return {"peak_growth": peak - rss0, "pred": res.methods["balancer"].stage_mem[rank],
+            "parts": list(res.methods["balancer"].parts)}  # fmt: skip
+
+
+def memory(steps: int) -> list[dict]:
+    rows = []
+    for unit in ("layer", "sublayer"):
+        per_rank = _spawn(_memory_worker, 2, unit, steps)
+        row = {
+            "bench": "plan_memory", "unit": unit, "zero": 0, "precision": "fp32",
+            "parts": per_rank[0]["parts"],
+            "measured_mib": [round(r["peak_growth"] / 2**20, 1) for r in per_rank],
+            "predicted_mib": [round(r["pred"] / 2**20, 1) for r in per_rank],
+            "err": [round(r["pred"] / r["peak_growth"] - 1, 4) for r in per_rank],
+            **stamp(),
+        }  # fmt: skip
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("mode", choices=("predict", "measure", "memory"))
+    ap.add_argument("--steps", type=int, default=5, help="training steps per method")
+    a = ap.parse_args(argv)
+    if a.mode == "predict":
+        predict()
+    elif a.mode == "measure":
+        measure(a.steps)
+    else:
+        memory(a.steps)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,105 @@
+"""Causal softmax attention (``transformer``) and gated attention (``gated_attention``).
+
+Both use one fused column-parallel projection whose full weight is laid out head-major: for each
+head ``[q (head_dim) | gate (g) | k (head_dim) | v (head_dim)]`` (g = 0 without a gate), so a TP
+rank holds whole heads and the same full weight splits correctly at any TP size. RoPE is applied
+to q and k; attention is ``F.scaled_dot_product_attention(..., is_causal=True)`` (flash / fused
+kernels where the backend has them); the output projection is row-parallel.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+
+from tapered_megatron.models.base import Counts, TokenMixer
+from tapered_megatron.models.layers import RotaryEmbedding
+from tapered_megatron.parallel import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    get_tensor_model_parallel_world_size,
+)
+
+if TYPE_CHECKING:
+    from tapered_megatron.config import Config
+
+
+class Attention(TokenMixer):
+    """Llama-style multi-head causal self-attention with RoPE, no biases (Transformer++)."""
+
+    def __init__(self, cfg: Config, layer: int) -> None:
+        super().__init__(cfg, layer)
+        m = cfg.model
+        self.heads = m.heads // get_tensor_model_parallel_world_size()  # local heads
+        self.head_dim = m.head_dim
+        self.gate_dim = self.gate_channels(cfg)
+        self.per_head = 3 * m.head_dim + self.gate_dim
+        self.qkv = ColumnParallelLinear(
+            m.d_model, m.heads * self.per_head, std=m.init_std, out_blocks=(m.heads, self.per_head)
+        )
+        self.out = RowParallelLinear(
+            m.heads * m.head_dim, m.d_model, std=m.init_std / math.sqrt(2 * m.layers)
+        )
+        self.rope = RotaryEmbedding(m.head_dim, m.seq_len, m.rope_theta)
+
+    @staticmethod
+    def gate_channels(cfg: Config) -> int:
+        """Gate values per head (0: no gate)."""
+        return 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, _ = x.shape
+        hd = self.head_dim
+        y = self.qkv(x).view(b, s, self.heads, self.per_head)
+        q, g, k, v = y.split((hd, self.gate_dim, hd, hd), dim=-1)
+        q, k = self.rope(q), self.rope(k)
+        o = F.scaled_dot_product_attention(
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True
+        ).transpose(1, 2)
+        o = self.gate(o, g)
+        return self.out(o.reshape(b, s, self.heads * hd))
+
+    def gate(self, o: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+        """Hook applied to the attention output ``[b, s, heads, head_dim]`` (identity here)."""
+        return o
+
+    @classmethod
+    def counts(cls, cfg: Config, layer: int, dtype_bytes: int = 2) -> Counts:
+        m = cfg.model
+        d, h, g = m.d_model, m.heads, cls.gate_channels(cfg)
+        params = d * h * (3 * m.head_dim + g) + d * d
+        # scores q.k and the weighted sum of v over the mean causal context (s + 1) / 2
+        attn_flops = 2 * 2 * d * (m.seq_len + 1) / 2
+        # kept: input (d), q k v after RoPE (3d), attention output (d), its log-sum-exp (h),
+        # the out-projection input (d); a gate adds sigmoid(g) (h g) and the gated output (d)
+        elems = 6 * d + h + (h * g + d if g else 0)
+        return Counts(params, 2.0 * params + attn_flops, float(elems * dtype_bytes))
+
+
+class GatedAttention(Attention):
+    """Gated attention (Qiu et al. 2025, "G1" as in Qwen3-Next): ``o_h * sigmoid(X W_g,h)``.
+
+    The gate multiplies each head's attention output after scaled-dot-product attention and
+    before the output projection; ``X`` is the same normalised block input that feeds Q/K/V, so
+    the gate is query-dependent and head-specific. Choices the papers leave open, fixed here:
+
+    * granularity: ``model.gate = elementwise`` (default, one gate per head dimension, the paper's
+      best) or ``headwise`` (one scalar per head, broadcast over its head_dim);
+    * activation sigmoid (not SiLU), combined multiplicatively (not additively);
+    * the gate projection is part of the widened query projection (per head ``[q | gate]``, the
+      Qwen3-Next habit), no bias (the spec's no-bias rule), initialised like q: normal(0,
+      init_std), so gates start near 0.5 and no special gate-bias init is used;
+    * no QK-norm (Qwen3-Next adds one; the spec does not), no attention-sink tokens;
+    * the gate is computed in the activation dtype and TP-split with its heads;
+    * RoPE, causal masking and the output projection are unchanged from ``transformer``.
+    """
+
+    @staticmethod
+    def gate_channels(cfg: Config) -> int:
+        return cfg.model.head_dim if cfg.model.gate == "elementwise" else 1
+
+    def gate(self, o: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+        return o * torch.sigmoid(g)

@@ -1,0 +1,160 @@
+"""Hope-attention's Continuum Memory System (CMS), the MLP slot of ``hope_attention``.
+
+Behrouz, Razaviyayn, Zhong, Mirrokni, "Nested Learning: The Illusion of Deep Learning
+Architectures" (arXiv 2512.24695), sections on Hope and the Continuum Memory System;
+tlm-spec.md section 5.4. A Hope-attention block is causal softmax attention followed by a chain of
+``K`` MLP levels; level ``i`` has an update period ``C_i`` (tokens) and its weights change inside
+the sequence only at multiples of ``C_i``, by the accumulated inner-loop update of the last
+``C_i`` tokens (paper's CMS rule ``W <- W - sum_{t in period} eta_t f(W; x_t)`` applied when
+``t = 0 mod C_i``). Slow levels hold persistent knowledge, fast levels adapt in context.
+
+Choices the paper leaves open, and ours:
+
+* Level form: a SwiGLU MLP ``f_i(u) = W_2 (silu(W_g u) * W_u u)``, the same kind as every other
+  architecture's MLP slot; the chain is residual, ``u_i = u_{i-1} + f_i(u_{i-1})`` with ``u_0``
+  the block's normalised input, and the slot returns ``u_K - u_0 = sum_i f_i(u_{i-1})`` (the block
+  adds it to the residual stream). No extra norms inside the chain (none to budget).
+* Budget (the tapered site): level widths ``h_i`` split layer ``l``'s ``d_ff(l)`` as evenly as
+  possible in units of the taper plan's rounding unit (``taper.multiple * tp``; earlier levels get
+  the remainder), so ``sum_i h_i = d_ff(l)`` and the CMS has exactly ``3 d d_ff(l)`` parameters,
+  the SwiGLU MLP it replaces; tapered and uniform stay budget-equal. With ``K = 1`` and period 0
+  the slot *is* the SwiGLU MLP.
+* Inner objective (the paper allows any local objective): an associative next-position loss
+  ``l_t(W) = 1/2 ||f_i(u_t; W) - u_{t+1}||^2`` -- each level learns in context to map its input
+  at one position to its input at the next (the "lookahead value" of Zhao & Jones,
+  arXiv 2601.00671; an induction-style memory). It needs no outer-loss signal, so it works the
+  same in training, evaluation and generation, under pipeline parallelism, without a second pass.
+* Update: plain gradient steps with constant rate ``eta = hope.lr / d_model`` per token (the
+  inputs are RMS-normalised, so ``||u||^2 ~ d_model`` and ``hope.lr`` is the effective step on a
+  repeated input), summed over the period (the paper's sum, not a mean), all gradients taken at
+  the period-start weights. ``hope.lr = 0`` or period 0 disables updates for a level (plain MLP).
+* Causality: the update applied at boundary ``(p+1) C`` uses pairs ``(u_t, u_{t+1})`` for
+  ``t`` in period ``p``, i.e. inputs at positions ``<= (p+1) C``; it first affects the output at
+  position ``(p+1) C``. Outputs at ``<= t`` never see tokens ``> t``.
+* The updates are differentiable: the outer loop learns initial weights that work well *after*
+  the in-context updates (second-order terms included, as for Titans' memory). Updated weights
+  are per sequence; a new sequence starts from the learned weights.
+* Tensor parallelism: every level's hidden width is split over TP ranks (``W_g, W_u``
+  column-parallel, ``W_2`` row-parallel); the inner gradient needs the full level output, which
+  the row-parallel all-reduce already provides, so updates cost no extra communication.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tapered_megatron.models.base import Counts, MLPSlot
+from tapered_megatron.models.mlp import SwiGLU
+from tapered_megatron.parallel.mappings import copy_to_tp_region, reduce_from_tp_region
+
+
+def level_widths(d_ff: int, levels: int, unit: int) -> list[int]:
+    """Split ``d_ff`` into ``levels`` widths, multiples of ``unit``, as even as possible."""
+    n, rem = divmod(d_ff, unit)
+    if rem or n < levels:
+        raise ValueError(
+            f"model.hope.levels: d_ff={d_ff} cannot be split into {levels} levels of multiples of "
+            f"{unit}; use fewer levels or a wider d_ff"
+        )
+    base, extra = divmod(n, levels)
+    return [(base + (1 if i < extra else 0)) * unit for i in range(levels)]
+
+
+def _silu_grad(z: torch.Tensor) -> torch.Tensor:
+    s = torch.sigmoid(z)
+    return s * (1 + z * (1 - s))
+
+
+class CMSLevel(SwiGLU):
+    """One level of the chain: a SwiGLU of width ``d_ff`` with an update period (0: never).
+
+    ``forward`` is the plain SwiGLU (static weights); :meth:`forward_updating` adds the in-context
+    updates.
+    """
+
+    def __init__(self, cfg, layer: int, d_ff: int, period: int) -> None:
+        super().__init__(cfg, layer, d_ff=d_ff)
+        self.period = period
+
+    def forward_updating(
+        self, u: torch.Tensor, eta: float, record: list | None = None
+    ) -> torch.Tensor:
+        """Output with in-context updates at every multiple of ``period``; ``u`` [B, S, d]."""
+        seq, c = u.shape[1], self.period
+        ul = copy_to_tp_region(u)
+        w13, w2 = self.w13.weight, self.w2.weight  # [2h, d], [d, h] (local), shared by the batch
+        outs = []
+        for start in range(0, seq, c):
+            x = ul[:, start : start + c]
+            gv = x @ w13.transpose(-1, -2)
+            g, v = gv.chunk(2, dim=-1)
+            a = F.silu(g) * v
+            out = reduce_from_tp_region(a @ w2.transpose(-1, -2))
+            outs.append(out)
+            if start + c >= seq:
+                break
+            e = copy_to_tp_region(out - u[:, start + 1 : start + c + 1])
+            da = e @ w2
+            dg = da * v * _silu_grad(g)
+            dv = da * F.silu(g)
+            grad13 = torch.cat([dg, dv], dim=-1).transpose(1, 2) @ x
+            grad2 = e.transpose(1, 2) @ a
+            w13, w2 = w13 - eta * grad13, w2 - eta * grad2
+            if record is not None and bool((grad13.abs().amax() + grad2.abs().amax()) > 0):
+                record.append(start + c)
+        return torch.cat(outs, dim=1)
+
+
+class ContinuumMemory(MLPSlot):
+    """The CMS MLP slot of layer ``layer``: ``forward(u [B, S, d]) -> sum_i f_i(u_{i-1})``.
+
+    ``record_updates = True`` makes each forward store, per level, the token positions at which
+    that level's weights were updated (``self.last_updates``), for tests and diagnostics.
+    """
+
+    def __init__(self, cfg, layer: int, d_ff: int | None = None) -> None:
+        super().__init__(cfg, layer)
+        m, h = cfg.model, cfg.model.hope
+        plan = cfg.taper_plan
+        d_ff = plan.widths[layer] if d_ff is None else d_ff
+        self.widths = level_widths(d_ff, h.levels, plan.unit)
+        self.eta = h.lr / m.d_model
+        self.levels = nn.ModuleList(
+            CMSLevel(cfg, layer, w, p) for w, p in zip(self.widths, h.periods)
+        )
+        self.record_updates = False
+        self.last_updates: list[list[int]] = []
+
+    @classmethod
+    def counts(cls, cfg, layer: int, dtype_bytes: int = 2, d_ff: int | None = None) -> Counts:
+        """Full-model params (exactly ``3 d d_ff(l)``), forward FLOPs/token, activation bytes."""
+        m, h = cfg.model, cfg.model.hope
+        d = m.d_model
+        d_ff = cfg.taper_plan.widths[layer] if d_ff is None else d_ff
+        widths = level_widths(d_ff, h.levels, cfg.taper_plan.unit)
+        total = Counts(0, 0.0, 0.0)
+        for w, period in zip(widths, h.periods):
+            base = SwiGLU.counts(cfg, layer, dtype_bytes, d_ff=w)
+            if period > 0 and h.lr > 0:
+                # inner gradient: e W2, [dg dv]^T x, e^T a (4 d w MACs); kept: e, da, dg, dv
+                # and the per-sequence weights of every period (3 d w per `period` tokens)
+                extra = Counts(0, 8.0 * d * w, (d + 3 * w + 3 * d * w / period) * dtype_bytes)
+                base = base + extra
+            total = total + base
+        return total
+
+    def forward(self, u: torch.Tensor) -> torch.Tensor:
+        total = None
+        self.last_updates = []
+        for level in self.levels:
+            rec: list[int] = []
+            if level.period > 0 and self.eta > 0:
+                o = level.forward_updating(u, self.eta, rec if self.record_updates else None)
+            else:
+                o = level(u)
+            self.last_updates.append(rec)
+            u = u + o
+            total = o if total is None else total + o
+        return total

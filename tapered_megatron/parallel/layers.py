@@ -1,0 +1,249 @@
+"""Tensor-parallel layers (Megatron style) and layout-invariant parameter initialisation.
+
+Every tensor-parallel parameter carries a :class:`TPLayout` (``param.tp_layout``): the shape of
+the FULL tensor, the view in which it is split, and the split dimension. :func:`shard` cuts a
+full tensor into this rank's piece, :func:`unshard` puts the pieces of all ranks back together.
+
+Initialisation (:func:`init_parameters`) is layout-invariant: for each parameter with an
+``init_std`` (or ``init_fn``) attribute, the FULL tensor is drawn on the CPU from a generator
+seeded by ``(seed, canonical name)`` and this rank keeps its shard. The same seed therefore gives
+the same full weights at any TP size, on any pipeline stage and in either module form.
+Parameters without those attributes (norm gains) keep their constructor value.
+
+Layers: :class:`ColumnParallelLinear` (output features split; input replicated),
+:class:`RowParallelLinear` (input features split; partial outputs summed), and
+:class:`VocabParallelEmbedding` (vocabulary rows split). No biases (tlm-spec.md section 5).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tapered_megatron.parallel.mappings import (
+    copy_to_tp_region,
+    gather_from_tp_region,
+    reduce_from_tp_region,
+    scatter_to_tp_region,
+)
+from tapered_megatron.parallel.random import param_generator
+from tapered_megatron.parallel.topology import (
+    get_tensor_model_parallel_rank,
+    get_tensor_model_parallel_world_size,
+)
+
+
+@dataclass(frozen=True)
+class TPLayout:
+    """How a full tensor is split over TP ranks.
+
+    The full tensor (``full_shape``) is viewed as ``view_shape`` and chunked along ``view_dim``;
+    each piece is reshaped to ``full_shape`` with axis ``full_dim`` divided by the TP size.
+    """
+
+    full_shape: tuple[int, ...]
+    view_shape: tuple[int, ...]
+    view_dim: int
+    full_dim: int
+
+    def local_shape(self, tp: int) -> tuple[int, ...]:
+        """Shape of one rank's shard."""
+        if self.view_shape[self.view_dim] % tp:
+            raise ValueError(
+                f"axis {self.view_dim} of {self.view_shape} is not divisible by the TP size {tp}"
+            )
+        shape = list(self.full_shape)
+        shape[self.full_dim] //= tp
+        return tuple(shape)
+
+
+def row_layout(
+    full_shape: Sequence[int], blocks: Sequence[int] | None = None, dim: int = 0
+) -> TPLayout:
+    """Split the first (output) dimension; ``blocks`` factorises it (e.g. ``(2, d_ff)``) and
+    ``dim`` picks the factor to split, so fused weights split per block."""
+    full = tuple(full_shape)
+    blocks = tuple(blocks) if blocks else (full[0],)
+    if math.prod(blocks) != full[0]:
+        raise ValueError(f"blocks {blocks} do not factorise dimension {full[0]}")
+    return TPLayout(full, (*blocks, *full[1:]), dim, 0)
+
+
+def col_layout(full_shape: Sequence[int]) -> TPLayout:
+    """Split the last (input) dimension contiguously."""
+    full = tuple(full_shape)
+    return TPLayout(full, full, len(full) - 1, len(full) - 1)
+
+
+def shard(full: torch.Tensor, layout: TPLayout, rank: int, tp: int) -> torch.Tensor:
+    """This rank's piece of a full tensor."""
+    piece = full.reshape(layout.view_shape).chunk(tp, dim=layout.view_dim)[rank]
+    return piece.reshape(layout.local_shape(tp)).contiguous()
+
+
+def unshard(pieces: Sequence[torch.Tensor], layout: TPLayout) -> torch.Tensor:
+    """The full tensor from every rank's piece (rank order)."""
+    tp = len(pieces)
+    view = list(layout.view_shape)
+    view[layout.view_dim] //= tp
+    parts = [p.reshape(view) for p in pieces]
+    return torch.cat(parts, dim=layout.view_dim).reshape(layout.full_shape)
+
+
+def _mark(param: nn.Parameter, layout: TPLayout, std: float) -> nn.Parameter:
+    """Attach the split layout and init std; ``tensor_model_parallel`` / ``partition_dim`` are
+    the Megatron attribute names DeepSpeed reads (e.g. so grad norms count replicas once)."""
+    param.tp_layout = layout
+    param.init_std = std
+    param.tensor_model_parallel = True
+    param.partition_dim = layout.full_dim
+    return param
+
+
+def init_parameters(module: nn.Module, seed: int, prefix: str = "") -> None:
+    """Layout-invariant init of every parameter of ``module`` that declares how to init.
+
+    ``prefix`` + the parameter's name inside ``module`` is its canonical key (e.g. the block of
+    global layer 3 passes ``"layers.3."``). A parameter declares ``init_std`` (normal(0, std)) or
+    ``init_fn(full_shape, generator) -> tensor``; ``tp_layout`` says how it is split.
+    Meta-device parameters are skipped.
+    """
+    tp, rank = get_tensor_model_parallel_world_size(), get_tensor_model_parallel_rank()
+    for name, p in module.named_parameters():
+        fn: Callable | None = getattr(p, "init_fn", None)
+        std = getattr(p, "init_std", None)
+        if p.is_meta or (fn is None and std is None):
+            continue
+        layout: TPLayout | None = getattr(p, "tp_layout", None)
+        shape = layout.full_shape if layout is not None else tuple(p.shape)
+        gen = param_generator(seed, prefix + name)
+        if fn is not None:
+            full = fn(shape, gen)
+        else:
+            full = torch.empty(shape, dtype=torch.float32, device="cpu")
+            full.normal_(0.0, std, generator=gen)
+        local = shard(full, layout, rank, tp) if layout is not None else full
+        with torch.no_grad():
+            p.copy_(local.to(p.dtype))
+
+
+class ColumnParallelLinear(nn.Module):
+    """``y = x W^T``, W's output features split over TP ranks (input replicated).
+
+    Args:
+        in_features, out_features: full sizes.
+        std: init standard deviation.
+        out_blocks: factorisation of ``out_features`` whose axis ``split_dim`` is split, so a
+            fused weight splits per block (``(2, d_ff)`` for gate+up, ``(heads, per_head)``).
+        gather_output: all-gather the output (else each rank returns its slice).
+    """
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        *,
+        std: float,
+        out_blocks: Sequence[int] | None = None,
+        split_dim: int = 0,
+        gather_output: bool = False,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        super().__init__()
+        tp = get_tensor_model_parallel_world_size()
+        layout = row_layout((out_features, in_features), out_blocks, split_dim)
+        self.in_features, self.out_features, self.gather_output = (
+            in_features,
+            out_features,
+            gather_output,
+        )
+        w = torch.empty(layout.local_shape(tp), device=device, dtype=dtype)
+        self.weight = _mark(nn.Parameter(w), layout, std)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = F.linear(copy_to_tp_region(x), self.weight)
+        return gather_from_tp_region(y) if self.gather_output else y
+
+    def extra_repr(self) -> str:
+        return f"in={self.in_features}, out={self.out_features}, local={tuple(self.weight.shape)}"
+
+
+class RowParallelLinear(nn.Module):
+    """``y = x W^T``, W's input features split over TP ranks; partial outputs are all-reduced.
+
+    ``input_is_parallel`` (default): ``x`` is already this rank's slice (the output of a
+    :class:`ColumnParallelLinear`); otherwise it is scattered first.
+    """
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        *,
+        std: float,
+        input_is_parallel: bool = True,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        super().__init__()
+        tp = get_tensor_model_parallel_world_size()
+        layout = col_layout((out_features, in_features))
+        self.in_features, self.out_features = in_features, out_features
+        self.input_is_parallel = input_is_parallel
+        w = torch.empty(layout.local_shape(tp), device=device, dtype=dtype)
+        self.weight = _mark(nn.Parameter(w), layout, std)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.input_is_parallel:
+            x = scatter_to_tp_region(x)
+        return reduce_from_tp_region(F.linear(x, self.weight))
+
+    def extra_repr(self) -> str:
+        return f"in={self.in_features}, out={self.out_features}, local={tuple(self.weight.shape)}"
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Token embedding whose vocabulary rows are split over TP ranks.
+
+    Each rank looks up the ids in its row range (others give zeros); the sum over ranks is the
+    full embedding. ``num_embeddings`` must be divisible by the TP size (use the padded vocab).
+    """
+
+    def __init__(
+        self,
+        num_embeddings: int,
+        embedding_dim: int,
+        *,
+        std: float,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        super().__init__()
+        tp, rank = get_tensor_model_parallel_world_size(), get_tensor_model_parallel_rank()
+        layout = row_layout((num_embeddings, embedding_dim))
+        local = layout.local_shape(tp)
+        self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
+        self.vocab_start = rank * local[0]
+        self.vocab_end = self.vocab_start + local[0]
+        w = torch.empty(local, device=device, dtype=dtype)
+        self.weight = _mark(nn.Parameter(w), layout, std)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if get_tensor_model_parallel_world_size() == 1:
+            return F.embedding(ids, self.weight)
+        outside = (ids < self.vocab_start) | (ids >= self.vocab_end)
+        local = (ids - self.vocab_start).masked_fill(outside, 0)
+        out = F.embedding(local, self.weight).masked_fill(outside.unsqueeze(-1), 0.0)
+        return reduce_from_tp_region(out)
+
+    def extra_repr(self) -> str:
+        return (
+            f"{self.num_embeddings}, {self.embedding_dim}, "
+            f"rows=[{self.vocab_start}, {self.vocab_end})"
+        )

@@ -1,0 +1,319 @@
+"""Cost and memory model of pipeline units, read from the model counters (no second FLOP formula).
+
+A *unit* is one entry of :func:`tapered_megatron.models.pipeline_layer_specs`: the embedding, one
+block (``unit="layer"``) or one token mixer / one MLP slot (``unit="sublayer"``), and the final
+norm + LM head + loss. Everything here comes from ``tapered_megatron.models.counters.count_model``:
+per-unit parameters, forward FLOPs per token and activation bytes per token. Backward is 2x
+forward (the counters' convention), so a unit's training time for one micro-batch of ``b``
+sequences of ``s`` tokens is::
+
+    time = (3 + r) * flops_fwd_per_token * b * s / (tp * peak * efficiency[kind]) + launch
+
+with ``r = 1`` when the unit is recomputed under activation checkpointing, else 0. ``efficiency``
+is the achieved fraction of the device's dense peak per op kind (documented defaults per device,
+overridable), ``launch`` a small fixed per-unit overhead. Alternatively the per-unit times can be
+*profiled* on the actual device (:mod:`tapered_megatron.pipeline.profile`), cached on disk keyed by
+config and device; both feed the same solver.
+
+Memory of stage ``j`` under 1F1B with ``M`` micro-batches (stage ``j`` of ``P`` keeps ``min(P - j, M)``
+micro-batches of activations alive)::
+
+    mem_j = overhead + sum(params) / tp * bytes_per_param(precision, zero, dp, pipeline)
+            + min(P - j, M) * sum(saved activations per micro-batch) + max(recompute working set)
+
+* bytes per parameter (ZeRO paper accounting, K = 12 for Adam's fp32 master + m + v):
+  bf16 = 2 (weights) + 2 (grads) + 12 (optimizer), plus a 4-byte fp32 gradient-accumulation
+  buffer when DeepSpeed's BF16_Optimizer is used (pipeline runs); fp32 = 4 + 4 + 8 (no master).
+  ZeRO-1 divides the optimizer term by ``dp``, ZeRO-2 also the gradients, ZeRO-3 everything.
+* activations: the counters' bytes per token x ``b * s``; tensor parallelism shards everything
+  but the unit's input (the residual stream, replicated without sequence parallelism).
+  With checkpointing a block/sub-block keeps only its input per micro-batch in flight and
+  re-creates its full activations for one micro-batch during backward (the transient term).
+  The embedding and the head are not checkpointed (the logits dominate the last stage).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+GiB = 1024**3
+
+# Achieved fraction of dense peak per unit kind on large-GPU bf16 training (Megatron-LM class
+# kernels, flash attention). Attention cores and memory-module scans run below matmul efficiency.
+GPU_EFFICIENCY = {
+    "embedding": 0.05,  # a gather: memory bound; its FLOPs are ~0, the launch term dominates
+    "mixer": 0.50,
+    "mlp": 0.65,
+    "layer": 0.58,
+    "head": 0.65,
+}
+MIXER_EFFICIENCY_SCALE = {"transformer": 1.0, "gated_attention": 0.95, "titans": 0.6,
+                          "hope_attention": 1.0}
+
+
+@dataclass(frozen=True)
+class Device:
+    """One accelerator type and its links. Bandwidths are per GPU, one direction, bytes/s.
+
+    Defaults (public datasheets): H100 SXM bf16 dense 989 TFLOP/s, NVLink 4 450 GB/s per
+    direction, 400 Gb/s NDR InfiniBand per GPU (50 GB/s); A100 SXM bf16 312 TFLOP/s, NVLink 3
+    300 GB/s, 200 Gb/s HDR per GPU (25 GB/s); H200 = H100 compute with 141 GB. ``cpu`` is this
+    machine class: fp32, its peak measured by a matmul micro-benchmark (see profile.py).
+    """
+
+    name: str
+    peak_flops: float
+    mem_bytes: float
+    intra_bw: float
+    inter_bw: float
+    precision: str = "bf16"
+    gpus_per_node: int = 8
+    mem_bw: float = 3.35e12  # HBM bytes/s (optimizer step is memory bound)
+    overhead_bytes: float = 2.0 * GiB  # CUDA context, allocator slack, comm buffers
+    launch_s: float = 20e-6  # fixed per-unit per-pass cost (kernel launches, hooks)
+    efficiency: dict[str, float] = field(default_factory=lambda: dict(GPU_EFFICIENCY))
+
+
+DEVICES: dict[str, Device] = {
+    "h100": Device("h100", 989e12, 80 * GiB, 450e9, 50e9),
+    "h200": Device("h200", 989e12, 141e9, 450e9, 50e9, mem_bw=4.8e12),
+    "a100": Device("a100", 312e12, 80 * GiB, 300e9, 25e9, mem_bw=2.0e12),
+    "cpu": Device(
+        "cpu",
+        50e9,  # replaced by the measured value (profile.measure_cpu_peak)
+        16 * GiB,
+        5e9,
+        1e9,
+        precision="fp32",
+        gpus_per_node=1,
+        mem_bw=20e9,
+        overhead_bytes=0.0,
+        launch_s=50e-6,
+        # calibrated once on this machine class (fp32, one thread, thread CPU time) against
+        # profiled units: attention ~0.4, SwiGLU ~0.6, head + vocab cross-entropy ~0.55
+        efficiency={"embedding": 0.05, "mixer": 0.4, "mlp": 0.6, "layer": 0.55, "head": 0.55},
+    ),
+}
+
+
+def get_device(name: str, **overrides: Any) -> Device:
+    """A device preset by name with optional field overrides (``peak_flops=...``)."""
+    if name not in DEVICES:
+        raise ValueError(f"unknown device {name!r}; known: {', '.join(DEVICES)}")
+    return replace(DEVICES[name], **{k: v for k, v in overrides.items() if v is not None})
+
+
+def resolve_device(name: str = "auto") -> Device:
+    """``auto``: the CPU preset with its peak measured here (cached) when DeepSpeed's accelerator
+    is the CPU, else the GPU preset matching the device name (H100 when unknown)."""
+    if name != "auto":
+        dev = get_device(name)
+    else:
+        from deepspeed.accelerator import get_accelerator
+
+        acc = get_accelerator()
+        if acc.device_name() == "cpu":
+            dev = get_device("cpu")
+        else:
+            label = str(acc.get_device_name() if hasattr(acc, "get_device_name") else "").lower()
+            dev = get_device(next((k for k in ("h200", "a100") if k in label), "h100"))
+    if dev.name == "cpu":
+        from tapered_megatron.pipeline.profile import measure_cpu_peak
+
+        dev = replace(dev, peak_flops=measure_cpu_peak())
+    return dev
+
+
+@dataclass(frozen=True)
+class RunShape:
+    """How a run executes: everything besides the model that changes cost or memory."""
+
+    micro_batch_size: int = 1
+    seq_len: int = 2048
+    micro_batches: int = 8  # gradient-accumulation steps per optimizer step (M)
+    tp: int = 1
+    dp: int = 1
+    zero_stage: int = 1
+    precision: str = "bf16"  # bf16 | fp32
+    checkpointing: bool = False
+    pipeline: bool = True  # DeepSpeed PipelineEngine (bf16 -> BF16_Optimizer fp32 grad buffer)
+
+    @property
+    def tokens(self) -> int:
+        """Tokens in one micro-batch."""
+        return self.micro_batch_size * self.seq_len
+
+
+@dataclass(frozen=True)
+class UnitCost:
+    """One pipeline unit as the solver sees it (times in s, memory in bytes, one device)."""
+
+    name: str
+    kind: str  # embedding | layer | mixer | mlp | head
+    params: int  # full, un-sharded count
+    flops_fwd: float  # forward FLOPs per token (full, un-sharded)
+    time: float  # forward + backward (+ recompute) of one micro-batch
+    static: float  # weights + grads + optimizer state
+    act: float  # saved activations of one micro-batch in flight
+    peak: float  # transient working set (checkpointed recompute)
+
+
+def bytes_per_param(precision: str, zero: int, dp: int, pipeline: bool) -> float:
+    """Model-state bytes per parameter on one device (see the module docstring)."""
+    if precision == "bf16":
+        weights, grads, optim = 2.0, 2.0, 12.0
+        acc = 4.0 if pipeline else 0.0
+    elif precision == "fp32":
+        weights, grads, optim, acc = 4.0, 4.0, 8.0, 0.0
+    else:
+        raise ValueError(f"unknown precision {precision!r}; use bf16 or fp32")
+    if zero >= 1:
+        optim /= dp
+    if zero >= 2:
+        grads /= dp
+    if zero >= 3:
+        weights /= dp
+    return weights + grads + optim + acc
+
+
+def activation_scale(precision: str) -> int:
+    """Activation element size in bytes for ``precision``."""
+    return 2 if precision == "bf16" else 4
+
+
+@dataclass(frozen=True)
+class UnitCount:
+    """A pipeline unit as the counters describe it (full model, per token)."""
+
+    name: str
+    kind: str  # embedding | layer | mixer | mlp | head
+    params: int
+    flops_fwd: float
+    act_bytes: float  # kept for backward, no checkpointing
+    input_bytes: float  # the unit's input (what a checkpointed unit keeps)
+
+
+def counter_units(cfg: Any, unit: str, dtype_bytes: int) -> list[UnitCount]:
+    """One record per entry of ``pipeline_layer_specs(cfg, unit)``, from ``count_model`` only."""
+    from tapered_megatron.models.counters import count_model
+
+    c = count_model(cfg, dtype_bytes=dtype_bytes)
+    inp = c.ckpt_act_bytes
+    out = [UnitCount("embedding", "embedding", c.embedding.params, c.embedding.flops,
+                     c.embedding.act_bytes, 0.0)]
+    for lc in c.layers:
+        if unit == "layer":
+            t = lc.total
+            out.append(UnitCount(f"layer{lc.layer}", "layer", t.params, t.flops, t.act_bytes, inp))
+        elif unit == "sublayer":
+            for kind, x in (("mixer", lc.mixer), ("mlp", lc.mlp)):
+                out.append(UnitCount(f"layer{lc.layer}.{kind}", kind, x.params, x.flops,
+                                     x.act_bytes, inp))
+        else:
+            raise ValueError(f"pipeline unit must be 'layer' or 'sublayer', got {unit!r}")
+    out.append(UnitCount("head", "head", c.head.params, c.head.flops, c.head.act_bytes, inp))
+    return out
+
+
+def model_params(cfg: Any) -> int:
+    """Total parameters by the counters."""
+    from tapered_megatron.models.counters import count_model
+
+    return count_model(cfg).params_total
+
+
+def unit_costs(
+    units: Sequence[UnitCount],
+    shape: RunShape,
+    device: Device,
+    arch: str,
+    measured_times: Sequence[float] | None = None,
+) -> list[UnitCost]:
+    """Turn counter records into solver inputs (time, static memory, activations, transient).
+
+    ``measured_times`` (profiled fwd+bwd seconds per unit for ``shape``) replaces the analytic
+    time when given.
+    """
+    bpp = bytes_per_param(shape.precision, shape.zero_stage, shape.dp, shape.pipeline)
+    tok = shape.tokens
+    out = []
+    for i, u in enumerate(units):
+        eff = device.efficiency[u.kind]
+        if u.kind in ("mixer", "layer"):
+            eff *= MIXER_EFFICIENCY_SCALE.get(arch, 1.0) ** (1.0 if u.kind == "mixer" else 0.5)
+        recompute = shape.checkpointing and u.kind in ("layer", "mixer", "mlp")
+        passes = 4 if recompute else 3
+        if measured_times is not None:
+            t = float(measured_times[i])
+        else:
+            t = passes * u.flops_fwd * tok / (shape.tp * device.peak_flops * eff)
+            t += passes * device.launch_s
+        # Without sequence parallelism the unit's input (and its norm's input) are replicated
+        # on every TP rank; everything inside the mixer / MLP / head is sharded.
+        subunits = 2 if u.kind == "layer" else 1
+        resid = min(2 * subunits * u.input_bytes, u.act_bytes) * tok
+        full = (resid + (u.act_bytes * tok - resid) / shape.tp)
+        if recompute:
+            act, peak = u.input_bytes * tok, full
+        else:
+            act, peak = full, 0.0
+        out.append(
+            UnitCost(
+                name=u.name,
+                kind=u.kind,
+                params=int(u.params),
+                flops_fwd=float(u.flops_fwd),
+                time=t,
+                static=u.params / shape.tp * bpp,
+                act=act,
+                peak=peak,
+            )
+        )
+    return out
+
+
+def model_unit_costs(
+    cfg: Any, shape: RunShape, device: Device, unit: str = "layer", profiled: bool = False
+) -> list[UnitCost]:
+    """Unit costs of ``cfg`` for ``shape`` on ``device`` (analytic, or profiled here and cached)."""
+    units = counter_units(cfg, unit, activation_scale(shape.precision))
+    measured = None
+    if profiled:
+        from tapered_megatron.pipeline.profile import profile_units
+
+        measured = profile_units(cfg, unit, shape.micro_batch_size, shape.checkpointing)
+    return unit_costs(units, shape, device, cfg.model.arch, measured)
+
+
+def inflight(stages: int, micro_batches: int) -> list[int]:
+    """Micro-batches whose activations stage ``j`` holds at once under 1F1B: ``min(P - j, M)``."""
+    return [min(stages - j, micro_batches) for j in range(stages)]
+
+
+def stage_memory(
+    costs: Sequence[UnitCost], parts: Sequence[int], micro_batches: int, overhead: float = 0.0
+) -> list[float]:
+    """Predicted bytes per stage for a ``parts`` boundary list."""
+    p = len(parts) - 1
+    fl = inflight(p, micro_batches)
+    out = []
+    for j in range(p):
+        us = costs[parts[j] : parts[j + 1]]
+        out.append(
+            overhead
+            + sum(u.static for u in us)
+            + fl[j] * sum(u.act for u in us)
+            + max((u.peak for u in us), default=0.0)
+        )
+    return out
+
+
+def step_time(stage_times: Sequence[float], micro_batches: int, p2p: float = 0.0) -> float:
+    """1F1B step time: fill + drain sum every stage once, the slowest stage repeats M - 1 times.
+
+    ``p2p`` is the per-boundary, per-micro-batch send time (forward activation + backward grad).
+    """
+    p = len(stage_times)
+    return sum(stage_times) + (micro_batches - 1) * max(stage_times) + 2 * (p - 1) * p2p

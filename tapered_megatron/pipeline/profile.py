@@ -1,0 +1,158 @@
+"""Per-unit times measured on this device, cached on disk; and this CPU's matmul peak.
+
+:func:`profile_units` builds every entry of ``pipeline_layer_specs(cfg, unit)`` once (TP = 1, one
+process), runs forward + backward of one micro-batch through it (the head includes ``lm_loss``)
+and keeps the median of a few repetitions after two warm-up calls. On the CPU the clock is the
+thread's CPU time (``time.thread_time``): on a shared machine wall time measures the neighbours. Results are cached as JSON under
+``$TM_PROFILE_CACHE`` (default ``~/.cache/tapered_megatron/profiles``), keyed by a hash of the
+model config, the taper widths, the unit kind, the micro-batch shape, checkpointing, the device
+name, the torch version and the thread count, so a profile is reused only where it is valid.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import platform
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+
+def cache_dir() -> Path:
+    """Where profiles are cached."""
+    root = os.environ.get("TM_PROFILE_CACHE", "~/.cache/tapered_megatron/profiles")
+    return Path(root).expanduser()
+
+
+def device_label() -> str:
+    """Name of the device the profile was taken on."""
+    from deepspeed.accelerator import get_accelerator
+
+    acc = get_accelerator()
+    if acc.device_name() == "cpu":
+        return f"cpu:{platform.machine()}:{platform.processor() or 'unknown'}"
+    return f"{acc.device_name()}:{acc.get_device_name()}"
+
+
+def _key(payload: dict[str, Any]) -> str:
+    return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:20]
+
+
+def _cached(payload: dict[str, Any], compute: Any) -> Any:
+    path = cache_dir() / f"{_key(payload)}.json"
+    if path.exists():
+        return json.loads(path.read_text())["value"]
+    value = compute()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(f".{os.getpid()}.tmp")
+    tmp.write_text(json.dumps({"key": payload, "value": value}))
+    tmp.replace(path)
+    return value
+
+
+def measure_cpu_peak(n: int = 512, reps: int = 10) -> float:
+    """Achieved fp32 matmul FLOP/s of one thread (``n x n`` by ``n x n``, thread CPU time), cached."""
+    payload = {
+        "what": "cpu_peak",
+        "device": device_label(),
+        "threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+        "n": n,
+    }
+
+    def run() -> float:
+        a, b = torch.randn(n, n), torch.randn(n, n)
+        for _ in range(3):
+            a @ b
+        times = []
+        for _ in range(reps):
+            t0 = time.thread_time()
+            a @ b
+            times.append(time.thread_time() - t0)
+        return 2.0 * n**3 / min(times)
+
+    return float(_cached(payload, run))
+
+
+def _time_unit(module: torch.nn.Module, make_input: Any, loss: Any, reps: int) -> float:
+    # Thread CPU time on the CPU (immune to other processes sharing the cores; torch runs
+    # single-threaded ops in the calling thread); wall time with a synchronize elsewhere.
+    from deepspeed.accelerator import get_accelerator
+
+    acc = get_accelerator()
+    on_cpu = acc.device_name() == "cpu"
+    clock = time.thread_time if on_cpu else time.perf_counter
+    times = []
+    for i in range(reps + 2):
+        x = make_input()
+        if not on_cpu:
+            acc.synchronize()
+        t0 = clock()
+        out = module(x)
+        loss(out).backward()
+        if not on_cpu:
+            acc.synchronize()
+        dt = clock() - t0
+        if i >= 2:  # two warm-up calls
+            times.append(dt)
+        module.zero_grad(set_to_none=True)
+    return statistics.median(times)
+
+
+def measure_units(
+    cfg: Any, unit: str, micro_batch_size: int, checkpointing: bool, reps: int = 5
+) -> list[float]:
+    """Forward + backward seconds of one micro-batch through each pipeline unit (no cache)."""
+    from tapered_megatron.models import lm_loss, pipeline_layer_specs, set_activation_checkpointing
+
+    torch.manual_seed(0)
+    b, s, d = micro_batch_size, cfg.model.seq_len, cfg.model.d_model
+    ids = torch.randint(0, cfg.model.vocab_size, (b, s))
+    out = []
+    for spec in pipeline_layer_specs(cfg, unit=unit):
+        module = spec.build()
+        set_activation_checkpointing(module, checkpointing)
+        module.train()
+        name = spec.typename.__name__
+        if name == "Embedding":
+            t = _time_unit(module, lambda: ids, lambda y: y.float().square().mean(), reps)
+        elif name == "Head":
+            t = _time_unit(
+                module,
+                lambda: torch.randn(b, s, d, requires_grad=True),
+                lambda y: lm_loss(y, ids),
+                reps,
+            )
+        else:
+            t = _time_unit(
+                module,
+                lambda: torch.randn(b, s, d, requires_grad=True),
+                lambda y: y.float().square().mean(),
+                reps,
+            )
+        out.append(t)
+    return out
+
+
+def profile_units(cfg: Any, unit: str, micro_batch_size: int, checkpointing: bool) -> list[float]:
+    """Cached :func:`measure_units` (see the module docstring for the cache key)."""
+    cfg1 = cfg.with_overrides(["--parallel.tp", "1", "--parallel.pp", "1"])
+    payload = {
+        "what": "units",
+        "model": cfg1.to_dict()["model"],
+        "widths": list(cfg1.taper_plan.widths),
+        "unit": unit,
+        "micro_batch_size": micro_batch_size,
+        "checkpointing": checkpointing,
+        "device": device_label(),
+        "threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+    }
+    return [float(x) for x in _cached(payload, lambda: measure_units(cfg1, unit,
+                                                                      micro_batch_size,
+                                                                      checkpointing))]

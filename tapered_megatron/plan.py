@@ -1,0 +1,386 @@
+"""Scale planner: choose TP x PP x DP, ZeRO stage, micro-batch, checkpointing and pipeline unit.
+
+``python -m tapered_megatron.plan --config transformer_7b --gpus 64 --gpu-mem 80 [--nodes 8]``
+enumerates every layout that divides the GPUs (TP inside a node, dividing the heads; PP up to the
+number of pipeline units; DP the rest), every ZeRO stage DeepSpeed allows for it (0-3 without
+pipeline, 0-1 with), micro-batch sizes that divide the global batch, activation checkpointing on
+or off, and whole-layer or sub-layer pipeline units. For each it
+
+1. builds the unit costs and memory from the model counters (:mod:`tapered_megatron.pipeline.cost`),
+2. runs the exact balancer under the per-GPU memory cap (infeasible -> rejected, with the reason),
+3. predicts the step time: the 1F1B pipeline (fill/drain + (M-1) x slowest stage), tensor-parallel
+   all-reduces (2 per sub-layer per pass, ring, NVLink), pipeline sends (activation forward and
+   gradient backward per micro-batch, NVLink when neighbouring stages share a node, else the
+   network), the data-parallel gradient reduction (ring all-reduce, 2(dp-1)/dp x bytes; ZeRO-3 adds
+   a parameter all-gather per pass; over NVLink when the DP group fits in a node, else the network;
+   not overlapped with compute, which is DeepSpeed's pipeline behaviour) and the optimizer step
+   (memory-bound, the model state read and written once),
+4. reports MFU = model FLOPs (3 x forward FLOPs per token from the counters, recompute excluded) /
+   (step time x GPUs x peak).
+
+Candidates are ranked by step time (the global batch is fixed by the config, so this is
+throughput), ties broken by lower peak memory. The parameter total is checked on the meta device
+(the model is built there, never allocated) against the counters. Device constants
+(:data:`tapered_megatron.pipeline.cost.DEVICES`) are CLI options: ``--device``, ``--peak-tflops``,
+``--nvlink-gbps``, ``--network-gbps``.
+
+``--write-ds-config PATH`` and ``--write-slurm PATH`` fill a DeepSpeed JSON and the SLURM template
+``scripts/slurm_cluster_template.sbatch`` from the best candidate.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+from tapered_megatron.pipeline import cost as costlib
+from tapered_megatron.pipeline.balance import balance_costs
+from tapered_megatron.pipeline.solver import InfeasibleError
+
+TEMPLATE = Path(__file__).resolve().parents[1] / "scripts" / "slurm_cluster_template.sbatch"
+MICRO_BATCHES = (1, 2, 4, 8)
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One layout and its prediction."""
+
+    tp: int
+    pp: int
+    dp: int
+    zero: int
+    micro_batch_size: int
+    grad_accum: int
+    checkpointing: bool
+    unit: str
+    parts: tuple[int, ...] = ()
+    mem_gib: float = 0.0  # the most loaded stage
+    step_s: float = float("inf")
+    mfu: float = 0.0
+    tokens_per_s: float = 0.0
+    bottleneck: float = 0.0
+    breakdown: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def label(self) -> str:
+        """Short human-readable label."""
+        ck = "ckpt" if self.checkpointing else "nockpt"
+        return (
+            f"tp{self.tp} pp{self.pp} dp{self.dp} zero{self.zero} mbs{self.micro_batch_size} "
+            f"gas{self.grad_accum} {ck} {self.unit}"
+        )
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def meta_param_count(cfg: Any) -> int | None:
+    """Parameters of ``build_model(cfg)`` built on the meta device (nothing allocated)."""
+    try:
+        import torch
+
+        from tapered_megatron.models import build_model
+    except ImportError:
+        return None
+    with torch.device("meta"):
+        model = build_model(cfg.with_overrides(["--parallel.tp", "1", "--parallel.pp", "1"]))
+    return sum(p.numel() for p in model.parameters())
+
+
+def _ring(bytes_: float, n: int, bw: float) -> float:
+    """Ring all-reduce time of ``bytes_`` over ``n`` ranks with per-rank bandwidth ``bw``."""
+    return 0.0 if n <= 1 else 2.0 * (n - 1) / n * bytes_ / bw
+
+
+def evaluate(cfg: Any, c: Candidate, dev: costlib.Device, cap: float) -> Candidate | str:
+    """Predict one candidate; returns the filled candidate or the reason it is rejected."""
+    m = cfg.model
+    shape = costlib.RunShape(
+        micro_batch_size=c.micro_batch_size,
+        seq_len=m.seq_len,
+        micro_batches=c.grad_accum,
+        tp=c.tp,
+        dp=c.dp,
+        zero_stage=c.zero,
+        precision=dev.precision,
+        checkpointing=c.checkpointing,
+        pipeline=c.pp > 1,
+    )
+    tcfg = cfg.with_overrides(["--parallel.tp", str(c.tp), "--parallel.pp", "1"])
+    costs = costlib.model_unit_costs(tcfg, shape, dev, unit=c.unit)
+    elem = costlib.activation_scale(dev.precision)
+    act_bytes = shape.tokens * m.d_model * elem  # one residual-stream tensor of a micro-batch
+    # Tensor parallelism: one all-reduce per sub-layer per pass (fwd, bwd, recompute).
+    tp_bw = dev.intra_bw if c.tp <= dev.gpus_per_node else dev.inter_bw
+    tp_ar = _ring(act_bytes, c.tp, tp_bw)
+    passes = 3 if c.checkpointing else 2
+    per_unit_tp = []
+    for u in costs:
+        n_ar = {"layer": 2, "mixer": 1, "mlp": 1, "embedding": 1, "head": 1}[u.kind] * passes
+        per_unit_tp.append(n_ar * tp_ar)
+    costs = [replace(u, time=u.time + t) for u, t in zip(costs, per_unit_tp)]
+    try:
+        bal = balance_costs(
+            costs, c.pp, c.grad_accum, cap, dev.overhead_bytes, methods=("balancer",)
+        )
+    except InfeasibleError:
+        need = balance_costs(costs, c.pp, c.grad_accum, float("inf"), dev.overhead_bytes,
+                             methods=("balancer",)).methods["balancer"]
+        return f"out of memory: needs {max(need.stage_mem) / costlib.GiB:.1f} GiB on its worst stage"
+    r = bal.methods["balancer"]
+    # Pipeline sends: neighbouring stages are dp*tp ranks apart (topology axes pipe, data, model).
+    pp_bw = dev.intra_bw if c.dp * c.tp < dev.gpus_per_node else dev.inter_bw
+    p2p = act_bytes / c.tp / pp_bw if c.pp > 1 else 0.0  # DeepSpeed pipe_partitioned sends 1/tp
+    stage_times = [t + (2 * p2p if c.pp > 1 else 0.0) for t in r.stage_times]
+    pipe_s = costlib.step_time(stage_times, c.grad_accum)
+    # Data parallel: gradients of the heaviest stage (bf16 grads / fp32), ring over dp.
+    grad_elem = 2.0 if dev.precision == "bf16" else 4.0
+    dp_bw = dev.intra_bw if c.dp * c.tp <= dev.gpus_per_node else dev.inter_bw
+    stage_param = max(r.stage_params) / c.tp
+    dp_s = _ring(stage_param * grad_elem, c.dp, dp_bw)
+    if c.zero >= 3:
+        dp_s += 2 * (c.dp - 1) / c.dp * stage_param * grad_elem / dp_bw * c.grad_accum
+    bpp = costlib.bytes_per_param(dev.precision, c.zero, c.dp, c.pp > 1)
+    opt_s = 2 * stage_param * bpp / dev.mem_bw
+    step = pipe_s + dp_s + opt_s
+    gpus = c.tp * c.pp * c.dp
+    tokens = c.micro_batch_size * c.grad_accum * c.dp * m.seq_len
+    model_flops = 3 * sum(u.flops_fwd for u in costs) * tokens
+    ideal = sum(r.stage_times) * c.grad_accum / c.pp
+    return replace(
+        c,
+        parts=r.parts,
+        mem_gib=max(r.stage_mem) / costlib.GiB,
+        step_s=step,
+        mfu=model_flops / (step * gpus * dev.peak_flops),
+        tokens_per_s=tokens / step,
+        bottleneck=r.bottleneck,
+        breakdown={
+            "compute_ideal_s": ideal,
+            "pipeline_s": pipe_s,
+            "bubble_and_imbalance_s": pipe_s - ideal,
+            "tp_comm_s": sum(per_unit_tp) * c.grad_accum / c.pp,
+            "p2p_s": 2 * p2p * c.grad_accum,
+            "dp_comm_s": dp_s,
+            "optimizer_s": opt_s,
+        },
+    )
+
+
+def enumerate_candidates(cfg: Any, gpus: int, gpus_per_node: int) -> list[Candidate]:
+    """Every layout / ZeRO / micro-batch / checkpointing / unit combination to evaluate."""
+    m, tr = cfg.model, cfg.train
+    gbs = tr.global_batch_size or tr.micro_batch_size * gpus
+    out = []
+    for tp in _divisors(gpus):
+        if tp > gpus_per_node or m.heads % tp:
+            continue
+        for pp in _divisors(gpus // tp):
+            if pp > m.layers:
+                continue
+            dp = gpus // (tp * pp)
+            for zero in (0, 1) if pp > 1 else (0, 1, 2, 3):
+                for mbs in MICRO_BATCHES:
+                    if gbs % (mbs * dp):
+                        continue
+                    gas = gbs // (mbs * dp)
+                    for ckpt in (False, True):
+                        for unit in ("layer", "sublayer") if pp > 1 else ("layer",):
+                            out.append(Candidate(tp, pp, dp, zero, mbs, gas, ckpt, unit))
+    return out
+
+
+def plan(
+    cfg: Any, gpus: int, dev: costlib.Device, cap: float
+) -> tuple[list[Candidate], list[tuple[Candidate, str]]]:
+    """Evaluate all candidates: (fitting ones ranked best first, rejected ones with reasons)."""
+    ok, rejected = [], []
+    for c in enumerate_candidates(cfg, gpus, dev.gpus_per_node):
+        r = evaluate(cfg, c, dev, cap)
+        if isinstance(r, str):
+            rejected.append((c, r))
+        else:
+            ok.append(r)
+    ok.sort(key=lambda c: (c.step_s, c.mem_gib))
+    return ok, rejected
+
+
+def reasoning(
+    cfg: Any, ranked: list[Candidate], rejected: list[tuple[Candidate, str]],
+    dev: costlib.Device, gpus: int, nodes: int, cap_gib: float, meta_params: int | None,
+    counted: int,
+) -> list[str]:
+    """Plain-language account of the choice (printed, and returned in --json)."""
+    lines = [
+        f"model {cfg.name}: {counted / 1e9:.2f}B parameters by the counters"
+        + (f", {meta_params / 1e9:.2f}B built on the meta device" if meta_params else ""),
+        f"cluster: {gpus} x {dev.name} ({cap_gib:.0f} GiB, {dev.peak_flops / 1e12:.0f} TFLOP/s "
+        f"{dev.precision}), {nodes} node(s) of {dev.gpus_per_node}; NVLink "
+        f"{dev.intra_bw / 1e9:.0f} GB/s, network {dev.inter_bw / 1e9:.0f} GB/s per GPU",
+        f"{len(ranked) + len(rejected)} candidates, {len(ranked)} fit in memory, "
+        f"{len(rejected)} rejected",
+    ]
+    if not ranked:
+        lines.append("nothing fits: add GPUs, enable ZeRO-3/offload, or shorten the sequence")
+        return lines
+    best = ranked[0]
+    b = best.breakdown
+    lines.append(
+        f"best: {best.label}: step {best.step_s:.2f} s, {best.tokens_per_s:,.0f} tokens/s, "
+        f"MFU {best.mfu:.1%}, worst stage {best.mem_gib:.1f} GiB"
+    )
+    lines.append(
+        "  time: " + ", ".join(f"{k[:-2]} {v:.2f}s" for k, v in b.items() if k != "pipeline_s")
+    )
+    no_pp = [c for c in ranked if c.pp == 1]
+    if best.pp > 1:
+        if not no_pp:
+            lines.append("  pipeline needed: no PP=1 layout fits the memory cap")
+        else:
+            lines.append(f"  PP={best.pp} beats the best PP=1 layout ({no_pp[0].label}, "
+                         f"{no_pp[0].step_s:.2f} s)")
+        lines.append(f"  partition {list(best.parts)} bottleneck {best.bottleneck:.3f}")
+    for key, what in (("tp", "TP"), ("zero", "ZeRO"), ("checkpointing", "checkpointing"),
+                      ("unit", "pipeline unit")):
+        alt = [c for c in ranked if getattr(c, key) != getattr(best, key)]
+        if alt:
+            lines.append(
+                f"  vs other {what}: best alternative {alt[0].label} is "
+                f"{alt[0].step_s / best.step_s - 1:+.1%} slower"
+            )
+    reasons: dict[str, int] = {}
+    for _, why in rejected:
+        reasons[why.split(":")[0]] = reasons.get(why.split(":")[0], 0) + 1
+    for why, n in reasons.items():
+        lines.append(f"  rejected {n}: {why}")
+    return lines
+
+
+def ds_config(cfg: Any, best: Candidate, dev: costlib.Device) -> dict[str, Any]:
+    """A DeepSpeed JSON for the best candidate (batch keys match train.*)."""
+    out: dict[str, Any] = {
+        "train_batch_size": best.micro_batch_size * best.grad_accum * best.dp,
+        "train_micro_batch_size_per_gpu": best.micro_batch_size,
+        "gradient_accumulation_steps": best.grad_accum,
+        "gradient_clipping": cfg.train.clip_grad,
+        "bf16": {"enabled": dev.precision == "bf16"},
+        "zero_optimization": {"stage": best.zero},
+        "steps_per_print": 1000000000,
+        "wall_clock_breakdown": False,
+    }
+    if dev.precision == "bf16":
+        out["data_types"] = {"grad_accum_dtype": "fp32"}
+    if best.pp > 1:
+        out["pipeline"] = {
+            "activation_checkpoint_interval": 1 if best.checkpointing else 0,
+            "pipe_partitioned": best.tp > 1,
+            "grad_partitioned": best.tp > 1,
+        }
+    return out
+
+
+def overrides(cfg: Any, best: Candidate) -> list[str]:
+    """The dotted config overrides that select the best candidate."""
+    return [
+        "--parallel.tp", str(best.tp),
+        "--parallel.pp", str(best.pp),
+        "--parallel.partition", "balanced",
+        "--parallel.pipeline_unit", best.unit,
+        "--parallel.activation_checkpointing", str(best.checkpointing).lower(),
+        "--train.micro_batch_size", str(best.micro_batch_size),
+        "--train.global_batch_size", str(best.micro_batch_size * best.grad_accum * best.dp),
+    ]  # fmt: skip
+
+
+def fill_slurm(
+    cfg_name: str, best: Candidate, nodes: int, gpus_per_node: int, ds_path: str,
+    template: Path = TEMPLATE,
+) -> str:
+    """The SLURM template with the best candidate's values substituted."""
+    text = template.read_text()
+    values = {
+        "JOB_NAME": f"tm-{cfg_name}",
+        "NODES": str(nodes),
+        "GPUS_PER_NODE": str(gpus_per_node),
+        "CONFIG": cfg_name,
+        "DS_CONFIG": ds_path,
+        "OVERRIDES": " ".join(overrides(None, best)),
+        "PLAN": best.label,
+    }
+    for k, v in values.items():
+        text = text.replace("{{" + k + "}}", v)
+    return text
+
+
+def main(argv: list[str] | None = None) -> int:
+    """CLI entry (see the module docstring)."""
+    from tapered_megatron.config import ConfigError, load_config
+
+    ap = argparse.ArgumentParser(prog="python -m tapered_megatron.plan", description=__doc__.split(
+        "\n\n")[0])
+    ap.add_argument("--config", required=True, help="preset name or YAML path")
+    ap.add_argument("--gpus", type=int, required=True, help="total GPUs")
+    ap.add_argument("--gpu-mem", type=float, required=True, help="memory per GPU, GiB")
+    ap.add_argument("--nodes", type=int, default=None, help="nodes (default gpus / 8)")
+    ap.add_argument("--device", default="h100", help=f"one of {', '.join(costlib.DEVICES)}")
+    ap.add_argument("--peak-tflops", type=float, default=None, help="dense peak per GPU")
+    ap.add_argument("--nvlink-gbps", type=float, default=None, help="NVLink GB/s per GPU")
+    ap.add_argument("--network-gbps", type=float, default=None, help="network GB/s per GPU")
+    ap.add_argument("--top", type=int, default=10, help="candidates to list")
+    ap.add_argument("--json", action="store_true", help="one JSON object")
+    ap.add_argument("--write-ds-config", default=None, help="write the best DeepSpeed JSON here")
+    ap.add_argument("--write-slurm", default=None, help="write the filled SLURM script here")
+    a, rest = ap.parse_known_args(argv)
+    try:
+        cfg = load_config(a.config, rest)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    nodes = a.nodes or max(1, a.gpus // 8)
+    if a.gpus % nodes:
+        print(f"error: --gpus {a.gpus} is not a multiple of --nodes {nodes}", file=sys.stderr)
+        return 2
+    dev = costlib.get_device(
+        a.device,
+        peak_flops=a.peak_tflops * 1e12 if a.peak_tflops else None,
+        intra_bw=a.nvlink_gbps * 1e9 if a.nvlink_gbps else None,
+        inter_bw=a.network_gbps * 1e9 if a.network_gbps else None,
+        mem_bytes=a.gpu_mem * costlib.GiB,
+        gpus_per_node=a.gpus // nodes,
+    )
+    ranked, rejected = plan(cfg, a.gpus, dev, a.gpu_mem * costlib.GiB)
+    counted = costlib.model_params(cfg)
+    why = reasoning(cfg, ranked, rejected, dev, a.gpus, nodes, a.gpu_mem, meta_param_count(cfg),
+                    counted)
+    if ranked and a.write_ds_config:
+        Path(a.write_ds_config).write_text(json.dumps(ds_config(cfg, ranked[0], dev), indent=2)
+                                           + "\n")
+    if ranked and a.write_slurm:
+        Path(a.write_slurm).write_text(fill_slurm(
+            a.config, ranked[0], nodes, a.gpus // nodes, a.write_ds_config or "ds_configs/zero1.json"
+        ))
+    if a.json:
+        print(json.dumps({
+            "config": cfg.name, "gpus": a.gpus, "nodes": nodes, "device": dev.name,
+            "best": asdict(ranked[0]) if ranked else None,
+            "candidates": [asdict(c) for c in ranked[: a.top]],
+            "rejected": len(rejected), "reasoning": why,
+        }))
+        return 0 if ranked else 1
+    print("\n".join(why))
+    print()
+    print(f"{'rank':>4} {'layout':<48} {'step s':>8} {'tok/s':>10} {'MFU':>6} {'mem GiB':>8} "
+          f"{'bneck':>6}")
+    for i, c in enumerate(ranked[: a.top]):
+        print(f"{i + 1:>4} {c.label:<48} {c.step_s:>8.3f} {c.tokens_per_s:>10,.0f} {c.mfu:>6.1%} "
+              f"{c.mem_gib:>8.1f} {c.bottleneck:>6.3f}")
+    return 0 if ranked else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,189 @@
+"""Checkpoints: DeepSpeed's save/load plus our client state, written so ``latest`` never lies.
+
+Layout of ``train.save_dir``::
+
+    global_step100/            DeepSpeed's files (model / optimizer / scheduler per rank)
+        rng_rank00000.pt ...   RNG states of every rank (python, numpy, torch, accelerator)
+        config.yaml            the resolved configuration of the run
+        taper_plan.json        the taper plan (widths per layer)
+        complete               written by rank 0 after every rank finished writing
+    latest                     "global_step100", replaced atomically after ``complete``
+
+Consumed samples and the iteration travel in DeepSpeed's client state. ``--train.resume auto``
+picks the checkpoint named by ``latest`` if it is complete, else the newest complete one; a
+directory that lacks ``complete`` (a crash mid-save) is never loaded. Only the newest
+``train.keep_last`` complete checkpoints are kept.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import yaml
+from deepspeed.accelerator import get_accelerator
+
+from tapered_megatron import parallel
+from tapered_megatron.config import Config
+
+COMPLETE = "complete"
+LATEST = "latest"
+_TAG = re.compile(r"^global_step(\d+)$")
+
+
+def tag_of(iteration: int) -> str:
+    """DeepSpeed's tag for the checkpoint taken after ``iteration`` optimizer steps."""
+    return f"global_step{iteration}"
+
+
+def rng_state() -> dict[str, Any]:
+    """This process's RNG states: python, numpy, torch, the TP tracker and the accelerator's."""
+    state = parallel.get_rng_state()
+    acc = get_accelerator()
+    if acc.device_name() != "cpu":
+        state["accelerator"] = acc.get_rng_state()
+    return state
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    """Restore what :func:`rng_state` returned."""
+    parallel.set_rng_state(state)
+    acc = get_accelerator()
+    if "accelerator" in state and acc.device_name() != "cpu":
+        acc.set_rng_state(state["accelerator"])
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def _barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def is_complete(tag_dir: Path) -> bool:
+    """Whether a ``global_stepN`` directory was fully written."""
+    return (tag_dir / COMPLETE).exists()
+
+
+def complete_tags(save_dir: Path) -> list[tuple[int, str]]:
+    """``(iteration, tag)`` of the complete checkpoints in ``save_dir``, oldest first."""
+    if not save_dir.is_dir():
+        return []
+    out = []
+    for d in save_dir.iterdir():
+        m = _TAG.match(d.name)
+        if m and d.is_dir() and is_complete(d):
+            out.append((int(m.group(1)), d.name))
+    return sorted(out)
+
+
+def save(
+    engine: Any,
+    cfg: Config,
+    iteration: int,
+    consumed_samples: int,
+    extra: dict[str, Any] | None = None,
+) -> Path:
+    """Save a checkpoint on every rank, then mark it complete and point ``latest`` at it.
+
+    Collective: every rank must call it. Returns the checkpoint directory.
+    """
+    save_dir = Path(cfg.train.save_dir)
+    tag = tag_of(iteration)
+    tag_dir = save_dir / tag
+    if _rank() == 0:
+        save_dir.mkdir(parents=True, exist_ok=True)
+        if tag_dir.exists():  # a stale, possibly partial directory of an earlier run
+            shutil.rmtree(tag_dir)
+    _barrier()
+    client = {"iteration": iteration, "consumed_samples": consumed_samples, **(extra or {})}
+    engine.save_checkpoint(str(save_dir), tag=tag, client_state=client, save_latest=False)
+    tag_dir.mkdir(parents=True, exist_ok=True)
+    torch.save(rng_state(), tag_dir / f"rng_rank{_rank():05d}.pt")
+    _barrier()
+    if _rank() == 0:
+        (tag_dir / "config.yaml").write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
+        (tag_dir / "taper_plan.json").write_text(json.dumps(cfg.taper_plan.to_dict(), indent=1))
+        _write_atomic(
+            tag_dir / COMPLETE,
+            json.dumps({"iteration": iteration, "consumed_samples": consumed_samples}) + "\n",
+        )
+        _write_atomic(save_dir / LATEST, tag)
+        prune(save_dir, cfg.train.keep_last)
+    _barrier()
+    return tag_dir
+
+
+def prune(save_dir: Path, keep_last: int) -> None:
+    """Delete all but the newest ``keep_last`` complete checkpoints (and partial older ones)."""
+    done = complete_tags(save_dir)
+    if len(done) <= keep_last:
+        return
+    oldest_kept = done[-keep_last][0]
+    for d in save_dir.iterdir():
+        m = _TAG.match(d.name)
+        if m and int(m.group(1)) < oldest_kept:
+            shutil.rmtree(d, ignore_errors=True)
+
+
+def find_resume(cfg: Config) -> tuple[Path, str] | None:
+    """Where ``train.resume`` points: ``(load_dir, tag)`` or ``None`` for a fresh start.
+
+    ``auto``: ``latest`` in ``train.save_dir`` if complete, else the newest complete checkpoint,
+    else ``None``. A path may name a save directory or one ``global_stepN`` directory.
+    """
+    how = cfg.train.resume
+    if not how:
+        return None
+    if how == "auto":
+        save_dir = Path(cfg.train.save_dir)
+        latest = save_dir / LATEST
+        if latest.exists():
+            tag = latest.read_text().strip()
+            if is_complete(save_dir / tag):
+                return save_dir, tag
+        done = complete_tags(save_dir)
+        return (save_dir, done[-1][1]) if done else None
+    p = Path(how)
+    if _TAG.match(p.name):
+        if not is_complete(p):
+            raise FileNotFoundError(f"train.resume: {p} is not a complete checkpoint")
+        return p.parent, p.name
+    if (p / LATEST).exists():
+        tag = (p / LATEST).read_text().strip()
+        if is_complete(p / tag):
+            return p, tag
+    done = complete_tags(p)
+    if not done:
+        raise FileNotFoundError(f"train.resume: no complete checkpoint under {p}")
+    return p, done[-1][1]
+
+
+def load(engine: Any, load_dir: Path, tag: str) -> dict[str, Any]:
+    """Load model, optimizer, scheduler and this rank's RNG states; return the client state."""
+    path, client = engine.load_checkpoint(
+        str(load_dir), tag=tag, load_optimizer_states=True, load_lr_scheduler_states=True
+    )
+    if path is None:
+        raise FileNotFoundError(f"DeepSpeed could not load {load_dir / tag}")
+    rng_file = load_dir / tag / f"rng_rank{_rank():05d}.pt"
+    if rng_file.exists():
+        set_rng_state(torch.load(rng_file, weights_only=False))
+    return client or {}

@@ -1,0 +1,255 @@
+"""Command line, DeepSpeed-config resolution and process start-up for ``pretrain/main.py``.
+
+Everything here that can reject a run does so before any process group exists, with a one-line
+:class:`~tapered_megatron.config.ConfigError` naming the key and the fix. The world size is read
+from the launcher's environment (DeepSpeed / torchrun ``WORLD_SIZE``, Open MPI
+``OMPI_COMM_WORLD_SIZE``, MPICH / Intel MPI ``PMI_SIZE``); a plain ``python pretrain/main.py`` is
+one process.
+
+DeepSpeed-config keys that duplicate our config (batch sizes, gradient clipping) may be ``"auto"``
+or absent (filled from ``train.*``) or equal to what ``train.*`` implies; anything else is an
+error rather than a silent winner. ``bf16.enabled: "auto"`` means bf16 on accelerators that
+support it, fp32 on CPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import os
+import socket
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from tapered_megatron.config import Config, ConfigError, load_config
+
+DEFAULT_DS_CONFIG = Path(__file__).resolve().parents[2] / "ds_configs" / "default.json"
+
+# Environment variables that carry the world size / rank under the launchers we support.
+_WORLD_ENV = ("WORLD_SIZE", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE")
+_RANK_ENV = ("RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK")
+
+
+@dataclass(frozen=True)
+class Layout:
+    """How the world is split and how a global batch is made of micro-batches."""
+
+    world_size: int
+    tp: int
+    pp: int
+    dp: int
+    micro_batch_size: int
+    global_batch_size: int
+    grad_accum: int
+
+
+def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[str]]:
+    """Split the command line into our options and the dotted config overrides."""
+    ap = argparse.ArgumentParser(
+        prog="pretrain/main.py",
+        description="Pretrain a tapered language model with DeepSpeed. Any config key can be "
+        "overridden as --section.key VALUE (e.g. --train.iters 20 --parallel.tp 2).",
+        allow_abbrev=False,
+    )
+    ap.add_argument(
+        "--ds_config",
+        "--deepspeed_config",
+        dest="ds_config",
+        default=str(DEFAULT_DS_CONFIG),
+        help="DeepSpeed JSON config (default: ds_configs/default.json)",
+    )
+    ap.add_argument(
+        "--config",
+        default="quickstart",
+        help="preset name in pretrain/configs/ or a YAML path (default: quickstart)",
+    )
+    ap.add_argument(
+        "--local_rank",
+        "--local-rank",
+        type=int,
+        default=int(os.environ.get("LOCAL_RANK", 0)),
+        help="set by the launcher",
+    )
+    ap.add_argument("--resume", default=None, help="alias of --train.resume (auto | PATH)")
+    ap.add_argument("--deepspeed", action="store_true", help=argparse.SUPPRESS)
+    args, rest = ap.parse_known_args(argv)
+    if args.resume is not None:
+        if any(a.split("=")[0] == "--train.resume" for a in rest):
+            raise ConfigError("--resume and --train.resume both given; use one")
+        rest = [*rest, "--train.resume", args.resume]
+    return args, rest
+
+
+def env_world_size() -> int:
+    """World size announced by the launcher (1 for a plain ``python`` start)."""
+    for key in _WORLD_ENV:
+        if os.environ.get(key):
+            return int(os.environ[key])
+    return 1
+
+
+def env_rank() -> int:
+    """Global rank announced by the launcher (0 for a plain ``python`` start)."""
+    for key in _RANK_ENV:
+        if os.environ.get(key):
+            return int(os.environ[key])
+    return 0
+
+
+def load_ds_config(path: str) -> dict[str, Any]:
+    """Read a DeepSpeed JSON config (errors name the file)."""
+    p = Path(path)
+    if not p.exists():
+        raise ConfigError(f"--ds_config: {path} does not exist; see ds_configs/ for ready configs")
+    try:
+        data = json.loads(p.read_text())
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"--ds_config: {path} is not valid JSON ({e})") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"--ds_config: {path} must hold a JSON object")
+    return data
+
+
+def _agree(ds: dict, key: str, want: Any, fix: str) -> None:
+    """Fill ``ds[key]`` with ``want`` when absent/"auto"; reject a different explicit value."""
+    have = ds.get(key, "auto")
+    if have == "auto" or have is None:
+        ds[key] = want
+    elif have != want:
+        raise ConfigError(f"ds_config {key}={have!r} disagrees with {fix}")
+
+
+def resolve(cfg: Config, ds_config: dict[str, Any], world_size: int) -> tuple[dict, Layout]:
+    """Check ``cfg`` against ``ds_config`` and the world size; return the filled ds_config.
+
+    Raises :class:`ConfigError` on any inconsistency. Never touches torch.distributed.
+    """
+    ds = copy.deepcopy(ds_config)
+    tp, pp, tr = cfg.parallel.tp, cfg.parallel.pp, cfg.train
+    if world_size % (tp * pp):
+        raise ConfigError(
+            f"world size {world_size} is not divisible by parallel.tp * parallel.pp = {tp}*{pp}; "
+            f"launch a multiple of {tp * pp} processes or change --parallel.tp / --parallel.pp"
+        )
+    dp = world_size // (tp * pp)
+    mbs = tr.micro_batch_size
+    gbs = tr.global_batch_size or mbs * dp
+    if gbs % (mbs * dp):
+        raise ConfigError(
+            f"train.global_batch_size ({gbs}) must be a multiple of train.micro_batch_size "
+            f"({mbs}) x data-parallel size ({dp}); set --train.global_batch_size "
+            f"{mbs * dp * max(1, gbs // (mbs * dp))}"
+        )
+    gas = gbs // (mbs * dp)
+    _agree(
+        ds,
+        "train_micro_batch_size_per_gpu",
+        mbs,
+        f'train.micro_batch_size={mbs}; remove the key or set it to "auto"',
+    )
+    _agree(
+        ds,
+        "train_batch_size",
+        gbs,
+        f"train.global_batch_size={gbs} (micro {mbs} x dp {dp} x accumulation {gas}); "
+        'remove the key, set it to "auto" or pass --train.global_batch_size',
+    )
+    _agree(
+        ds,
+        "gradient_accumulation_steps",
+        gas,
+        f"train.global_batch_size / (micro_batch_size x dp) = {gbs}/({mbs}x{dp}) = {gas}; "
+        'remove the key or set it to "auto"',
+    )
+    _agree(
+        ds,
+        "gradient_clipping",
+        tr.clip_grad,
+        f'train.clip_grad={tr.clip_grad}; remove the key, set it to "auto" or pass '
+        "--train.clip_grad",
+    )
+    zero = ds.setdefault("zero_optimization", {})
+    stage = zero.get("stage", 0)
+    if stage not in (0, 1, 2, 3):
+        raise ConfigError(f"ds_config zero_optimization.stage={stage!r}; use 0, 1, 2 or 3")
+    if pp > 1 and stage >= 2:
+        raise ConfigError(
+            f"ds_config zero_optimization.stage={stage} cannot be combined with pipeline "
+            f"parallelism (parallel.pp={pp}); use ds_configs/pipeline.json (ZeRO-1) "
+            "or --parallel.pp 1"
+        )
+    stages = ds.get("pipeline", {}).get("stages", "auto")
+    if stages != "auto" and stages != pp:
+        raise ConfigError(
+            f"ds_config pipeline.stages={stages!r} disagrees with parallel.pp={pp}; "
+            'set it to "auto" or pass --parallel.pp'
+        )
+    for half in ("fp16", "bf16"):
+        sec = ds.get(half)
+        if isinstance(sec, dict) and sec.get("enabled") == "auto":
+            sec["enabled"] = half == "bf16" and _bf16_available()
+    if ds.get("fp16", {}).get("enabled") and ds.get("bf16", {}).get("enabled"):
+        raise ConfigError("ds_config enables both fp16 and bf16; enable one")
+    if any(ds.get(h, {}).get("enabled") for h in ("fp16", "bf16")) and _on_cpu():
+        raise ConfigError(
+            "ds_config enables fp16/bf16 but this run is on CPU; "
+            'set "enabled": "auto" (fp32 on CPU) or false'
+        )
+    ds.setdefault("steps_per_print", 10**9)
+    layout = Layout(world_size, tp, pp, dp, mbs, gbs, gas)
+    return ds, layout
+
+
+def _on_cpu() -> bool:
+    from deepspeed.accelerator import get_accelerator
+
+    return get_accelerator().device_name() == "cpu"
+
+
+def _bf16_available() -> bool:
+    from deepspeed.accelerator import get_accelerator
+
+    return not _on_cpu() and bool(get_accelerator().is_bf16_supported())
+
+
+def setup(argv: list[str] | None = None) -> tuple[argparse.Namespace, Config, dict, Layout]:
+    """Parse, load and validate everything; no process group is started here."""
+    args, overrides = parse_args(argv)
+    cfg = load_config(args.config, overrides)
+    ds, layout = resolve(cfg, load_ds_config(args.ds_config), env_world_size())
+    return args, cfg, ds, layout
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def init_distributed() -> None:
+    """Start ``torch.distributed`` through DeepSpeed (MPI ranks are discovered with mpi4py).
+
+    A plain single ``python`` process (no launcher, no MPI) gets a one-rank group on localhost.
+    """
+    import deepspeed
+    from deepspeed.accelerator import get_accelerator
+
+    under_mpi = any(os.environ.get(k) for k in ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE"))
+    if not under_mpi and not os.environ.get("WORLD_SIZE"):
+        os.environ.update(
+            RANK="0",
+            WORLD_SIZE="1",
+            LOCAL_RANK="0",
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=os.environ.get("MASTER_PORT") or str(_free_port()),
+        )
+    deepspeed.init_distributed(
+        dist_backend=get_accelerator().communication_backend_name(),
+        distributed_port=int(os.environ.get("MASTER_PORT", 29500)),
+        verbose=False,
+    )
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    if get_accelerator().device_name() != "cpu":
+        get_accelerator().set_device(local_rank)

@@ -1,0 +1,155 @@
+"""Training logs: one console line per log interval and tensorboardX events (rank 0 writes).
+
+Scalars (tag ``train/...`` / ``val/...``, step = iteration): loss, ppl, lr, grad_norm,
+tokens_per_s, tflops (model FLOPs per second per device), mfu, mem_gb, step_ms and, under
+pipeline parallelism, ``pipe/stage{k}_ms`` (forward + backward compute time of stage k). The
+per-layer MLP widths of the taper plan are logged once as a figure (``model/widths``).
+
+MFU = achieved model FLOPs / peak FLOPs. Model FLOPs per token come from the model library's
+counters (forward; backward = 2x forward; activation recomputation not counted). The peak is
+``logging.peak_tflops`` per device when set, otherwise a table of known accelerators, otherwise
+(CPU) a short matmul probe measured once at start-up.
+"""
+
+from __future__ import annotations
+
+import math
+import resource
+import time
+
+import torch
+from deepspeed.accelerator import get_accelerator
+
+from tapered_megatron.config import Config
+
+# Dense bf16 peak TFLOP/s per device (vendor data sheets).
+_PEAK_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0, "A10": 125.0, "L40": 181.0}
+
+
+def peak_tflops(configured: float) -> float:
+    """Peak TFLOP/s of one device: configured, known accelerator, or a measured matmul probe."""
+    if configured > 0:
+        return configured
+    acc = get_accelerator()
+    if acc.device_name() != "cpu":
+        name = str(acc.get_device_name() if hasattr(acc, "get_device_name") else "")
+        for key, val in _PEAK_TFLOPS.items():
+            if key in name.upper():
+                return val
+    return _probe_tflops()
+
+
+def _probe_tflops(n: int = 512, reps: int = 4) -> float:
+    a, b = torch.randn(n, n), torch.randn(n, n)
+    a @ b
+    t = time.perf_counter()
+    for _ in range(reps):
+        a @ b
+    return 2 * n**3 * reps / max(time.perf_counter() - t, 1e-9) / 1e12
+
+
+def memory_gb() -> float:
+    """Peak accelerator memory allocated, or the process's peak RSS on CPU, in GB."""
+    acc = get_accelerator()
+    if acc.device_name() != "cpu":
+        return acc.max_memory_allocated() / 1e9
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e9
+
+
+class TrainLogger:
+    """Console line + tensorboardX writer; only rank 0 writes, every rank may call."""
+
+    def __init__(
+        self, cfg: Config, rank: int, flops_per_token: float, world_size: int, tb_dir: str
+    ) -> None:
+        self.cfg = cfg
+        self.rank = rank
+        self.flops_per_token = flops_per_token
+        self.world_size = world_size
+        self.peak = peak_tflops(cfg.logging.peak_tflops)
+        self.writer = None
+        if rank == 0 and tb_dir:
+            from tensorboardX import SummaryWriter
+
+            self.writer = SummaryWriter(tb_dir)
+
+    def print(self, msg: str) -> None:
+        """Print on rank 0 only (flushed)."""
+        if self.rank == 0:
+            print(msg, flush=True)
+
+    def widths_figure(self) -> None:
+        """Log the taper plan's per-layer MLP widths as a bar chart."""
+        if self.writer is None:
+            return
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        plan = self.cfg.taper_plan
+        fig, ax = plt.subplots(figsize=(6, 3))
+        ax.bar(range(plan.layers), plan.widths, color="tab:blue")
+        ax.axhline(plan.d_ff_base, color="gray", ls="--", lw=1, label="uniform d_ff")
+        ax.set_xlabel("layer")
+        ax.set_ylabel("d_ff(l)")
+        ax.set_title(f"{self.cfg.model.arch}: {plan.schedule} {list(plan.ratios)}")
+        ax.legend()
+        fig.tight_layout()
+        self.writer.add_figure("model/widths", fig, 0)
+        plt.close(fig)
+
+    def train(
+        self,
+        it: int,
+        loss: float,
+        lr: float,
+        grad_norm: float | None,
+        tokens: int,
+        seconds: float,
+        stage_ms: list[float] | None = None,
+    ) -> dict[str, float]:
+        """Log one interval ending at iteration ``it``; return the scalars (for tests/bench)."""
+        tps = tokens / max(seconds, 1e-9)
+        tflops = self.flops_per_token * tps / self.world_size / 1e12
+        out = {
+            "loss": loss,
+            "ppl": math.exp(min(loss, 30.0)),
+            "lr": lr,
+            "tokens_per_s": tps,
+            "tflops": tflops,
+            "mfu": tflops / self.peak if self.peak > 0 else 0.0,
+            "mem_gb": memory_gb(),
+        }
+        if grad_norm is not None:
+            out["grad_norm"] = grad_norm
+        if self.rank != 0:
+            return out
+        if self.writer is not None:
+            for k, v in out.items():
+                self.writer.add_scalar(f"train/{k}", v, it)
+            for s, ms in enumerate(stage_ms or []):
+                self.writer.add_scalar(f"pipe/stage{s}_ms", ms, it)
+            self.writer.flush()
+        gn = f" | gnorm {grad_norm:.3f}" if grad_norm is not None else ""
+        st = " | stages " + "/".join(f"{x:.0f}" for x in stage_ms) + " ms" if stage_ms else ""
+        self.print(
+            f"iter {it:>6}/{self.cfg.train.iters} | loss {loss:.4f} | ppl {out['ppl']:.2f} | "
+            f"lr {lr:.3e}{gn} | {tps:,.0f} tok/s | MFU {100 * out['mfu']:.1f}% | "
+            f"mem {out['mem_gb']:.2f} GB{st}"
+        )
+        return out
+
+    def val(self, it: int, loss: float) -> None:
+        """Log a validation result."""
+        ppl = math.exp(min(loss, 30.0))
+        if self.writer is not None:
+            self.writer.add_scalar("val/loss", loss, it)
+            self.writer.add_scalar("val/ppl", ppl, it)
+            self.writer.flush()
+        self.print(f"validation at iter {it} | loss {loss:.4f} | ppl {ppl:.2f}")
+
+    def close(self) -> None:
+        """Flush and close the event file."""
+        if self.writer is not None:
+            self.writer.close()

@@ -1,0 +1,86 @@
+"""AdamW parameter groups and the warmup + cosine learning-rate schedule."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+from torch import nn
+
+from tapered_megatron.config import TrainConfig
+
+
+def no_decay(name: str, param: nn.Parameter) -> bool:
+    """Norm weights, gains, biases and other vectors/scalars are not weight-decayed.
+
+    A module may also mark a parameter explicitly with ``param._no_weight_decay = True``.
+    """
+    return (
+        getattr(param, "_no_weight_decay", False)
+        or param.ndim < 2
+        or name.endswith("bias")
+        or "norm" in name.lower()
+    )
+
+
+def param_groups(model: nn.Module, weight_decay: float) -> list[dict[str, Any]]:
+    """AdamW groups: decayed matrices, undecayed norms/gains/biases (empty groups dropped)."""
+    decay, keep = [], []
+    for name, p in model.named_parameters():
+        if p.requires_grad:
+            (keep if no_decay(name, p) else decay).append(p)
+    groups = [
+        {"params": decay, "weight_decay": weight_decay, "name": "decay"},
+        {"params": keep, "weight_decay": 0.0, "name": "no_decay"},
+    ]
+    return [g for g in groups if g["params"]]
+
+
+def build_optimizer(model: nn.Module, tr: TrainConfig) -> torch.optim.Optimizer:
+    """AdamW over :func:`param_groups` with the ``train.*`` hyper-parameters."""
+    return torch.optim.AdamW(
+        param_groups(model, tr.weight_decay),
+        lr=tr.lr,
+        betas=(tr.adam_beta1, tr.adam_beta2),
+        eps=tr.adam_eps,
+        weight_decay=tr.weight_decay,
+    )
+
+
+class WarmupCosine:
+    """Learning-rate multiplier: linear warmup to 1, cosine decay to ``min_lr / lr``, then flat.
+
+    Step ``i`` (0-based optimizer step) uses ``lr * self(i)``: ``(i + 1) / warmup`` during warmup,
+    then ``min + (1 - min) * (1 + cos(pi * t)) / 2`` with ``t`` going 0 -> 1 from the end of
+    warmup to ``decay_iters``. A plain object so LambdaLR can checkpoint it.
+    """
+
+    def __init__(self, lr: float, min_lr: float, warmup: int, decay_iters: int) -> None:
+        self.min_ratio = min_lr / lr if lr > 0 else 0.0
+        self.warmup = warmup
+        self.decay_iters = max(decay_iters, warmup)
+
+    def __call__(self, step: int) -> float:
+        if step < self.warmup:
+            return (step + 1) / self.warmup
+        span = self.decay_iters - self.warmup
+        if span <= 0 or step >= self.decay_iters:
+            return self.min_ratio
+        t = (step - self.warmup) / span
+        return self.min_ratio + (1 - self.min_ratio) * 0.5 * (1 + math.cos(math.pi * t))
+
+
+def lr_at(tr: TrainConfig, step: int) -> float:
+    """The learning rate of optimizer step ``step`` (for logs and tests)."""
+    return tr.lr * schedule(tr)(step)
+
+
+def schedule(tr: TrainConfig) -> WarmupCosine:
+    """The schedule of a run's ``train.*`` keys (``lr_decay_iters`` 0 means ``iters``)."""
+    return WarmupCosine(tr.lr, tr.min_lr, tr.warmup_iters, tr.lr_decay_iters or tr.iters)
+
+
+def build_scheduler(optimizer: torch.optim.Optimizer, tr: TrainConfig) -> Any:
+    """``LambdaLR`` with :class:`WarmupCosine`; DeepSpeed steps it once per optimizer step."""
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, schedule(tr))

@@ -1,0 +1,160 @@
+"""Tokenizer training and tokenize.py: round trip, parallel order, formats, bad input, atomicity."""
+
+from __future__ import annotations
+
+import gzip
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from tapered_megatron.data import IndexedDataset, load_tokenizer, train_sentencepiece
+from tapered_megatron.data.preprocess import InputError, iter_texts, paragraphs, tokenize_files
+from tapered_megatron.data.sample_corpus import sample_corpus_docs
+
+REPO = Path(__file__).resolve().parents[1]
+TOKENIZE = [sys.executable, str(REPO / "data_tools/tokenize.py")]
+
+
+@pytest.fixture(scope="module")
+def docs() -> list[str]:
+    """About 150 documents of the shipped corpus, plus unicode and edge cases."""
+    out = sample_corpus_docs(limit=150)
+    out += ["naïve café — 東京 😀 ünïcödé", "  leading and trailing spaces  ", "tabs\tand\nnewlines\n"]
+    return out
+
+
+@pytest.fixture(scope="module")
+def tok_model(tmp_path_factory, docs) -> str:
+    prefix = tmp_path_factory.mktemp("tok") / "tok"
+    return train_sentencepiece(paragraphs(iter(docs)), prefix, vocab_size=600, num_threads=1)
+
+
+def write_jsonl(path: Path, records: list, gz: bool = False) -> Path:
+    data = "".join(json.dumps(r) + "\n" for r in records).encode()
+    path.write_bytes(gzip.compress(data) if gz else data)
+    return path
+
+
+def test_tokenizer_specials_and_byte_fallback(tok_model):
+    tok = load_tokenizer(tok_model)
+    assert tok.vocab_size == 600
+    assert (tok.eod_id, tok.bos_id, tok.pad_id) == (2, 1, 3)
+    text = "Ω unseen ⊕ chars\nand a newline"
+    assert tok.decode(tok.encode(text)) == text  # byte fallback: no <unk>
+    assert 0 not in tok.encode(text)
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_round_trip(tmp_path, docs, tok_model, workers):
+    src = write_jsonl(tmp_path / "c.jsonl", [{"text": d} for d in docs])
+    s = tokenize_files([str(src)], str(tmp_path / "out"), tok_model, append_eod=True, workers=workers)
+    tok = load_tokenizer(tok_model)
+    ds = IndexedDataset(tmp_path / "out_text_document")
+    assert ds.dtype == np.uint16
+    assert ds.num_documents == s.documents["text"] == len(docs)
+    assert ds.num_tokens == s.tokens["text"]
+    for d, text in enumerate(docs):
+        ids = ds.document(d).tolist()
+        assert ids == tok.encode(text) + [tok.eod_id]
+        assert tok.decode(ids[:-1]) == tok.decode(tok.encode(text))
+
+
+def test_cli_workers_globs_gz_json_txt_multikey(tmp_path, docs, tok_model):
+    recs = [{"text": d, "title": f"t{i}"} for i, d in enumerate(docs)]
+    write_jsonl(tmp_path / "a.jsonl.gz", recs[:60], gz=True)
+    write_jsonl(tmp_path / "b.jsonl", recs[60:100])
+    (tmp_path / "c.json").write_text(json.dumps(recs[100:]))
+    out = subprocess.run(
+        [*TOKENIZE, "--input", str(tmp_path / "*.jsonl*"), str(tmp_path / "c.json"),
+         "--json-keys", "text", "title", "--output-prefix", str(tmp_path / "o"),
+         "--tokenizer-model", tok_model, "--workers", "2", "--log-interval", "50"],
+        capture_output=True, text=True, check=True,
+    )  # fmt: skip
+    summary = json.loads(out.stdout.strip().splitlines()[-1])
+    assert summary["documents"] == {"text": len(docs), "title": len(docs)}
+    assert "processed 60 documents" in out.stderr  # logged per batch and "docs/s" in out.stderr
+    tok = load_tokenizer(tok_model)
+    titles = IndexedDataset(tmp_path / "o_title_document")
+    texts = IndexedDataset(tmp_path / "o_text_document")
+    for i in (0, 59, 60, 99, 100, len(docs) - 1):  # order kept across files and workers
+        assert titles.document(i).tolist() == tok.encode(f"t{i}")
+        assert texts.document(i).tolist() == tok.encode(docs[i])
+    # txt: one document per line
+    (tmp_path / "d.txt").write_text("first line\n\nthird line\n")
+    s = tokenize_files([str(tmp_path / "d.txt")], str(tmp_path / "t"), tok_model)
+    assert s.documents["text"] == 2 and s.skipped_empty["text"] == 1
+
+
+def test_bad_lines(tmp_path, tok_model):
+    lines = ['{"text": "good one"}', '{"text": broken', '{"other": "x"}', '{"text": 5}',
+             '{"text": ""}', "", '{"text": "good two"}']  # fmt: skip
+    src = tmp_path / "bad.jsonl"
+    src.write_text("\n".join(lines) + "\n")
+    out = str(tmp_path / "o")
+    with pytest.raises(InputError, match=r"bad\.jsonl: line 2: invalid JSON"):
+        tokenize_files([str(src)], out, tok_model)
+    assert not list(tmp_path.glob("o_*"))  # nothing under final (or temporary) names
+    s = tokenize_files([str(src)], out, tok_model, skip_bad_lines=True)
+    assert s.skipped_bad_lines == 3 and s.skipped_empty["text"] == 1
+    assert s.documents["text"] == 2
+    assert "line 3: missing key 'text'" in s.first_errors[1]
+    assert "line 4: key 'text' is int" in s.first_errors[2]
+    # the CLI: one-line error naming file and line, exit 1, no output
+    src.write_text('{"text": "ok"}\n{"other": 1}\n')
+    r = subprocess.run(
+        [*TOKENIZE, "--input", str(src), "--output-prefix", str(tmp_path / "c"),
+         "--tokenizer-model", tok_model],
+        capture_output=True, text=True,
+    )  # fmt: skip
+    assert r.returncode == 1
+    assert r.stderr.strip() == f"error: {src}: line 2: missing key 'text' (has ['other'])"
+    assert not list(tmp_path.glob("c_*"))
+
+
+def test_invalid_utf8_and_missing_input(tmp_path, tok_model):
+    src = tmp_path / "u.jsonl"
+    src.write_bytes(b'{"text": "caf\xe9 ok"}\n{"text": "fine"}\n')
+    s = tokenize_files([str(src)], str(tmp_path / "o"), tok_model)
+    assert s.invalid_utf8 == 1 and s.documents["text"] == 2
+    tok = load_tokenizer(tok_model)
+    assert tok.decode(IndexedDataset(tmp_path / "o_text_document").document(0)) == "caf\ufffd ok"
+    with pytest.raises(InputError, match="no such input file"):
+        tokenize_files([str(tmp_path / "none*.jsonl")], str(tmp_path / "o"), tok_model)
+
+
+def test_interrupt_leaves_no_output(tmp_path, tok_model, monkeypatch):
+    from tapered_megatron.data import preprocess
+
+    src = write_jsonl(tmp_path / "c.jsonl", [{"text": f"doc {i}"} for i in range(5000)])
+    calls = {"n": 0}
+    real = preprocess.encode_batch
+
+    def interrupted(batch):
+        calls["n"] += 1
+        if calls["n"] == 2:
+            raise KeyboardInterrupt
+        return real(batch)
+
+    monkeypatch.setattr(preprocess, "encode_batch", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        tokenize_files([str(src)], str(tmp_path / "o"), tok_model)
+    assert sorted(os.listdir(tmp_path)) == ["c.jsonl"]
+
+
+def test_train_tokenizer_cli(tmp_path, docs):
+    src = write_jsonl(tmp_path / "c.jsonl", [{"text": d} for d in docs[:40]])
+    r = subprocess.run(
+        [sys.executable, str(REPO / "data_tools/train_tokenizer.py"), "--input", str(src),
+         "--vocab-size", "400", "--output", str(tmp_path / "tk"), "--threads", "1",
+         "--model-type", "unigram"],
+        capture_output=True, text=True, check=True,
+    )  # fmt: skip
+    assert json.loads(r.stdout)["vocab_size"] == 400
+    assert load_tokenizer(tmp_path / "tk.model").vocab_size == 400
+    assert (tmp_path / "tk.vocab").read_text().splitlines()[2].startswith("</s>")
+    assert list(iter_texts([str(src)]))[0] == docs[0]

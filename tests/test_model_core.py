@@ -1,0 +1,151 @@
+"""Model library in one process: causality, pipeline form, checkpointing, registry."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tapered_megatron.config import load_config
+from tapered_megatron.models import (
+    ArchitectureError,
+    build_model,
+    lm_loss,
+    pipeline_layer_specs,
+    register_architecture,
+    resolve_architecture,
+    set_activation_checkpointing,
+)
+from tapered_megatron.models.base import ARCHITECTURES
+
+TINY = [
+    "--model.d_model", "64", "--model.layers", "3", "--model.heads", "4", "--model.d_ff", "128",
+    "--model.vocab_size", "256", "--model.seq_len", "24", "--taper.multiple", "8",
+]  # fmt: skip
+MIXERS = {
+    "transformer": ["--model.arch", "transformer"],
+    "gated_elementwise": ["--model.arch", "gated_attention"],
+    "gated_headwise": ["--model.arch", "gated_attention", "--model.gate", "headwise"],
+}
+
+
+def tiny(case: str = "transformer", *extra: str):
+    return load_config("quickstart", TINY + MIXERS[case] + list(extra))
+
+
+@pytest.mark.parametrize("case", sorted(MIXERS))
+def test_causal_in_training_mode(case):
+    cfg = tiny(case)
+    model = build_model(cfg).train()
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, 256, (2, cfg.model.seq_len), generator=g)
+    base = model(ids)
+    for t in (0, 7, cfg.model.seq_len - 2):
+        changed = ids.clone()
+        changed[:, t + 1 :] = torch.randint(0, 256, changed[:, t + 1 :].shape, generator=g)
+        out = model(changed)
+        torch.testing.assert_close(out[:, : t + 1], base[:, : t + 1], atol=0, rtol=0)
+        assert not torch.allclose(out[:, t + 1 :], base[:, t + 1 :])
+
+
+def test_forward_shapes_and_initial_loss():
+    cfg = tiny()
+    model = build_model(cfg)
+    ids = torch.randint(0, 256, (3, 10))
+    assert model(ids).shape == (3, 10, cfg.padded_vocab_size)
+    loss = model(ids, ids)
+    assert abs(loss.item() - torch.log(torch.tensor(256.0)).item()) < 0.2
+
+
+def test_gated_attention_widens_query_projection():
+    base, ew, hw = (
+        build_model(tiny(c)) for c in ("transformer", "gated_elementwise", "gated_headwise")
+    )
+    shape = {n: p.shape for n, p in base.named_parameters()}
+    d, heads = 64, 4
+    for model, g in ((ew, d // heads), (hw, 1)):
+        for name, p in model.named_parameters():
+            if name.endswith("mixer.qkv.weight"):
+                assert p.shape == (heads * (3 * d // heads + g), d)
+            else:
+                assert p.shape == shape[name]
+
+
+@pytest.mark.parametrize("unit", ["layer", "sublayer"])
+def test_pipeline_form_equals_build_model(unit):
+    cfg = tiny("gated_elementwise")
+    model = build_model(cfg)
+    units = [spec.build() for spec in pipeline_layer_specs(cfg, unit=unit)]
+    assert len(units) == cfg.model.layers * (1 if unit == "layer" else 2) + 2
+    full = dict(model.named_parameters())
+    names = {"Embedding": "embedding.", "Head": "head."}
+    for u in units:
+        prefix = names.get(type(u).__name__, f"layers.{getattr(u, 'layer', '')}.")
+        for name, p in u.named_parameters():
+            torch.testing.assert_close(p, full[prefix + name], atol=0, rtol=0)
+    ids = torch.randint(0, 256, (2, 16))
+    x = ids
+    for u in units:
+        x = u(x)
+    torch.testing.assert_close(x, model(ids), atol=1e-6, rtol=0)
+    torch.testing.assert_close(lm_loss(x, ids), model(ids, ids), atol=1e-6, rtol=0)
+
+
+def test_activation_checkpointing_same_gradients():
+    cfg = tiny("gated_elementwise")
+    ids = torch.randint(0, 256, (2, 16))
+    grads = []
+    for on in (False, True):
+        model = set_activation_checkpointing(build_model(cfg), on)
+        model(ids, ids).backward()
+        grads.append({n: p.grad.clone() for n, p in model.named_parameters()})
+    ckpt_cfg = tiny("transformer", "--parallel.activation_checkpointing", "true")
+    assert all(b.activation_checkpointing for b in build_model(ckpt_cfg).layers)
+    for name in grads[0]:
+        torch.testing.assert_close(grads[0][name], grads[1][name], atol=1e-6, rtol=0)
+
+
+def test_loss_mask():
+    cfg = tiny()
+    model = build_model(cfg)
+    ids = torch.randint(0, 256, (2, 8))
+    mask = torch.zeros(2, 8)
+    mask[:, :4] = 1
+    logits = model(ids)
+    per_token = torch.nn.functional.cross_entropy(logits[:, :4].flatten(0, 1), ids[:, :4].flatten())
+    torch.testing.assert_close(lm_loss(logits, (ids, mask)), per_token, atol=1e-5, rtol=0)
+
+
+def test_registry_errors_and_extension():
+    with pytest.raises(ArchitectureError, match="unknown architecture"):
+        resolve_architecture("nope")
+    register_architecture(
+        "_missing",
+        "tapered_megatron.models._no_such_file:Mixer",
+        "tapered_megatron.models.mlp:SwiGLU",
+    )
+    try:
+        with pytest.raises(ArchitectureError, match=r"_no_such_file\.py"):
+            resolve_architecture("_missing")
+    finally:
+        del ARCHITECTURES["_missing"]
+
+
+def test_same_seed_same_weights_other_seed_differs():
+    a, b = build_model(tiny()), build_model(tiny())
+    c = build_model(tiny("transformer", "--train.seed", "99"))
+    for (n, p), q, r in zip(a.named_parameters(), b.parameters(), c.parameters()):
+        torch.testing.assert_close(p, q, atol=0, rtol=0)
+        if n.endswith(("qkv.weight", "w13.weight")):
+            assert not torch.equal(p, r)
+
+
+def test_rope_scores_depend_on_relative_position_only():
+    from tapered_megatron.models.layers import RotaryEmbedding
+
+    rope = RotaryEmbedding(8, 16, 10000.0)
+    q, k = torch.randn(1, 1, 1, 8), torch.randn(1, 1, 1, 8)
+    rq, rk = rope(q.expand(1, 16, 1, 8)), rope(k.expand(1, 16, 1, 8))
+    score = lambda m, n: (rq[0, m, 0] * rk[0, n, 0]).sum()  # noqa: E731
+    torch.testing.assert_close(score(5, 2), score(12, 9))
+    torch.testing.assert_close(rq.norm(dim=-1), q.norm(dim=-1).expand(1, 16, 1))
+    torch.testing.assert_close(rope(q.expand(1, 40, 1, 8))[:, :16], rq)  # tables regrow

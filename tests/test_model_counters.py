@@ -1,0 +1,104 @@
+"""Counters: counted parameters equal the meta-built module; tapering keeps params and FLOPs."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from tapered_megatron.config import PRESET_DIR, load_config
+from tapered_megatron.models import (
+    ArchitectureError,
+    build_model,
+    count_model,
+    resolve_architecture,
+    summary,
+)
+
+PRESETS = sorted(p.stem for p in PRESET_DIR.glob("*.yaml"))
+
+
+def _load(preset: str, *overrides: str):
+    cfg = load_config(preset, list(overrides))
+    try:
+        resolve_architecture(cfg.model.arch)
+    except ArchitectureError as e:
+        pytest.skip(str(e))
+    return cfg
+
+
+@pytest.mark.parametrize("preset", PRESETS)
+def test_counted_params_equal_meta_module(preset):
+    cfg = _load(preset)
+    model = build_model(cfg, device="meta")
+    assert all(p.is_meta for p in model.parameters())
+    counts = count_model(cfg)
+    assert counts.params_total == sum(p.numel() for p in model.parameters())
+    assert counts.embedding.params == model.embedding.embed.weight.numel()
+    for lc, block in zip(counts.layers, model.layers):
+        assert lc.total.params == sum(p.numel() for p in block.parameters())
+        assert lc.d_ff == cfg.taper_plan.widths[lc.layer]
+
+
+def test_counted_params_equal_real_module():
+    for arch in ("transformer", "gated_attention"):
+        cfg = load_config("quickstart", ["--model.arch", arch])
+        assert count_model(cfg).params_total == sum(
+            p.numel() for p in build_model(cfg).parameters()
+        )
+
+
+@pytest.mark.parametrize("preset", PRESETS)
+def test_taper_keeps_params_and_flops_within_plan_deviation(preset):
+    variants = {
+        "tapered": _load(preset),
+        "uniform": _load(preset, "--taper.schedule", "uniform"),
+        "reverse": _load(preset, "--taper.reverse", "true"),
+    }
+    counts = {k: count_model(c) for k, c in variants.items()}
+    uni = counts["uniform"]
+    # MLP parameters and FLOPs are linear in d_ff: the slope per unit of width
+    lc = uni.layers[0]
+    p_slope, f_slope = lc.mlp.params / lc.d_ff, lc.mlp.flops / lc.d_ff
+    dev_u = abs(variants["uniform"].taper_plan.deviation)
+    for name in ("tapered", "reverse"):
+        dev = abs(variants[name].taper_plan.deviation) + dev_u
+        c = counts[name]
+        assert abs(c.params_total - uni.params_total) <= p_slope * dev + 1e-6, name
+        assert abs(c.flops_per_token - uni.flops_per_token) <= f_slope * dev * 1.0001 + 1e-6, name
+    assert counts["tapered"].params_total == counts["reverse"].params_total
+    assert [l.d_ff for l in counts["reverse"].layers] == [l.d_ff for l in counts["tapered"].layers][
+        ::-1
+    ]
+
+
+def test_flops_match_hand_count():
+    cfg = load_config("quickstart", ["--taper.schedule", "uniform"])
+    m, v = cfg.model, cfg.padded_vocab_size
+    per_layer = 2 * (4 * m.d_model**2 + 3 * m.d_model * m.d_ff) + 2 * m.d_model * (m.seq_len + 1)
+    assert count_model(cfg).flops_per_token == pytest.approx(
+        m.layers * per_layer + 2 * m.d_model * v
+    )
+    assert count_model(cfg).train_flops_per_token == pytest.approx(
+        3 * count_model(cfg).flops_per_token
+    )
+
+
+def test_summary_json(capsys):
+    assert summary.main(["--config", "transformer_7b", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    for key in ("params_total", "params_per_layer", "flops_per_token", "d_ff"):
+        assert key in out
+    assert out["params_total"] == out["params_meta"] > 6e9
+    assert len(out["d_ff"]) == len(out["params_per_layer"]) == 32
+    assert summary.main(["--config", "quickstart", "--model.arch", "gated_attention"]) == 0
+    assert "taper: cosine" in capsys.readouterr().out
+    assert summary.main(["--config", "quickstart", "--model.nope", "1"]) == 2
+
+
+def test_meta_build_allocates_nothing():
+    cfg = load_config("transformer_30b")
+    model = build_model(cfg, device="meta")
+    assert not any(t.device.type != "meta" for t in [*model.parameters(), *model.buffers()])
+    assert torch.empty(0).device.type == "cpu"  # the device context did not leak

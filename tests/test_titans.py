@@ -1,0 +1,306 @@
+"""Titans memory: chunk-parallel rule vs a plain token-by-token reference, causality, gradients,
+TP=2 vs TP=1, tapered-vs-uniform budget, training on real text. Helpers here are shared with
+``test_hope.py``."""
+
+from __future__ import annotations
+
+import gzip
+import json
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from dist_utils import run_workers
+
+from tapered_megatron.config import load_config
+from tapered_megatron.models import build_model, count_model, lm_loss
+from tapered_megatron.models.titans import MAX_GRAD_NORM, NeuralMemory, TitansMixer, memory_scan
+from tapered_megatron.parallel import init_parameters
+
+SAMPLE = Path(__file__).resolve().parents[1] / "data" / "sample" / "corpus.jsonl.gz"
+
+
+# --------------------------------------------------------------------------------------------
+# shared helpers
+
+
+def tiny_cfg(arch: str, *overrides: str):
+    """A tiny model (2 layers, d_model 32, 2 heads, seq 32, byte vocabulary) planned for TP=2.
+
+    The plan's rounding unit includes ``parallel.tp = 2`` so the same config (hence the same
+    widths and weights) runs at TP=1 in a single process and at TP=2 in two.
+    """
+    cfg = load_config(
+        "quickstart",
+        [
+            "--model.arch", arch,
+            "--model.d_model", "32",
+            "--model.layers", "2",
+            "--model.heads", "2",
+            "--model.d_ff", "96",
+            "--model.vocab_size", "256",
+            "--model.make_vocab_size_divisible_by", "64",
+            "--model.seq_len", "32",
+            "--model.titans.chunk_size", "4",
+            "--model.titans.window", "8",
+            "--model.titans.conv_size", "3",
+            "--model.hope.periods", "0", "16", "4",
+            "--model.hope.lr", "0.5",
+            "--taper.multiple", "8",
+            "--parallel.tp", "2",
+        ],
+    )  # fmt: skip
+    return cfg.with_overrides(list(overrides)) if overrides else cfg
+
+
+def real_text_bytes(n: int) -> torch.Tensor:
+    """The first ``n`` bytes of real English text from the shipped sample corpus."""
+    out = bytearray()
+    with gzip.open(SAMPLE, "rt", encoding="utf-8") as f:
+        for line in f:
+            out += json.loads(line)["text"].encode("utf-8")
+            if len(out) >= n:
+                break
+    return torch.tensor(list(out[:n]), dtype=torch.int64)
+
+
+def train_losses(cfg, steps: int, batch: int = 8, lr: float = 3e-3) -> list[float]:
+    """AdamW next-byte training of ``build_model(cfg)`` on random windows of real text."""
+    torch.manual_seed(0)
+    model = build_model(cfg)
+    data = real_text_bytes(200_000)
+    seq = cfg.model.seq_len
+    gen = torch.Generator().manual_seed(0)
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
+    losses = []
+    for _ in range(steps):
+        starts = torch.randint(0, len(data) - seq - 1, (batch,), generator=gen)
+        x = torch.stack([data[s : s + seq + 1] for s in starts])
+        loss = lm_loss(model(x[:, :-1]), x[:, 1:])
+        opt.zero_grad()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        losses.append(loss.item())
+    return losses
+
+
+def assert_causal(model, vocab: int, seq: int, cut_points: list[int]) -> None:
+    """Changing tokens after ``t`` leaves every output at ``<= t`` unchanged."""
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, vocab, (2, seq), generator=g)
+    with torch.no_grad():
+        base = model(ids)
+        for t in cut_points:
+            other = ids.clone()
+            other[:, t + 1 :] = torch.randint(0, vocab, (2, seq - t - 1), generator=g)
+            out = model(other)
+            torch.testing.assert_close(out[:, : t + 1], base[:, : t + 1], rtol=0, atol=1e-6)
+            assert not torch.allclose(out[:, t + 1 :], base[:, t + 1 :])
+
+
+def tp_run(arch_overrides: dict[str, list[str]], rank: int, world: int) -> dict:
+    """Worker body: build each config at TP=world, return numpy logits and full gradients."""
+    import torch.distributed as dist
+
+    from tapered_megatron.parallel import (
+        gather_from_tp_region,
+        get_tensor_model_parallel_world_size,
+        init_model_parallel,
+        unshard,
+    )
+
+    if dist.is_initialized():
+        init_model_parallel(tp=world, pp=1)
+    tp = get_tensor_model_parallel_world_size()
+    out = {}
+    for key, (arch, *ov) in arch_overrides.items():
+        cfg = tiny_cfg(arch, *ov)
+        model = build_model(cfg)
+        ids = torch.randint(0, 256, (2, cfg.model.seq_len + 1), generator=torch.Generator())
+        ids = torch.randint(0, 256, ids.shape, generator=torch.Generator().manual_seed(7))
+        logits = model(ids[:, :-1])
+        lm_loss(logits, ids[:, 1:]).backward()
+        res = {"logits": gather_from_tp_region(logits).detach().numpy()}
+        for name, p in model.named_parameters():
+            grad, layout = p.grad.detach(), getattr(p, "tp_layout", None)
+            if tp > 1 and layout is not None:
+                pieces = [torch.empty_like(grad) for _ in range(tp)]
+                dist.all_gather(pieces, grad.contiguous())
+                grad = unshard(pieces, layout)
+            res[name] = grad.numpy().copy()
+        out[key] = res
+    return out
+
+
+def assert_tp_equal(cases: dict[str, list[str]]) -> None:
+    """TP=2 (two real processes) vs TP=1 (this process): logits and all gradients within 1e-5."""
+    ref = tp_run(cases, 0, 1)
+    got = run_workers(_tp_worker, 2, cases)
+    for rank_result in got:
+        for key, res in ref.items():
+            for name, value in res.items():
+                torch.testing.assert_close(
+                    torch.from_numpy(rank_result[key][name]),
+                    torch.from_numpy(value),
+                    rtol=1e-5,
+                    atol=1e-5,
+                    msg=lambda m, k=key, n=name: f"{k} {n}: {m}",
+                )
+
+
+def _tp_worker(rank: int, world: int, cases: dict) -> dict:
+    return tp_run(cases, rank, world)
+
+
+# --------------------------------------------------------------------------------------------
+# the memory rule
+
+
+def _mlp(weights: list[torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+    for i, w in enumerate(weights):
+        x = torch.einsum("bhoi,bhi->bho", w, x)
+        if i < len(weights) - 1:
+            x = F.silu(x)
+    return x
+
+
+def token_by_token(q, k, v, theta, eta, alpha, weights, chunk: int = 1) -> torch.Tensor:
+    """The Titans rule written plainly, one token at a time, gradients by autograd (each
+    token's gradient clipped to Frobenius norm ``MAX_GRAD_NORM``, as the rule says).
+
+    ``chunk > 1``: gradients w.r.t. the weights at the start of each chunk of ``chunk`` tokens
+    (the rule the chunk-parallel form implements), everything else per token.
+    """
+    bsz = q.shape[0]
+    m = [w.unsqueeze(0).expand(bsz, -1, -1, -1).clone() for w in weights]
+    s = [torch.zeros_like(w) for w in m]
+    m_start, ys = m, []
+    for t in range(q.shape[2]):
+        if t % chunk == 0:
+            m_start = [w.detach() for w in m]
+        wg = [w.clone().requires_grad_() for w in m_start]
+        loss = (_mlp(wg, k[:, :, t]) - v[:, :, t]).pow(2).sum()
+        grads = torch.autograd.grad(loss, wg)
+        norm = torch.sqrt(sum(g.pow(2).sum((-1, -2)) for g in grads))[..., None, None]
+        grads = [g * torch.clamp(MAX_GRAD_NORM / norm, max=1.0) for g in grads]
+        s = [
+            eta[:, :, t, None, None] * sl - theta[:, :, t, None, None] * g
+            for sl, g in zip(s, grads)
+        ]
+        m = [(1 - alpha[:, :, t, None, None]) * w + sl for w, sl in zip(m, s)]
+        ys.append(_mlp(m, q[:, :, t]))
+    return torch.stack(ys, dim=2)
+
+
+def _memory_inputs(seq: int = 24, depth: int = 3):
+    """q, k, v, gates and initial weights from a real NeuralMemory (its init, its gates)."""
+    cfg = tiny_cfg("titans", "--model.titans.memory_depth", str(depth))
+    torch.manual_seed(0)
+    mem = NeuralMemory(cfg)
+    init_parameters(mem, 0)
+    x = torch.randn(2, seq, cfg.model.d_model)
+    h, d = mem.local_heads, mem.dims.head_dim
+    from tapered_megatron.models.titans import causal_depthwise_conv
+
+    with torch.no_grad():
+        qkv = F.silu(causal_depthwise_conv(mem.qkv(x), mem.conv))
+        q, k, v = qkv.view(2, seq, 3, h, d).permute(2, 0, 3, 1, 4)
+        q, k = F.normalize(q, dim=-1), F.normalize(k, dim=-1)
+        theta, eta, alpha = mem.gate_values(x)
+    return q, k, v, theta, eta, alpha, [w.detach() for w in mem.memory]
+
+
+@pytest.mark.parametrize("depth", [2, 3])
+def test_chunk_size_one_equals_token_by_token(depth):
+    args = _memory_inputs(depth=depth)
+    ref = token_by_token(*args)
+    got = memory_scan(*args, chunk_size=1)
+    torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
+
+
+def test_chunked_rule_and_its_approximation_error():
+    """Chunk b: equals the plain rule with chunk-start gradients; the gap to b = 1 is reported."""
+    q, k, v, theta, eta, alpha, w = _memory_inputs(seq=32)
+    # sharper gates than the init so the approximation is visible
+    theta = theta.clamp_min(0.3)
+    exact = token_by_token(q, k, v, theta, eta, alpha, w)
+    report = {}
+    for b in (2, 4, 8, 16, 32):
+        got = memory_scan(q, k, v, theta, eta, alpha, w, chunk_size=b)
+        ref = token_by_token(q, k, v, theta, eta, alpha, w, chunk=b)
+        torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
+        report[b] = ((got - exact).norm() / exact.norm()).item()
+        assert report[b] < 1.0
+    print("relative read-out difference, chunked vs token-by-token:", report)
+    assert report[2] > 0
+
+
+def test_sequence_not_multiple_of_chunk():
+    args = _memory_inputs(seq=23)
+    torch.testing.assert_close(
+        memory_scan(*args, chunk_size=5), token_by_token(*args, chunk=5), rtol=1e-5, atol=1e-5
+    )
+
+
+# --------------------------------------------------------------------------------------------
+# the model
+
+
+@pytest.mark.parametrize("variant", ["mag", "mal", "lmm"])
+def test_causal_across_chunk_boundaries(variant):
+    cfg = tiny_cfg("titans", "--model.titans.variant", variant)
+    torch.manual_seed(0)
+    model = build_model(cfg).train()
+    # chunk 4, window 8: cut points on, before and after chunk and window boundaries
+    assert_causal(model, 256, 32, [0, 3, 4, 7, 8, 12, 17, 30])
+
+
+def test_gradients_reach_gates_and_memory():
+    cfg = tiny_cfg("titans")
+    model = build_model(cfg)
+    ids = torch.randint(0, 256, (2, 33), generator=torch.Generator().manual_seed(0))
+    lm_loss(model(ids[:, :-1]), ids[:, 1:]).backward()
+    mixer = model.layers[0].mixer
+    assert isinstance(mixer, TitansMixer)
+    mem = mixer.memory
+    heads = cfg.model.heads
+    gw = mem.gates.weight.grad.view(3, heads, -1)
+    gb = mem.gate_bias.grad.view(3, heads)
+    for i, name in enumerate(("theta", "eta", "alpha")):
+        assert gw[i].abs().sum() > 0, f"no gradient reaches the {name} projection"
+        assert gb[i].abs().sum() > 0, f"no gradient reaches the {name} bias"
+    for p in (*mem.memory, mem.conv, mem.qkv.weight, mixer.attn_qkv.weight):
+        assert p.grad is not None and p.grad.abs().sum() > 0
+
+
+def test_tapered_and_uniform_budgets_match():
+    for arch in ("titans", "hope_attention"):
+        base = ["--model.arch", arch, "--model.layers", "8", "--model.d_ff", "688"]
+        tapered = load_config("quickstart", [*base, "--taper.schedule", "cosine"])
+        uniform = load_config("quickstart", [*base, "--taper.schedule", "uniform"])
+        dev = tapered.taper_plan.deviation - uniform.taper_plan.deviation
+        diff = count_model(tapered).params_total - count_model(uniform).params_total
+        assert diff == 3 * tapered.model.d_model * dev
+        meta = build_model(tapered, device="meta")
+        assert sum(p.numel() for p in meta.parameters()) == count_model(tapered).params_total
+
+
+@pytest.mark.distributed
+def test_tp2_equals_tp1():
+    assert_tp_equal(
+        {
+            "mag": ["titans"],
+            "mal": ["titans", "--model.titans.variant", "mal"],
+            "lmm": ["titans", "--model.titans.variant", "lmm"],
+        }
+    )
+
+
+def test_loss_decreases_on_real_text():
+    cfg = tiny_cfg("titans", "--model.d_model", "64", "--model.d_ff", "160")
+    losses = train_losses(cfg, steps=40)
+    first, last = sum(losses[:5]) / 5, sum(losses[-5:]) / 5
+    print(f"titans loss {first:.3f} -> {last:.3f}")
+    assert last < first - 0.5

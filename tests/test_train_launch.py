@@ -1,0 +1,226 @@
+"""pretrain/main.py in real processes: layouts agree, resume is exact, every launcher works.
+
+Every run trains the same tiny tapered model on the same synthetic corpus with the same seed and
+global batch (8 samples); only the layout changes. Runs use 20 iterations of schedule and data
+and stop at 10 (``train.exit_interval``), so the 10-step curves compare directly with the first
+half of the 20-step reference, and the same reference checks exact resume.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from dist_utils import free_port
+
+ROOT = Path(__file__).resolve().parents[1]
+MAIN = str(ROOT / "pretrain" / "main.py")
+pytestmark = pytest.mark.distributed
+
+TINY = [
+    "--model.d_model", "32", "--model.heads", "2", "--model.layers", "2", "--model.d_ff", "64",
+    "--model.seq_len", "16", "--model.vocab_size", "256", "--taper.multiple", "16",
+    "--train.micro_batch_size", "4", "--train.global_batch_size", "8", "--train.iters", "20",
+    "--train.warmup_iters", "3", "--train.lr", "1e-2", "--train.min_lr", "1e-3",
+    "--eval.interval", "10", "--eval.iters", "1", "--logging.interval", "5",
+]  # fmt: skip
+RTOL = 1e-4
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory) -> str:
+    """A small learnable token corpus (arithmetic runs) as a Megatron .bin/.idx pair."""
+    from tapered_megatron.data import write_indexed_dataset
+
+    rng = np.random.default_rng(0)
+    docs = []
+    for _ in range(300):
+        start, step, n = rng.integers(0, 255), rng.integers(1, 4), rng.integers(12, 48)
+        docs.append(((start + step * np.arange(n)) % 255).astype(np.uint16).tolist() + [255])
+    prefix = str(tmp_path_factory.mktemp("corpus") / "tiny_text_document")
+    write_indexed_dataset(prefix, docs)
+    return prefix
+
+
+def _env() -> dict[str, str]:
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    env.pop("WORLD_SIZE", None)
+    return env
+
+
+def _common(corpus: str, out: Path, ds: str, extra: list[str]) -> list[str]:
+    return [
+        "--ds_config", str(ROOT / "ds_configs" / ds), *TINY,
+        "--data.path", corpus, "--data.cache_dir", str(out / "cache"),
+        "--train.save_dir", str(out / "ckpt"), "--logging.metrics_file", str(out / "metrics.jsonl"),
+        *extra,
+    ]  # fmt: skip
+
+
+def _check(procs: list[subprocess.Popen], out: Path, timeout: float) -> None:
+    deadline = time.time() + timeout
+    logs = []
+    for p in procs:
+        try:
+            stdout, _ = p.communicate(timeout=max(1.0, deadline - time.time()))
+        except subprocess.TimeoutExpired:
+            for q in procs:
+                q.kill()
+            raise
+        logs.append(stdout)
+    (out / "log.txt").write_text("\n".join(logs))
+    bad = [i for i, p in enumerate(procs) if p.returncode != 0]
+    assert not bad, f"ranks {bad} failed:\n{logs[bad[0]][-4000:]}"
+
+
+def launch_ranks(n: int, corpus: str, out: Path, ds: str, extra: list[str], timeout=240) -> None:
+    """Start ``n`` ranks the way DeepSpeed's launcher does (RANK/LOCAL_RANK/WORLD_SIZE env)."""
+    port = str(free_port())
+    procs = []
+    for r in range(n):
+        env = dict(_env(), RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE=str(n))
+        env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
+        cmd = [sys.executable, "-u", MAIN, f"--local_rank={r}", *_common(corpus, out, ds, extra)]
+        procs.append(_popen(cmd, env))
+    _check(procs, out, timeout)
+
+
+def _popen(cmd: list[str], env: dict[str, str]) -> subprocess.Popen:
+    return subprocess.Popen(
+        cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
+
+
+def metrics(out: Path) -> list[dict]:
+    """Per-iteration records written by rank 0 (several runs append)."""
+    return [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def losses(out: Path) -> list[float]:
+    return [r["loss"] for r in metrics(out)]
+
+
+def assert_close(a: list[float], b: list[float], rtol: float = RTOL) -> None:
+    assert len(a) == len(b), (a, b)
+    np.testing.assert_allclose(a, b, rtol=rtol, atol=0)
+
+
+@pytest.fixture(scope="module")
+def reference(corpus, tmp_path_factory) -> list[dict]:
+    """One process, 20 straight iterations (ZeRO-0)."""
+    out = tmp_path_factory.mktemp("ref")
+    launch_ranks(1, corpus, out, "zero0.json", [])
+    recs = metrics(out)
+    assert [r["iteration"] for r in recs] == list(range(1, 21))
+    assert recs[-1]["loss"] < recs[0]["loss"] - 0.2, "the tiny model should learn"
+    assert (out / "ckpt" / "latest").read_text() == "global_step20"
+    assert (out / "ckpt" / "tensorboard").is_dir()
+    return recs
+
+
+LAYOUTS = {
+    "dp2-zero1": (2, "zero1.json", []),
+    "dp2-zero2": (2, "zero2.json", []),
+    "dp2-zero3": (2, "zero3.json", []),
+    "tp2": (2, "zero1.json", ["--parallel.tp", "2"]),
+    "pp2": (2, "pipeline.json", ["--parallel.pp", "2"]),
+}
+SLOW_LAYOUTS = {
+    "pp2-dp2": (4, "pipeline.json", ["--parallel.pp", "2"]),
+    "tp2-pp2": (4, "pipeline.json", ["--parallel.pp", "2", "--parallel.tp", "2"]),
+    "tp2-dp2-zero2": (4, "zero2.json", ["--parallel.tp", "2"]),
+    "pp2-sublayer": (2, "pipeline.json", ["--parallel.pp", "2", "--parallel.pipeline_unit",
+                                           "sublayer"]),
+    "dp2-accum2": (2, "zero1.json", ["--train.micro_batch_size", "2"]),
+}  # fmt: skip
+
+
+def _layout_case(name, spec, corpus, reference, tmp_path):
+    n, ds, extra = spec
+    launch_ranks(n, corpus, tmp_path, ds, [*extra, "--train.exit_interval", "10"])
+    recs = metrics(tmp_path)
+    assert_close([r["loss"] for r in recs], [r["loss"] for r in reference[:10]])
+    assert_close([r["val_loss"] for r in recs if "val_loss" in r], [reference[9]["val_loss"]])
+    log = (tmp_path / "log.txt").read_text()
+    assert "layout: world" in log, log[-2000:]
+
+
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_layout_matches_single_process(name, corpus, reference, tmp_path):
+    _layout_case(name, LAYOUTS[name], corpus, reference, tmp_path)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(SLOW_LAYOUTS))
+def test_layout_matches_single_process_4proc(name, corpus, reference, tmp_path):
+    _layout_case(name, SLOW_LAYOUTS[name], corpus, reference, tmp_path)
+
+
+def test_resume_is_bitwise_single_process(corpus, reference, tmp_path):
+    launch_ranks(1, corpus, tmp_path, "zero0.json", ["--train.exit_interval", "10"])
+    assert (tmp_path / "ckpt" / "latest").read_text() == "global_step10"
+    launch_ranks(1, corpus, tmp_path, "zero0.json", ["--resume", "auto"])
+    got = metrics(tmp_path)
+    assert [r["iteration"] for r in got] == list(range(1, 21))
+    assert [r["loss"] for r in got] == [r["loss"] for r in reference]  # bitwise
+    assert [r["lr"] for r in got] == [r["lr"] for r in reference]
+    assert [r["val_loss"] for r in got if "val_loss" in r] == [
+        r["val_loss"] for r in reference if "val_loss" in r
+    ]
+    assert "resumed from" in (tmp_path / "log.txt").read_text()
+
+
+@pytest.mark.parametrize(
+    "layout",
+    ["dp2-zero2", pytest.param("pp2", marks=pytest.mark.slow)],
+)
+def test_resume_multi_process(layout, corpus, reference, tmp_path):
+    n, ds, extra = LAYOUTS[layout]
+    launch_ranks(n, corpus, tmp_path, ds, [*extra, "--train.exit_interval", "10"])
+    launch_ranks(n, corpus, tmp_path, ds, [*extra, "--resume", "auto"])
+    assert_close(losses(tmp_path), [r["loss"] for r in reference], rtol=1e-6)
+
+
+def test_mpirun_matches_single_process(corpus, reference, tmp_path):
+    mpirun = shutil.which("mpirun")
+    if mpirun is None:
+        pytest.skip("mpirun not installed")
+    env = dict(_env(), MASTER_PORT=str(free_port()))
+    cmd = [
+        mpirun, "--allow-run-as-root", "--oversubscribe", "-np", "2", "-x", "MASTER_PORT",
+        "-x", "OMP_NUM_THREADS", sys.executable, MAIN,
+        *_common(corpus, tmp_path, "zero1.json", ["--train.exit_interval", "10"]),
+    ]  # fmt: skip
+    _check([_popen(cmd, env)], tmp_path, 240)
+    assert "layout: world 2 = dp 2" in (tmp_path / "log.txt").read_text()
+    assert_close(losses(tmp_path), [r["loss"] for r in reference[:10]])
+
+
+def test_two_node_launch_matches_single_process(corpus, reference, tmp_path):
+    """Two DeepSpeed launcher invocations (node_rank 0 and 1, one slot each) on 127.0.0.1."""
+    hostfile = tmp_path / "hostfile"
+    hostfile.write_text("node0 slots=1\nnode1 slots=1\n")
+    port = str(free_port())
+    procs = [
+        _popen(
+            [
+                sys.executable, "-m", "deepspeed.launcher.runner", "--hostfile", str(hostfile),
+                "--no_ssh", "--node_rank", str(node), "--master_addr", "127.0.0.1",
+                "--master_port", port, MAIN,
+                *_common(corpus, tmp_path, "zero1.json", ["--train.exit_interval", "10"]),
+            ],  # fmt: skip
+            _env(),
+        )
+        for node in (0, 1)
+    ]
+    _check(procs, tmp_path, 300)
+    assert "layout: world 2 = dp 2" in (tmp_path / "log.txt").read_text()
+    assert_close(losses(tmp_path), [r["loss"] for r in reference[:10]])
