@@ -29,6 +29,9 @@ setup(
         "console_scripts": [
             "tm-taper=tapered_megatron.taper:main",
             "tm-config=tapered_megatron.config:main",
+            "tm-train-tokenizer=tapered_megatron.data.cli:train_tokenizer_main",
+            "tm-tokenize=tapered_megatron.data.cli:tokenize_main",
+            "tm-inspect-data=tapered_megatron.data.cli:inspect_main",
         ]
     },
 )

@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Inspect an MMIDIDX dataset: validate, count, histogram lengths, decode documents.
 
-    python data_tools/inspect_dataset.py data/corpus_text_document --tokenizer-model tok.model --doc 0
+python data_tools/inspect_dataset.py data/corpus_text_document --tokenizer-model tok.model --doc 0
 """
 
 import os

@@ -162,12 +162,14 @@ class _Run:
         }
         self.engine, _, _, _ = deepspeed.initialize(model=self.module, optimizer=opt, config=ds)
         self.busy = 0.0
+        self.instr: list[float] = []  # this step's forward/backward durations, in order
         imap = dict(self.engine._INSTRUCTION_MAP)
         for kind in (schedule.ForwardPass, schedule.BackwardPass):
             imap[kind] = self._timed(imap[kind])
         self.engine._INSTRUCTION_MAP = imap  # instance attribute: shadows the class table
         self.walls: list[float] = []
         self.busys: list[float] = []
+        self.instrs: list[list[float]] = []
         self.losses: list[float] = []
 
     def _timed(self, fn):
@@ -175,7 +177,9 @@ class _Run:
         def wrapper(engine, *a, **k):
             t0 = time.thread_time()
             fn(engine, *a, **k)
-            self.busy += time.thread_time() - t0
+            dt = time.thread_time() - t0
+            self.busy += dt
+            self.instr.append(dt)
 
         return wrapper
 
@@ -183,11 +187,13 @@ class _Run:
         import torch
 
         self.busy = 0.0
+        self.instr = []
         torch.distributed.barrier()
         t0 = time.perf_counter()
         loss = self.engine.train_batch(iter(batches))
         self.walls.append(time.perf_counter() - t0)
         self.busys.append(self.busy)
+        self.instrs.append(self.instr)
         self.losses.append(float(loss))
 
 
@@ -203,7 +209,60 @@ def _measure_worker(rank: int, world: int, steps: int, runs: list) -> list[dict]
         # interleaved, rotating order: every split sees the same background load
         for k in range(len(engines)):
             engines[(i + k) % len(engines)].step(step_batches)
-    return [{"wall": e.walls, "busy": e.busys, "losses": e.losses} for e in engines]
+    return [
+        {"wall": e.walls, "busy": e.busys, "instr": e.instrs, "losses": e.losses} for e in engines
+    ]
+
+
+def critical_path(instr: list[list[float]], micro_batches: int) -> float:
+    """1F1B makespan of one step rebuilt from each stage's measured forward/backward durations
+    (``instr[s]`` in the order the stage executed them) and DeepSpeed's own TrainSchedule:
+    forward k on stage s waits for forward k on stage s-1, backward k for backward k on s+1.
+    Communication and optimizer time are left out: this is the compute critical path."""
+    from deepspeed.runtime.pipe import schedule
+
+    p = len(instr)
+    order = []
+    for s in range(p):
+        cmds = [c for step in schedule.TrainSchedule(micro_batches, p, s).steps() for c in step]
+        kinds = [
+            type(c).__name__
+            for c in cmds
+            if isinstance(c, (schedule.ForwardPass, schedule.BackwardPass))
+        ]
+        order.append(kinds)
+    end_f = [[0.0] * micro_batches for _ in range(p)]
+    end_b = [[0.0] * micro_batches for _ in range(p)]
+    pos = [0] * p  # next instruction of each stage
+    clock = [0.0] * p
+    nf, nb = [0] * p, [0] * p
+    done = 0
+    total = sum(len(o) for o in order)
+    while done < total:
+        progressed = False
+        for s in range(p):
+            if pos[s] == len(order[s]):
+                continue
+            kind, dur = order[s][pos[s]], instr[s][pos[s]]
+            if kind == "ForwardPass":
+                k = nf[s]
+                if s > 0 and nf[s - 1] <= k:
+                    continue
+                start = max(clock[s], end_f[s - 1][k] if s > 0 else 0.0)
+                end_f[s][k] = clock[s] = start + dur
+                nf[s] += 1
+            else:
+                k = nb[s]
+                if s < p - 1 and nb[s + 1] <= k:
+                    continue
+                start = max(clock[s], end_b[s + 1][k] if s < p - 1 else 0.0)
+                end_b[s][k] = clock[s] = start + dur
+                nb[s] += 1
+            pos[s] += 1
+            done += 1
+            progressed = True
+        assert progressed, "schedule deadlock"
+    return max(clock)
 
 
 def measure(steps: int) -> list[dict]:
@@ -219,7 +278,7 @@ def measure(steps: int) -> list[dict]:
         prof = analyse(cfg, 2, MICRO_BATCHES, unit=unit, device="cpu", profiled=True, zero_stage=0)
         ana = analyse(cfg, 2, MICRO_BATCHES, unit=unit, device="cpu", zero_stage=0)
         models[unit] = (prof, ana)
-        for m in (("balancer", "uniform", "parameters") if unit == "layer" else ("balancer",)):
+        for m in ("balancer", "uniform", "parameters") if unit == "layer" else ("balancer",):
             runs.append((unit, m, list(prof.methods[m].parts)))
     per_rank = _spawn(_measure_worker, 2, steps, runs)
     warm = 1  # the first step allocates and warms up
@@ -228,13 +287,20 @@ def measure(steps: int) -> list[dict]:
         r0, r1 = per_rank[0][i], per_rank[1][i]
         prof, ana = models[unit]
         wall = statistics.median([max(a, b) for a, b in zip(r0["wall"], r1["wall"])][warm:])
+        crit = statistics.median(
+            critical_path([r0["instr"][i], r1["instr"][i]], MICRO_BATCHES)
+            for i in range(warm, len(r0["instr"]))
+        )
         busy = [statistics.median(r["busy"][warm:]) for r in (r0, r1)]
-        ev = [evaluate(method, parts, x.costs, MICRO_BATCHES, x.cap, x.overhead) for x in (prof, ana)]
+        ev = [
+            evaluate(method, parts, x.costs, MICRO_BATCHES, x.cap, x.overhead) for x in (prof, ana)
+        ]
         pred_p = [MICRO_BATCHES * t for t in ev[0].stage_times]  # M micro-batches per step
         pred_a = [MICRO_BATCHES * t for t in ev[1].stage_times]
         row = {
             "bench": "balance_measure", "unit": unit, "method": method, "parts": parts,
-            "step_s": round(wall, 4), "busy_s": [round(x, 4) for x in busy],
+            "step_s": round(wall, 4), "critical_path_s": round(crit, 4),
+            "busy_s": [round(x, 4) for x in busy],
             "pred_profiled_s": [round(x, 4) for x in pred_p],
             "pred_analytic_s": [round(x, 4) for x in pred_a],
             "err_profiled": [round(p / m - 1, 4) for p, m in zip(pred_p, busy)],
@@ -255,6 +321,13 @@ def measure(steps: int) -> list[dict]:
         "speedup_vs_parameters": round(
             by_key[("layer", "parameters")]["step_s"] / ours["step_s"], 4),
         "sublayer_speedup_vs_layer": round(ours["step_s"] / sub["step_s"], 4),
+        # the same ratios on the compute critical path rebuilt from measured instruction times
+        "crit_speedup_vs_uniform": round(
+            by_key[("layer", "uniform")]["critical_path_s"] / ours["critical_path_s"], 4),
+        "crit_speedup_vs_parameters": round(
+            by_key[("layer", "parameters")]["critical_path_s"] / ours["critical_path_s"], 4),
+        "crit_sublayer_speedup_vs_layer": round(
+            ours["critical_path_s"] / sub["critical_path_s"], 4),
         "sublayer_max_loss_diff": max(abs(a - b) for a, b in zip(sub["losses"], ours["losses"])),
         "sublayer_first_loss_equal": sub["losses"][0] == ours["losses"][0],
         # float-noise floor: two whole-layer splits of the same model differ this much too
@@ -279,38 +352,74 @@ def _rss() -> tuple[float, float]:
     return vals["VmRSS"], vals["VmHWM"]
 
 
+def _warm_up(cfg) -> None:
+    """Touch the kernels and libraries a training step uses (one block + head + AdamW at batch
+    1), so the measured growth is the job's memory, not one-time library pages."""
+    import torch
+
+    from tapered_megatron.models import lm_loss, pipeline_layer_specs
+
+    specs = pipeline_layer_specs(cfg, unit="layer")
+    mods = torch.nn.Sequential(specs[1].build(), specs[-1].build())
+    opt = torch.optim.AdamW(mods.parameters(), lr=1e-3)
+    ids = torch.randint(0, cfg.model.vocab_size, (1, cfg.model.seq_len))
+    x = torch.randn(1, cfg.model.seq_len, cfg.model.d_model, requires_grad=True)
+    lm_loss(mods(x), ids).backward()
+    opt.step()
+    torch.distributed.barrier()
+    del mods, opt, x
+    gc.collect()
+
+
 def _memory_worker(rank: int, world: int, unit: str, steps: int) -> dict:
     import deepspeed
 
     from tapered_megatron.config import load_config
-    from tapered_megatron.pipeline.balance import analyse
+    from tapered_megatron.pipeline.balance import analyse, evaluate
 
     deepspeed.init_distributed(dist_backend="gloo")
     cfg = load_config("quickstart", MODEL)
     res = analyse(cfg, 2, MICRO_BATCHES, unit=unit, device="cpu", zero_stage=0)
+    prof = analyse(cfg, 2, MICRO_BATCHES, unit=unit, device="cpu", zero_stage=0, profiled=True)
+    parts = res.methods["balancer"].parts
+    pred_p = evaluate("balancer", parts, prof.costs, MICRO_BATCHES, prof.cap, prof.overhead)
     batches = _batches(cfg, steps)
-    gc.collect()
+    _warm_up(cfg)
     rss0, _ = _rss()
     with open("/proc/self/clear_refs", "w") as f:  # reset the peak-RSS watermark (VmHWM)
         f.write("5")
-    run = _Run(cfg, unit, res.methods["balancer"].parts, zero=0)
+    run = _Run(cfg, unit, parts, zero=0)
     for b in batches:
         run.step(b)
     _, peak = _rss()
     return {"peak_growth": peak - rss0, "pred": res.methods["balancer"].stage_mem[rank],
-            "parts": list(res.methods["balancer"].parts)}  # fmt: skip
+            "pred_profiled": pred_p.stage_mem[rank], "parts": list(parts)}  # fmt: skip
 
 
 def memory(steps: int) -> list[dict]:
+    import torch
+
+    from tapered_megatron.config import load_config
+    from tapered_megatron.pipeline.balance import analyse
+
+    # Freed tensors must go back to the OS, or RSS measures glibc's heap, not the job.
+    os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", "65536")
+    os.environ.setdefault("MALLOC_TRIM_THRESHOLD_", "0")
+    torch.set_num_threads(1)
+    cfg = load_config("quickstart", MODEL)
     rows = []
     for unit in ("layer", "sublayer"):
+        analyse(cfg, 2, MICRO_BATCHES, unit=unit, device="cpu", profiled=True)  # fill the cache
         per_rank = _spawn(_memory_worker, 2, unit, steps)
         row = {
             "bench": "plan_memory", "unit": unit, "zero": 0, "precision": "fp32",
+            "micro_batch": MICRO_BATCH, "micro_batches": MICRO_BATCHES,
             "parts": per_rank[0]["parts"],
             "measured_mib": [round(r["peak_growth"] / 2**20, 1) for r in per_rank],
             "predicted_mib": [round(r["pred"] / 2**20, 1) for r in per_rank],
+            "predicted_profiled_mib": [round(r["pred_profiled"] / 2**20, 1) for r in per_rank],
             "err": [round(r["pred"] / r["peak_growth"] - 1, 4) for r in per_rank],
+            "err_profiled": [round(r["pred_profiled"] / r["peak_growth"] - 1, 4) for r in per_rank],
             **stamp(),
         }  # fmt: skip
         rows.append(row)

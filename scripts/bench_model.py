@@ -1,13 +1,16 @@
 """Training-step throughput of our models against Hugging Face's LlamaForCausalLM, side by side.
 
-    python scripts/bench_model.py [--rounds 5] [--steps 3] [--threads 2] [--compile]
+    python scripts/bench_model.py [--rounds 10] [--threads 2] [--compile]
 
 Shapes (issue 3): d_model 256, 8 layers, 4 heads, SwiGLU width 688, vocab 8192, sequence 256,
-batch 8; fp32, one process, ``--threads`` threads; a step is forward + backward + AdamW. Variants
-run interleaved, round by round, so load from other processes on a shared machine hits them all
-alike; the median round counts. MFU uses the model FLOPs of ``count_model`` (attention over the
-mean causal context) against the best fp32 matmul rate measured on the same machine in the same
-run. Needs ``transformers`` (benchmark-only extra). Prints one JSON line.
+batch 8; fp32, one process, ``--threads`` threads; a step is forward + backward + AdamW (torch's
+fused kernel for every variant). Variants run interleaved, one step each per round in rotating
+order, so load from other processes on a shared machine hits them all alike. Throughput is
+``tokens x threads / median CPU-seconds per step`` (CPU time of this process: what the threads
+deliver while they run, far less disturbed by other processes than wall time, which is reported
+too). MFU uses the model FLOPs of ``count_model`` (attention over the mean causal context)
+against the best fp32 matmul rate measured the same way on the same machine in the same run.
+Needs ``transformers`` (benchmark-only extra). Prints one JSON line.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import os
 import platform
 import statistics
 import time
@@ -32,18 +36,24 @@ SHAPE = [
 BATCH, SEQ, VOCAB = 8, 256, 8192
 
 
-def matmul_peak(seconds: float = 1.0) -> float:
-    """Best fp32 matmul FLOP/s over a few square and model-shaped products."""
-    best = 0.0
+def matmul_peak(threads: int, seconds: float = 1.0) -> tuple[float, float]:
+    """Best fp32 matmul FLOP/s over square and model-shaped products: (wall-clock, CPU-time).
+
+    The CPU-time rate is FLOPs per CPU-second of this process times ``threads``: what the
+    threads deliver while they actually run, which other processes' load disturbs far less.
+    """
+    best_wall = best_cpu = 0.0
     for m, k, n in ((2048, 2048, 2048), (1024, 1024, 1024), (BATCH * SEQ, 256, 1376)):
         a, b = torch.randn(m, k), torch.randn(k, n)
         torch.mm(a, b)
-        reps, t0 = 0, time.perf_counter()
+        reps, t0, c0 = 0, time.perf_counter(), time.process_time()
         while time.perf_counter() - t0 < seconds / 3:
             torch.mm(a, b)
             reps += 1
-        best = max(best, 2 * m * k * n * reps / (time.perf_counter() - t0))
-    return best
+        flop = 2 * m * k * n * reps
+        best_wall = max(best_wall, flop / (time.perf_counter() - t0))
+        best_cpu = max(best_cpu, flop * threads / (time.process_time() - c0))
+    return best_wall, best_cpu
 
 
 def ours(overrides: list[str], compile_: bool):
@@ -81,8 +91,7 @@ def hf_llama():
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--rounds", type=int, default=5)
-    ap.add_argument("--steps", type=int, default=3, help="timed steps per variant per round")
+    ap.add_argument("--rounds", type=int, default=10, help="timed steps per variant")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--compile", action="store_true", help="also time torch.compile'd ours")
     a = ap.parse_args(argv)
@@ -119,19 +128,23 @@ def main(argv: list[str] | None = None) -> int:
     for name in variants:  # warm-up (and compilation)
         for _ in range(2):
             step(name)
-    peak = matmul_peak()
-    times: dict[str, list[float]] = {k: [] for k in variants}
-    for r in range(a.rounds):
-        order = list(variants) if r % 2 == 0 else list(variants)[::-1]
-        for name in order:
-            t0 = time.perf_counter()
-            for _ in range(a.steps):
-                step(name)
-            times[name].append((time.perf_counter() - t0) / a.steps)
-    peak = max(peak, matmul_peak())
+    peaks = [matmul_peak(a.threads)]
+    load_before = os.getloadavg()[0]
+    wall: dict[str, list[float]] = {k: [] for k in variants}
+    cpu: dict[str, list[float]] = {k: [] for k in variants}
+    names = list(variants)
+    for r in range(a.rounds):  # one step of each variant per round, rotating the order
+        for name in names[r % len(names) :] + names[: r % len(names)]:
+            t0, c0 = time.perf_counter(), time.process_time()
+            step(name)
+            wall[name].append(time.perf_counter() - t0)
+            cpu[name].append(time.process_time() - c0)
+    peaks.append(matmul_peak(a.threads))
+    peak_wall, peak_cpu = max(p[0] for p in peaks), max(p[1] for p in peaks)
 
     tokens = BATCH * SEQ
-    tps = {k: tokens / statistics.median(v) for k, v in times.items()}
+    tps_wall = {k: tokens / statistics.median(v) for k, v in wall.items()}
+    tps_cpu = {k: tokens * a.threads / statistics.median(v) for k, v in cpu.items()}
     flops = {
         "ours_uniform": count_model(cfg_u).train_flops_per_token,
         "ours_tapered": count_model(cfg_t).train_flops_per_token,
@@ -146,20 +159,30 @@ def main(argv: list[str] | None = None) -> int:
         "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
         "machine": f"{platform.processor() or platform.machine()}, {a.threads} threads",
         "torch": torch.__version__,
-        "shape": {"d_model": 256, "layers": 8, "heads": 4, "d_ff": 688, "vocab": VOCAB,
-                  "seq": SEQ, "batch": BATCH},  # fmt: skip
-        "matmul_peak_gflops": round(peak / 1e9, 1),
-        "tokens_per_s": {k: round(v, 1) for k, v in tps.items()},
-        "mfu": {k: round(tps[k] * flops[k] / peak, 3) for k in tps},
-        "ratio_ours_vs_hf": round(tps["ours_uniform"] / tps["hf_llama"], 3),
-        "ratio_tapered_vs_uniform": round(tps["ours_tapered"] / tps["ours_uniform"], 3),
-        "ratio_gated_vs_plain": round(tps["ours_gated_uniform"] / tps["ours_uniform"], 3),
-        "rounds": a.rounds,
-        "steps_per_round": a.steps,
+        "shape": {
+            "d_model": 256,
+            "layers": 8,
+            "heads": 4,
+            "d_ff": 688,
+            "vocab": VOCAB,
+            "seq": SEQ,
+            "batch": BATCH,
+        },
+        "load_avg_1min": [round(load_before, 2), round(os.getloadavg()[0], 2)],
+        "matmul_peak_gflops": {"wall": round(peak_wall / 1e9, 1), "cpu": round(peak_cpu / 1e9, 1)},
+        "tokens_per_s": {k: round(v, 1) for k, v in tps_cpu.items()},
+        "tokens_per_s_wall_median": {k: round(v, 1) for k, v in tps_wall.items()},
+        "mfu": {k: round(tps_cpu[k] * flops[k] / peak_cpu, 3) for k in tps_cpu},
+        "mfu_wall": {k: round(tps_wall[k] * flops[k] / peak_wall, 3) for k in tps_wall},
+        "ratio_ours_vs_hf": round(tps_cpu["ours_uniform"] / tps_cpu["hf_llama"], 3),
+        "ratio_ours_vs_hf_wall": round(tps_wall["ours_uniform"] / tps_wall["hf_llama"], 3),
+        "ratio_tapered_vs_uniform": round(tps_cpu["ours_tapered"] / tps_cpu["ours_uniform"], 3),
+        "ratio_gated_vs_plain": round(tps_cpu["ours_gated_uniform"] / tps_cpu["ours_uniform"], 3),
+        "steps_per_variant": a.rounds,
     }
     if a.compile:
         result["ratio_ours_compiled_vs_hf"] = round(
-            tps["ours_uniform_compiled"] / tps["hf_llama"], 3
+            tps_cpu["ours_uniform_compiled"] / tps_cpu["hf_llama"], 3
         )
     print(json.dumps(result))
     return 0

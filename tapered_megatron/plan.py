@@ -87,8 +87,8 @@ def meta_param_count(cfg: Any) -> int | None:
         from tapered_megatron.models import build_model
     except ImportError:
         return None
-    with torch.device("meta"):
-        model = build_model(cfg.with_overrides(["--parallel.tp", "1", "--parallel.pp", "1"]))
+    with torch.device("meta"):  # one process: full (un-sharded) modules, cfg's vocab padding
+        model = build_model(cfg)
     return sum(p.numel() for p in model.parameters())
 
 
@@ -129,9 +129,12 @@ def evaluate(cfg: Any, c: Candidate, dev: costlib.Device, cap: float) -> Candida
             costs, c.pp, c.grad_accum, cap, dev.overhead_bytes, methods=("balancer",)
         )
     except InfeasibleError:
-        need = balance_costs(costs, c.pp, c.grad_accum, float("inf"), dev.overhead_bytes,
-                             methods=("balancer",)).methods["balancer"]
-        return f"out of memory: needs {max(need.stage_mem) / costlib.GiB:.1f} GiB on its worst stage"
+        need = balance_costs(
+            costs, c.pp, c.grad_accum, float("inf"), dev.overhead_bytes, methods=("balancer",)
+        ).methods["balancer"]
+        return (
+            f"out of memory: needs {max(need.stage_mem) / costlib.GiB:.1f} GiB on its worst stage"
+        )
     r = bal.methods["balancer"]
     # Pipeline sends: neighbouring stages are dp*tp ranks apart (topology axes pipe, data, model).
     pp_bw = dev.intra_bw if c.dp * c.tp < dev.gpus_per_node else dev.inter_bw
@@ -211,15 +214,23 @@ def plan(
 
 
 def reasoning(
-    cfg: Any, ranked: list[Candidate], rejected: list[tuple[Candidate, str]],
-    dev: costlib.Device, gpus: int, nodes: int, cap_gib: float, meta_params: int | None,
+    cfg: Any,
+    ranked: list[Candidate],
+    rejected: list[tuple[Candidate, str]],
+    dev: costlib.Device,
+    gpus: int,
+    nodes: int,
+    cap_gib: float,
+    meta_params: int | None,
     counted: int,
+    mem_fraction: float = 1.0,
 ) -> list[str]:
     """Plain-language account of the choice (printed, and returned in --json)."""
     lines = [
         f"model {cfg.name}: {counted / 1e9:.2f}B parameters by the counters"
         + (f", {meta_params / 1e9:.2f}B built on the meta device" if meta_params else ""),
-        f"cluster: {gpus} x {dev.name} ({cap_gib:.0f} GiB, {dev.peak_flops / 1e12:.0f} TFLOP/s "
+        f"cluster: {gpus} x {dev.name} ({cap_gib:.0f} GiB, {mem_fraction:.0%} usable, "
+        f"{dev.peak_flops / 1e12:.0f} TFLOP/s "
         f"{dev.precision}), {nodes} node(s) of {dev.gpus_per_node}; NVLink "
         f"{dev.intra_bw / 1e9:.0f} GB/s, network {dev.inter_bw / 1e9:.0f} GB/s per GPU",
         f"{len(ranked) + len(rejected)} candidates, {len(ranked)} fit in memory, "
@@ -242,11 +253,17 @@ def reasoning(
         if not no_pp:
             lines.append("  pipeline needed: no PP=1 layout fits the memory cap")
         else:
-            lines.append(f"  PP={best.pp} beats the best PP=1 layout ({no_pp[0].label}, "
-                         f"{no_pp[0].step_s:.2f} s)")
+            lines.append(
+                f"  PP={best.pp} beats the best PP=1 layout ({no_pp[0].label}, "
+                f"{no_pp[0].step_s:.2f} s)"
+            )
         lines.append(f"  partition {list(best.parts)} bottleneck {best.bottleneck:.3f}")
-    for key, what in (("tp", "TP"), ("zero", "ZeRO"), ("checkpointing", "checkpointing"),
-                      ("unit", "pipeline unit")):
+    for key, what in (
+        ("tp", "TP"),
+        ("zero", "ZeRO"),
+        ("checkpointing", "checkpointing"),
+        ("unit", "pipeline unit"),
+    ):
         alt = [c for c in ranked if getattr(c, key) != getattr(best, key)]
         if alt:
             lines.append(
@@ -276,8 +293,10 @@ def ds_config(cfg: Any, best: Candidate, dev: costlib.Device) -> dict[str, Any]:
     if dev.precision == "bf16":
         out["data_types"] = {"grad_accum_dtype": "fp32"}
     if best.pp > 1:
+        # checkpointing is done by the model's own units (--parallel.activation_checkpointing)
         out["pipeline"] = {
-            "activation_checkpoint_interval": 1 if best.checkpointing else 0,
+            "stages": best.pp,
+            "activation_checkpoint_interval": 0,
             "pipe_partitioned": best.tp > 1,
             "grad_partitioned": best.tp > 1,
         }
@@ -298,7 +317,11 @@ def overrides(cfg: Any, best: Candidate) -> list[str]:
 
 
 def fill_slurm(
-    cfg_name: str, best: Candidate, nodes: int, gpus_per_node: int, ds_path: str,
+    cfg_name: str,
+    best: Candidate,
+    nodes: int,
+    gpus_per_node: int,
+    ds_path: str,
     template: Path = TEMPLATE,
 ) -> str:
     """The SLURM template with the best candidate's values substituted."""
@@ -321,8 +344,9 @@ def main(argv: list[str] | None = None) -> int:
     """CLI entry (see the module docstring)."""
     from tapered_megatron.config import ConfigError, load_config
 
-    ap = argparse.ArgumentParser(prog="python -m tapered_megatron.plan", description=__doc__.split(
-        "\n\n")[0])
+    ap = argparse.ArgumentParser(
+        prog="python -m tapered_megatron.plan", description=__doc__.split("\n\n")[0]
+    )
     ap.add_argument("--config", required=True, help="preset name or YAML path")
     ap.add_argument("--gpus", type=int, required=True, help="total GPUs")
     ap.add_argument("--gpu-mem", type=float, required=True, help="memory per GPU, GiB")
@@ -331,6 +355,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--peak-tflops", type=float, default=None, help="dense peak per GPU")
     ap.add_argument("--nvlink-gbps", type=float, default=None, help="NVLink GB/s per GPU")
     ap.add_argument("--network-gbps", type=float, default=None, help="network GB/s per GPU")
+    ap.add_argument(
+        "--mem-fraction",
+        type=float,
+        default=0.9,
+        help="usable share of --gpu-mem (allocator fragmentation headroom)",
+    )
     ap.add_argument("--top", type=int, default=10, help="candidates to list")
     ap.add_argument("--json", action="store_true", help="one JSON object")
     ap.add_argument("--write-ds-config", default=None, help="write the best DeepSpeed JSON here")
@@ -353,32 +383,61 @@ def main(argv: list[str] | None = None) -> int:
         mem_bytes=a.gpu_mem * costlib.GiB,
         gpus_per_node=a.gpus // nodes,
     )
-    ranked, rejected = plan(cfg, a.gpus, dev, a.gpu_mem * costlib.GiB)
+    ranked, rejected = plan(cfg, a.gpus, dev, a.mem_fraction * a.gpu_mem * costlib.GiB)
     counted = costlib.model_params(cfg)
-    why = reasoning(cfg, ranked, rejected, dev, a.gpus, nodes, a.gpu_mem, meta_param_count(cfg),
-                    counted)
+    why = reasoning(
+        cfg,
+        ranked,
+        rejected,
+        dev,
+        a.gpus,
+        nodes,
+        a.gpu_mem,
+        meta_param_count(cfg),
+        counted,
+        a.mem_fraction,
+    )
     if ranked and a.write_ds_config:
-        Path(a.write_ds_config).write_text(json.dumps(ds_config(cfg, ranked[0], dev), indent=2)
-                                           + "\n")
+        Path(a.write_ds_config).write_text(
+            json.dumps(ds_config(cfg, ranked[0], dev), indent=2) + "\n"
+        )
     if ranked and a.write_slurm:
-        Path(a.write_slurm).write_text(fill_slurm(
-            a.config, ranked[0], nodes, a.gpus // nodes, a.write_ds_config or "ds_configs/zero1.json"
-        ))
+        Path(a.write_slurm).write_text(
+            fill_slurm(
+                a.config,
+                ranked[0],
+                nodes,
+                a.gpus // nodes,
+                a.write_ds_config or "ds_configs/zero1.json",
+            )
+        )
     if a.json:
-        print(json.dumps({
-            "config": cfg.name, "gpus": a.gpus, "nodes": nodes, "device": dev.name,
-            "best": asdict(ranked[0]) if ranked else None,
-            "candidates": [asdict(c) for c in ranked[: a.top]],
-            "rejected": len(rejected), "reasoning": why,
-        }))
+        print(
+            json.dumps(
+                {
+                    "config": cfg.name,
+                    "gpus": a.gpus,
+                    "nodes": nodes,
+                    "device": dev.name,
+                    "best": asdict(ranked[0]) if ranked else None,
+                    "candidates": [asdict(c) for c in ranked[: a.top]],
+                    "rejected": len(rejected),
+                    "reasoning": why,
+                }
+            )
+        )
         return 0 if ranked else 1
     print("\n".join(why))
     print()
-    print(f"{'rank':>4} {'layout':<48} {'step s':>8} {'tok/s':>10} {'MFU':>6} {'mem GiB':>8} "
-          f"{'bneck':>6}")
+    print(
+        f"{'rank':>4} {'layout':<48} {'step s':>8} {'tok/s':>10} {'MFU':>6} {'mem GiB':>8} "
+        f"{'bneck':>6}"
+    )
     for i, c in enumerate(ranked[: a.top]):
-        print(f"{i + 1:>4} {c.label:<48} {c.step_s:>8.3f} {c.tokens_per_s:>10,.0f} {c.mfu:>6.1%} "
-              f"{c.mem_gib:>8.1f} {c.bottleneck:>6.3f}")
+        print(
+            f"{i + 1:>4} {c.label:<48} {c.step_s:>8.3f} {c.tokens_per_s:>10,.0f} {c.mfu:>6.1%} "
+            f"{c.mem_gib:>8.1f} {c.bottleneck:>6.3f}"
+        )
     return 0 if ranked else 1
 
 

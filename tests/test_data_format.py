@@ -151,13 +151,13 @@ def test_dtype_mismatch_detected_by_size(good):
 
 
 def test_inconsistent_pointer(good):
-    n_seq = struct.unpack_from("<Q", open(good + ".idx", "rb").read(), 18)[0]
+    n_seq = struct.unpack_from("<Q", Path(good + ".idx").read_bytes(), 18)[0]
     _patch(good + ".idx", 34 + 4 * n_seq + 8 * 3, struct.pack("<q", 7))
     _fails(good, good + ".idx", "pointer of sequence 3")
 
 
 def test_bad_document_index(good):
-    raw = open(good + ".idx", "rb").read()
+    raw = Path(good + ".idx").read_bytes()
     _patch(good + ".idx", len(raw) - 8, struct.pack("<q", 99))
     _fails(good, good + ".idx", "document index")
 

@@ -24,7 +24,11 @@ TOKENIZE = [sys.executable, str(REPO / "data_tools/tokenize.py")]
 def docs() -> list[str]:
     """About 150 documents of the shipped corpus, plus unicode and edge cases."""
     out = sample_corpus_docs(limit=150)
-    out += ["naïve café — 東京 😀 ünïcödé", "  leading and trailing spaces  ", "tabs\tand\nnewlines\n"]
+    out += [
+        "naïve café — 東京 😀 ünïcödé",
+        "  leading and trailing spaces  ",
+        "tabs\tand\nnewlines\n",
+    ]
     return out
 
 
@@ -52,7 +56,9 @@ def test_tokenizer_specials_and_byte_fallback(tok_model):
 @pytest.mark.parametrize("workers", [1, 2])
 def test_round_trip(tmp_path, docs, tok_model, workers):
     src = write_jsonl(tmp_path / "c.jsonl", [{"text": d} for d in docs])
-    s = tokenize_files([str(src)], str(tmp_path / "out"), tok_model, append_eod=True, workers=workers)
+    s = tokenize_files(
+        [str(src)], str(tmp_path / "out"), tok_model, append_eod=True, workers=workers
+    )
     tok = load_tokenizer(tok_model)
     ds = IndexedDataset(tmp_path / "out_text_document")
     assert ds.dtype == np.uint16
@@ -60,7 +66,7 @@ def test_round_trip(tmp_path, docs, tok_model, workers):
     assert ds.num_tokens == s.tokens["text"]
     for d, text in enumerate(docs):
         ids = ds.document(d).tolist()
-        assert ids == tok.encode(text) + [tok.eod_id]
+        assert ids == [*tok.encode(text), tok.eod_id]
         assert tok.decode(ids[:-1]) == tok.decode(tok.encode(text))
 
 
@@ -118,9 +124,9 @@ def test_bad_lines(tmp_path, tok_model):
 
 def test_invalid_utf8_and_missing_input(tmp_path, tok_model):
     src = tmp_path / "u.jsonl"
-    src.write_bytes(b'{"text": "caf\xe9 ok"}\n{"text": "fine"}\n')
+    src.write_bytes(b'{"text": "caf\xe9 ok"}\n{"text": "fine"}\n{"text": "lone \\ud800 half"}\n')
     s = tokenize_files([str(src)], str(tmp_path / "o"), tok_model)
-    assert s.invalid_utf8 == 1 and s.documents["text"] == 2
+    assert s.invalid_utf8 == 2 and s.documents["text"] == 3
     tok = load_tokenizer(tok_model)
     assert tok.decode(IndexedDataset(tmp_path / "o_text_document").document(0)) == "caf\ufffd ok"
     with pytest.raises(InputError, match="no such input file"):
@@ -157,4 +163,23 @@ def test_train_tokenizer_cli(tmp_path, docs):
     assert json.loads(r.stdout)["vocab_size"] == 400
     assert load_tokenizer(tmp_path / "tk.model").vocab_size == 400
     assert (tmp_path / "tk.vocab").read_text().splitlines()[2].startswith("</s>")
-    assert list(iter_texts([str(src)]))[0] == docs[0]
+    assert next(iter_texts([str(src)])) == docs[0]
+
+
+def test_sigterm_mid_run_leaves_no_output(tmp_path, tok_model):
+    import signal
+
+    docs = sample_corpus_docs()
+    src = write_jsonl(tmp_path / "big.jsonl", [{"text": d} for d in docs * 3])
+    p = subprocess.Popen(
+        [*TOKENIZE, "--input", str(src), "--output-prefix", str(tmp_path / "o"),
+         "--tokenizer-model", tok_model, "--workers", "2", "--log-interval", "1", "--no-progress"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    first = p.stderr.readline()  # the first progress line: the run is under way
+    assert first.startswith("processed"), first
+    p.send_signal(signal.SIGTERM)
+    _, err = p.communicate(timeout=60)
+    assert p.returncode == 130, err
+    assert "interrupted: no output written" in err
+    assert sorted(os.listdir(tmp_path)) == ["big.jsonl"]

@@ -149,3 +149,15 @@ def test_rope_scores_depend_on_relative_position_only():
     torch.testing.assert_close(score(5, 2), score(12, 9))
     torch.testing.assert_close(rq.norm(dim=-1), q.norm(dim=-1).expand(1, 16, 1))
     torch.testing.assert_close(rope(q.expand(1, 40, 1, 8))[:, :16], rq)  # tables regrow
+
+
+def test_rmsnorm_matches_reference_and_gradients():
+    from tapered_megatron.models.layers import RMSNorm, _RMSNormFn
+
+    x = torch.randn(3, 5, 16, dtype=torch.float64, requires_grad=True)
+    w = torch.empty(16, dtype=torch.float64).uniform_(0.5, 1.5).requires_grad_()
+    ref = x / x.pow(2).mean(-1, keepdim=True).add(1e-5).sqrt() * w
+    torch.testing.assert_close(_RMSNormFn.apply(x, w, 1e-5), ref)
+    assert torch.autograd.gradcheck(lambda a, b: _RMSNormFn.apply(a, b, 1e-5), (x, w))
+    norm = RMSNorm(16)
+    torch.testing.assert_close(norm(x.float()), torch.nn.functional.rms_norm(x.float(), (16,), eps=1e-5))

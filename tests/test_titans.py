@@ -304,3 +304,18 @@ def test_loss_decreases_on_real_text():
     first, last = sum(losses[:5]) / 5, sum(losses[-5:]) / 5
     print(f"titans loss {first:.3f} -> {last:.3f}")
     assert last < first - 0.5
+
+
+@pytest.mark.parametrize("arch", ["titans", "hope_attention"])
+def test_pipeline_form_equals_plain_model(arch):
+    from tapered_megatron.models import pipeline_layer_specs
+
+    cfg = tiny_cfg(arch)
+    ids = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        ref = build_model(cfg)(ids)
+        for unit in ("layer", "sublayer"):
+            h = ids
+            for spec in pipeline_layer_specs(cfg, unit):
+                h = spec.build()(h)
+            torch.testing.assert_close(h, ref, rtol=0, atol=0)

@@ -18,7 +18,6 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-
 from dist_utils import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -44,7 +43,7 @@ def corpus(tmp_path_factory) -> str:
     docs = []
     for _ in range(300):
         start, step, n = rng.integers(0, 255), rng.integers(1, 4), rng.integers(12, 48)
-        docs.append(((start + step * np.arange(n)) % 255).astype(np.uint16).tolist() + [255])
+        docs.append([*((start + step * np.arange(n)) % 255).tolist(), 255])
     prefix = str(tmp_path_factory.mktemp("corpus") / "tiny_text_document")
     write_indexed_dataset(prefix, docs)
     return prefix
@@ -56,9 +55,16 @@ def _env() -> dict[str, str]:
     return env
 
 
+def _without(args: list[str], keys: set[str]) -> list[str]:
+    """``args`` (flag value pairs) minus the flags in ``keys``."""
+    pairs = zip(args[::2], args[1::2])
+    return [x for k, v in pairs if k not in keys for x in (k, v)]
+
+
 def _common(corpus: str, out: Path, ds: str, extra: list[str]) -> list[str]:
+    tiny = _without(TINY, {a for a in extra if a.startswith("--")})
     return [
-        "--ds_config", str(ROOT / "ds_configs" / ds), *TINY,
+        "--ds_config", str(ROOT / "ds_configs" / ds), *tiny,
         "--data.path", corpus, "--data.cache_dir", str(out / "cache"),
         "--train.save_dir", str(out / "ckpt"), "--logging.metrics_file", str(out / "metrics.jsonl"),
         *extra,
@@ -127,24 +133,32 @@ def reference(corpus, tmp_path_factory) -> list[dict]:
 
 
 LAYOUTS = {
-    "dp2-zero1": (2, "zero1.json", []),
     "dp2-zero2": (2, "zero2.json", []),
     "dp2-zero3": (2, "zero3.json", []),
     "tp2": (2, "zero1.json", ["--parallel.tp", "2"]),
     "pp2": (2, "pipeline.json", ["--parallel.pp", "2"]),
 }
 SLOW_LAYOUTS = {
+    "dp2-zero1": (2, "zero1.json", []),  # also covered by the mpirun and two-node tests
     "pp2-dp2": (4, "pipeline.json", ["--parallel.pp", "2"]),
     "tp2-pp2": (4, "pipeline.json", ["--parallel.pp", "2", "--parallel.tp", "2"]),
     "tp2-dp2-zero2": (4, "zero2.json", ["--parallel.tp", "2"]),
     "pp2-sublayer": (2, "pipeline.json", ["--parallel.pp", "2", "--parallel.pipeline_unit",
                                            "sublayer"]),
     "dp2-accum2": (2, "zero1.json", ["--train.micro_batch_size", "2"]),
+    "dp2-actckpt": (2, "zero1.json", ["--parallel.activation_checkpointing", "true"]),
+    "pp2-actckpt": (2, "pipeline.json", ["--parallel.pp", "2",
+                                         "--parallel.activation_checkpointing", "true"]),
 }  # fmt: skip
 
 
 def _layout_case(name, spec, corpus, reference, tmp_path):
     n, ds, extra = spec
+    if ds == "zero3.json":  # partition every parameter, however small (the default keeps <1e5)
+        cfg = json.loads((ROOT / "ds_configs" / ds).read_text())
+        cfg["zero_optimization"]["stage3_param_persistence_threshold"] = 0
+        ds = str(tmp_path / "zero3_all.json")
+        Path(ds).write_text(json.dumps(cfg))
     launch_ranks(n, corpus, tmp_path, ds, [*extra, "--train.exit_interval", "10"])
     recs = metrics(tmp_path)
     assert_close([r["loss"] for r in recs], [r["loss"] for r in reference[:10]])
@@ -160,7 +174,7 @@ def test_layout_matches_single_process(name, corpus, reference, tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", list(SLOW_LAYOUTS))
-def test_layout_matches_single_process_4proc(name, corpus, reference, tmp_path):
+def test_layout_matches_single_process_more(name, corpus, reference, tmp_path):
     _layout_case(name, SLOW_LAYOUTS[name], corpus, reference, tmp_path)
 
 
@@ -209,17 +223,11 @@ def test_two_node_launch_matches_single_process(corpus, reference, tmp_path):
     hostfile = tmp_path / "hostfile"
     hostfile.write_text("node0 slots=1\nnode1 slots=1\n")
     port = str(free_port())
+    args = _common(corpus, tmp_path, "zero1.json", ["--train.exit_interval", "10"])
+    runner = [sys.executable, "-m", "deepspeed.launcher.runner", "--hostfile", str(hostfile)]
+    rdzv = ["--no_ssh", "--master_addr", "127.0.0.1", "--master_port", port]
     procs = [
-        _popen(
-            [
-                sys.executable, "-m", "deepspeed.launcher.runner", "--hostfile", str(hostfile),
-                "--no_ssh", "--node_rank", str(node), "--master_addr", "127.0.0.1",
-                "--master_port", port, MAIN,
-                *_common(corpus, tmp_path, "zero1.json", ["--train.exit_interval", "10"]),
-            ],  # fmt: skip
-            _env(),
-        )
-        for node in (0, 1)
+        _popen([*runner, *rdzv, "--node_rank", str(node), MAIN, *args], _env()) for node in (0, 1)
     ]
     _check(procs, tmp_path, 300)
     assert "layout: world 2 = dp 2" in (tmp_path / "log.txt").read_text()

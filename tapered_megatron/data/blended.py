@@ -65,7 +65,12 @@ class BlendedDataset:
     """Deterministic interleaving of datasets in proportion to ``weights``; ``size`` samples."""
 
     def __init__(self, datasets, weights, size, cache_dir, name="train", barrier=True):
-        self.datasets, self.weights, self.size, self.name = list(datasets), list(weights), size, name
+        self.datasets, self.weights, self.size, self.name = (
+            list(datasets),
+            list(weights),
+            size,
+            name,
+        )
         key = digest(
             "blend-v1",
             json.dumps([weights, size]),
@@ -83,6 +88,16 @@ class BlendedDataset:
             save_arrays(tmp, meta, dataset_index=ds_index, dataset_sample_index=ds_sample)
 
         build_once(self.cache_path, build, barrier=barrier)
+        self.dataset_index, self.dataset_sample_index = load_arrays(
+            self.cache_path, "dataset_index", "dataset_sample_index"
+        )
+
+    def __getstate__(self) -> dict:
+        skip = {"dataset_index", "dataset_sample_index"}
+        return {k: v for k, v in self.__dict__.items() if k not in skip}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
         self.dataset_index, self.dataset_sample_index = load_arrays(
             self.cache_path, "dataset_index", "dataset_sample_index"
         )
@@ -151,7 +166,9 @@ def build_gpt_datasets(
                 log(f"{prefix}: {name} split {split!r} has no documents; skipped")
                 continue
             want = n if len(pairs) == 1 else math.ceil(n * w * 1.005)
-            parts.append(GPTDataset(ds, (start, end), seq_len, want, seed, cache_dir, name, barrier))
+            parts.append(
+                GPTDataset(ds, (start, end), seq_len, want, seed, cache_dir, name, barrier)
+            )
             weights.append(w)
         if not parts:
             out.append(None)

@@ -1,4 +1,4 @@
-"""On-disk cache of index arrays: one builder at a time (file lock + rank-0-first), atomic publish."""
+"""On-disk cache of index arrays: one builder at a time (file lock, rank 0 first), atomic."""
 
 from __future__ import annotations
 

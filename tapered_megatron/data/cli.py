@@ -6,6 +6,7 @@ import argparse
 import itertools
 import json
 import os
+import signal
 import sys
 import time
 
@@ -13,13 +14,18 @@ from .indexed import IndexedDatasetError
 from .preprocess import InputError, iter_texts, paragraphs, tokenize_files
 from .tokenizer import train_sentencepiece
 
-TRAIN_TOKENIZER_DOC = """Train a sentencepiece tokenizer (BPE or unigram) from jsonl / json / txt files (.gz allowed).
+TRAIN_TOKENIZER_DOC = """Train a sentencepiece tokenizer (BPE or unigram) from jsonl/json/txt.
 
     python data_tools/train_tokenizer.py --input corpus.jsonl --vocab-size 32000 --output tok
 
 writes tok.model and tok.vocab. Ids: 0 <unk>, 1 <s> (BOS), 2 </s> (EOD), 3 <pad>; byte fallback
 on by default, so any UTF-8 text encodes without <unk>.
 """
+
+
+def _raise_interrupt(signum, frame):
+    raise KeyboardInterrupt
+
 
 TOKENIZE_DOC = """Tokenize jsonl / json / txt files (globs, .gz) into Megatron MMIDIDX datasets.
 
@@ -32,10 +38,16 @@ Documents stream through a process pool in input order; outputs appear only when
 
 
 def train_tokenizer_main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=TRAIN_TOKENIZER_DOC, formatter_class=argparse.RawTextHelpFormatter)
-    ap.add_argument("--input", nargs="+", required=True, help="files or globs (.jsonl/.json/.txt[.gz])")
+    ap = argparse.ArgumentParser(
+        description=TRAIN_TOKENIZER_DOC, formatter_class=argparse.RawTextHelpFormatter
+    )
+    ap.add_argument(
+        "--input", nargs="+", required=True, help="files or globs (.jsonl/.json/.txt[.gz])"
+    )
     ap.add_argument("--json-keys", nargs="+", default=["text"])
-    ap.add_argument("--output", required=True, help="output prefix: writes PREFIX.model, PREFIX.vocab")
+    ap.add_argument(
+        "--output", required=True, help="output prefix: writes PREFIX.model, PREFIX.vocab"
+    )
     ap.add_argument("--vocab-size", type=int, default=32000)
     ap.add_argument("--model-type", choices=["bpe", "unigram"], default="bpe")
     ap.add_argument("--no-byte-fallback", dest="byte_fallback", action="store_false")
@@ -65,10 +77,13 @@ def train_tokenizer_main(argv: list[str] | None = None) -> int:
     return 0
 
 
-
 def tokenize_main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=TOKENIZE_DOC, formatter_class=argparse.RawTextHelpFormatter)
-    ap.add_argument("--input", nargs="+", required=True, help="files or globs (.jsonl/.json/.txt[.gz])")
+    ap = argparse.ArgumentParser(
+        description=TOKENIZE_DOC, formatter_class=argparse.RawTextHelpFormatter
+    )
+    ap.add_argument(
+        "--input", nargs="+", required=True, help="files or globs (.jsonl/.json/.txt[.gz])"
+    )
     ap.add_argument("--json-keys", nargs="+", default=["text"], help="one output dataset per key")
     ap.add_argument("--output-prefix", required=True)
     ap.add_argument("--tokenizer-model", required=True, help="sentencepiece .model")
@@ -76,8 +91,11 @@ def tokenize_main(argv: list[str] | None = None) -> int:
     ap.add_argument("--workers", type=int, default=1, help="encoder processes (order preserved)")
     ap.add_argument("--log-interval", type=int, default=10000, help="log every N documents")
     ap.add_argument("--skip-bad-lines", action="store_true", help="skip (and count) bad lines")
-    ap.add_argument("--no-progress", dest="progress", action="store_false", default=None)
+    ap.add_argument(
+        "--no-progress", dest="progress", action="store_false", default=None, help="no tqdm bar"
+    )
     args = ap.parse_args(argv)
+    signal.signal(signal.SIGTERM, _raise_interrupt)  # a killed job cleans up like Ctrl-C
     try:
         summary = tokenize_files(
             args.input,
@@ -113,7 +131,6 @@ def tokenize_main(argv: list[str] | None = None) -> int:
     return 0
 
 
-
 INSPECT_DOC = """Inspect an MMIDIDX dataset: validate, count, histogram lengths, decode documents.
 
     python data_tools/inspect_dataset.py data/corpus_text_document
@@ -127,7 +144,9 @@ def inspect_main(argv: list[str] | None = None) -> int:
 
     from .indexed import IndexedDataset
 
-    ap = argparse.ArgumentParser(description=INSPECT_DOC, formatter_class=argparse.RawTextHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=INSPECT_DOC, formatter_class=argparse.RawTextHelpFormatter
+    )
     ap.add_argument("prefix", help="PREFIX (or PREFIX.bin / PREFIX.idx)")
     ap.add_argument("--tokenizer-model", help="sentencepiece .model, to decode documents")
     ap.add_argument("--doc", type=int, action="append", default=[], help="print document N")

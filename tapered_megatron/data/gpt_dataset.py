@@ -134,7 +134,7 @@ def build_indices(
 
 
 class GPTDataset:
-    """Samples of ``seq_len + 1`` tokens (int64) from documents ``[start, end)`` of an indexed dataset.
+    """Samples of ``seq_len + 1`` int64 tokens from documents ``[start, end)`` of a dataset.
 
     ``len(ds)`` is every sample of the epochs needed for ``num_samples`` (>= ``num_samples``).
     """
@@ -189,6 +189,20 @@ class GPTDataset:
         self.doc_idx, self.sample_idx, self.shuffle_idx = load_arrays(
             self.cache_path, "doc_idx", "sample_idx", "shuffle_idx"
         )
+
+    _MAPPED = ("doc_idx", "sample_idx", "shuffle_idx")
+
+    def __getstate__(self) -> dict:
+        """Pickle without the mapped arrays (reopened from the cache on unpickling)."""
+        skip = {*self._MAPPED, "doc_lengths", "doc_offsets"}
+        return {k: v for k, v in self.__dict__.items() if k not in skip}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        self.doc_lengths = self.indexed.document_lengths
+        self.doc_offsets = self.indexed.document_offsets
+        for name, arr in zip(self._MAPPED, load_arrays(self.cache_path, *self._MAPPED)):
+            setattr(self, name, arr)
 
     def __len__(self) -> int:
         return int(self.shuffle_idx.size)

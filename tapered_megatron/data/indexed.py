@@ -15,6 +15,7 @@ unchanged, and ours read there.
 from __future__ import annotations
 
 import array
+import functools
 import os
 import struct
 from collections.abc import Iterable
@@ -97,7 +98,9 @@ class IndexedDataset:
         with open(path, "rb") as f:
             magic, version, code, n_seq, n_doc = HEADER.unpack(f.read(HEADER.size))
         if magic != MAGIC:
-            raise self._fail(path, f"wrong magic {magic!r}, expected {MAGIC!r} (not an MMIDIDX index)")
+            raise self._fail(
+                path, f"wrong magic {magic!r}, expected {MAGIC!r} (not an MMIDIDX index)"
+            )
         if version != VERSION:
             raise self._fail(path, f"unsupported version {version}, expected {VERSION}")
         if code not in DTYPES:
@@ -148,7 +151,9 @@ class IndexedDataset:
             bad = np.flatnonzero(self.pointers != expected_ptr)
             if bad.size:
                 for other in (1, 2, 4, 8):
-                    if other != item and np.array_equal(self.pointers, expected_ptr // item * other):
+                    if other != item and np.array_equal(
+                        self.pointers, expected_ptr // item * other
+                    ):
                         raise self._fail(
                             self._idx_file,
                             f"dtype mismatch: header dtype {self.dtype.name} has {item}-byte "
@@ -195,6 +200,13 @@ class IndexedDataset:
                     f"vocabulary [0, {vocab_size})",
                 )
 
+    def __getstate__(self) -> dict:
+        """Pickle by path (DataLoader workers under spawn), never the mapped contents."""
+        return {"prefix": self.prefix}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__init__(state["prefix"])
+
     # -- access ------------------------------------------------------------------------------
     def __len__(self) -> int:
         return len(self.sizes)
@@ -207,19 +219,21 @@ class IndexedDataset:
     def num_tokens(self) -> int:
         return len(self._bin)
 
-    @property
+    @functools.cached_property
+    def _cum_sizes(self) -> np.ndarray:
+        cum = np.zeros(len(self.sizes) + 1, np.int64)
+        np.cumsum(self.sizes, out=cum[1:])
+        return cum
+
+    @functools.cached_property
     def document_lengths(self) -> np.ndarray:
         """Tokens per document (sum of its sequences), int64."""
-        cum = np.zeros(len(self.sizes) + 1, np.int64)
-        np.cumsum(self.sizes, out=cum[1:])
-        return cum[self.doc_idx[1:]] - cum[self.doc_idx[:-1]]
+        return self._cum_sizes[self.doc_idx[1:]] - self._cum_sizes[self.doc_idx[:-1]]
 
-    @property
+    @functools.cached_property
     def document_offsets(self) -> np.ndarray:
         """Token offset of each document's first token in the .bin (documents are contiguous)."""
-        cum = np.zeros(len(self.sizes) + 1, np.int64)
-        np.cumsum(self.sizes, out=cum[1:])
-        return cum[self.doc_idx[:-1]]
+        return self._cum_sizes[self.doc_idx[:-1]]
 
     def tokens(self, offset: int, length: int) -> np.ndarray:
         """``length`` tokens starting at token ``offset`` of the .bin (a memory-mapped view)."""
@@ -278,6 +292,20 @@ class IndexedDatasetWriter:
         """One document of one sequence (the usual case without sentence splitting)."""
         self.add_sequence(tokens)
         self.end_document()
+
+    def add_documents(self, flat: np.ndarray, lengths: np.ndarray) -> None:
+        """Many one-sequence documents at once: ``flat`` holds them back to back."""
+        flat = np.asarray(flat, dtype=self.dtype)
+        lengths = np.asarray(lengths, dtype=np.int32)
+        if int(lengths.sum()) != flat.size:
+            raise ValueError(f"lengths sum to {int(lengths.sum())}, tokens are {flat.size}")
+        self._bin.write(flat.tobytes(order="C"))
+        first = len(self._sizes)
+        self._sizes.frombytes(lengths.tobytes())
+        self._doc_idx.frombytes(
+            np.arange(first + 1, first + 1 + lengths.size, dtype=np.int64).tobytes()
+        )
+        self.num_tokens += flat.size
 
     @property
     def num_documents(self) -> int:

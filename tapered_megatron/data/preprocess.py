@@ -16,6 +16,7 @@ import itertools
 import json
 import multiprocessing as mp
 import os
+import signal
 import sys
 import time
 from collections.abc import Iterator, Sequence
@@ -51,14 +52,18 @@ class TokenizeSummary:
         s = max(self.seconds, 1e-9)
         docs = max(self.documents.values(), default=0)
         toks = sum(self.tokens.values())
-        return {"docs_per_s": docs / s, "mb_per_s": self.input_bytes / s / 1e6, "tok_per_s": toks / s}
+        return {
+            "docs_per_s": docs / s,
+            "mb_per_s": self.input_bytes / s / 1e6,
+            "tok_per_s": toks / s,
+        }
 
     def as_dict(self) -> dict:
         return {**asdict(self), **{k: round(v, 2) for k, v in self.throughput().items()}}
 
 
 def expand_inputs(patterns: Sequence[str]) -> list[str]:
-    """Expand globs (sorted, deduplicated, order of patterns kept); fail on a pattern matching nothing."""
+    """Expand globs (sorted, deduplicated, pattern order kept); fail on a pattern with no file."""
     out: list[str] = []
     for pat in patterns:
         hits = sorted(glob.glob(pat)) if glob.has_magic(pat) else [pat]
@@ -78,11 +83,13 @@ def input_format(path: str) -> str:
         return "json"
     if ext == ".txt":
         return "txt"
-    raise InputError(f"{path}: unknown input format {ext!r} (use .jsonl, .json or .txt, optionally .gz)")
+    raise InputError(
+        f"{path}: unknown input format {ext!r} (use .jsonl, .json or .txt, optionally .gz)"
+    )
 
 
 def _open(path: str):
-    return gzip.open(path, "rb") if path.endswith(".gz") else open(path, "rb")  # noqa: SIM115
+    return gzip.open(path, "rb") if path.endswith(".gz") else open(path, "rb")
 
 
 def iter_batches(paths: Sequence[str]) -> Iterator[tuple]:
@@ -122,6 +129,8 @@ _SETTINGS: dict = {}
 
 def _init_worker(model_path: str, keys: Sequence[str], append_eod: bool, dtype: str) -> None:
     global _TOKENIZER, _SETTINGS
+    if mp.parent_process() is not None:  # pool worker: default SIGTERM so terminate() ends it
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
     _TOKENIZER = load_tokenizer(model_path)
     _SETTINGS = {"keys": list(keys), "append_eod": append_eod, "dtype": np.dtype(dtype)}
 
@@ -165,19 +174,28 @@ def encode_batch(batch: tuple) -> dict:
             continue
         wrong = [k for k in keys if not isinstance(obj[k], str)]
         if wrong:
-            errors.append((lineno, f"key {wrong[0]!r} is {type(obj[wrong[0]]).__name__}, not a string"))
+            errors.append(
+                (lineno, f"key {wrong[0]!r} is {type(obj[wrong[0]]).__name__}, not a string")
+            )
             continue
         for k in keys:
             texts[k].append(obj[k])
     out_tokens, out_lengths = {}, {}
     for k in keys:
-        ids = _TOKENIZER.sp.encode(texts[k], num_threads=1) if texts[k] else []
+        try:
+            ids = _TOKENIZER.sp.encode(texts[k], num_threads=1) if texts[k] else []
+        except (UnicodeEncodeError, TypeError):  # lone surrogates (JSON escapes): not UTF-8
+            clean = [t.encode("utf-8", "replace").decode("utf-8") for t in texts[k]]
+            bad_utf8 += sum(a != b for a, b in zip(texts[k], clean))
+            ids = _TOKENIZER.sp.encode(clean, num_threads=1)
         if eod:
             for x in ids:
                 if x:
                     x.extend(eod)
         lengths = np.fromiter(map(len, ids), dtype=np.int64, count=len(ids))
-        flat = np.fromiter(itertools.chain.from_iterable(ids), dtype=dtype, count=int(lengths.sum()))
+        flat = np.fromiter(
+            itertools.chain.from_iterable(ids), dtype=dtype, count=int(lengths.sum())
+        )
         out_tokens[k], out_lengths[k] = flat, lengths
     return {
         "path": path,
@@ -255,14 +273,10 @@ def tokenize_files(
                 if len(summary.first_errors) < 5:
                     summary.first_errors.append(where)
             for k in keys:
-                lengths, flat = res["lengths"][k], res["tokens"][k]
-                w, pos = writers[k], 0
-                for n in lengths.tolist():
-                    if n == 0:
-                        summary.skipped_empty[k] += 1
-                        continue
-                    w.add_document(flat[pos : pos + n])
-                    pos += n
+                lengths, w = res["lengths"][k], writers[k]
+                nonempty = lengths[lengths > 0]
+                summary.skipped_empty[k] += lengths.size - nonempty.size
+                w.add_documents(res["tokens"][k], nonempty)
                 summary.documents[k] = w.num_documents
                 summary.tokens[k] = w.num_tokens
             summary.input_bytes += res["bytes"]
@@ -295,7 +309,7 @@ def tokenize_files(
 
 def iter_texts(inputs: Sequence[str], json_keys: Sequence[str] = ("text",)) -> Iterator[str]:
     """Yield the text fields of every record (bad lines skipped), one process, for training."""
-    for path, first, kind, items in iter_batches(expand_inputs(inputs)):
+    for _path, _first, kind, items in iter_batches(expand_inputs(inputs)):
         for item in items:
             if kind == "obj":
                 obj = item
@@ -313,7 +327,7 @@ def iter_texts(inputs: Sequence[str], json_keys: Sequence[str] = ("text",)) -> I
 
 
 def paragraphs(texts: Iterator[str], max_chars: int = 8192) -> Iterator[str]:
-    """Split documents at blank lines (and hard-wrap very long paragraphs) for tokenizer training."""
+    """Split documents at blank lines (hard-wrapping huge paragraphs) for tokenizer training."""
     for text in texts:
         for para in text.split("\n\n"):
             for i in range(0, len(para), max_chars):

@@ -14,12 +14,12 @@ CORPUS_ENV = "TAPERED_MEGATRON_SAMPLE_CORPUS"
 
 
 def sample_corpus_path() -> Path:
-    """``data/sample/corpus.jsonl.gz`` of the repo (override with $TAPERED_MEGATRON_SAMPLE_CORPUS)."""
+    """The repo's ``data/sample/corpus.jsonl.gz`` (override: $TAPERED_MEGATRON_SAMPLE_CORPUS)."""
     env = os.environ.get(CORPUS_ENV)
     path = Path(env) if env else Path(__file__).resolve().parents[2] / "data/sample/corpus.jsonl.gz"
     if not path.is_file():
         raise FileNotFoundError(
-            f"{path}: sample corpus not found (run from a checkout of the repo, or set {CORPUS_ENV})"
+            f"{path}: sample corpus not found (use a checkout of the repo, or set {CORPUS_ENV})"
         )
     return path
 

@@ -57,4 +57,6 @@ class PretrainingSampler:
             yield list(range(start + lo, start + lo + self.micro_batch_size))
             start += g
         if not self.drop_last and start + lo < self.total_samples:
-            yield list(range(start + lo, min(start + lo + self.micro_batch_size, self.total_samples)))
+            yield list(
+                range(start + lo, min(start + lo + self.micro_batch_size, self.total_samples))
+            )

@@ -28,6 +28,10 @@ Choices the paper leaves open, and ours:
   inputs are RMS-normalised, so ``||u||^2 ~ d_model`` and ``hope.lr`` is the effective step on a
   repeated input), summed over the period (the paper's sum, not a mean), all gradients taken at
   the period-start weights. ``hope.lr = 0`` or period 0 disables updates for a level (plain MLP).
+* Each token's inner gradient is clipped to norm ``sqrt(d_model)`` (norm 1 per unit-norm
+  input; Frobenius over the level's three matrices). Without it a large ``hope.lr`` let the fast
+  levels diverge inside a sequence (fp32 overflow within a few training steps at ``lr = 0.5``);
+  with it the weights can only drift linearly in the sequence length.
 * Causality: the update applied at boundary ``(p+1) C`` uses pairs ``(u_t, u_{t+1})`` for
   ``t`` in period ``p``, i.e. inputs at positions ``<= (p+1) C``; it first affects the output at
   position ``(p+1) C``. Outputs at ``<= t`` never see tokens ``> t``.
@@ -97,10 +101,14 @@ class CMSLevel(SwiGLU):
                 break
             e = copy_to_tp_region(out - u[:, start + 1 : start + c + 1])
             da = e @ w2
-            dg = da * v * _silu_grad(g)
-            dv = da * F.silu(g)
-            grad13 = torch.cat([dg, dv], dim=-1).transpose(1, 2) @ x
-            grad2 = e.transpose(1, 2) @ a
+            dgv = torch.cat([da * v * _silu_grad(g), da * F.silu(g)], dim=-1)
+            # per-token clip of the gradient norm (||d x^T|| = ||d|| ||x||), scale 1/sqrt(d)
+            sq = reduce_from_tp_region(
+                a.pow(2).sum(-1) * e.pow(2).sum(-1) + dgv.pow(2).sum(-1) * x.pow(2).sum(-1)
+            )
+            scale = torch.rsqrt((sq / x.shape[-1]).clamp_min(1.0))[..., None]
+            grad13 = (dgv * scale).transpose(1, 2) @ x
+            grad2 = (e * scale).transpose(1, 2) @ a
             w13, w2 = w13 - eta * grad13, w2 - eta * grad2
             if record is not None and bool((grad13.abs().amax() + grad2.abs().amax()) > 0):
                 record.append(start + c)

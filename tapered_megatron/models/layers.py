@@ -7,6 +7,28 @@ import torch.nn.functional as F
 from torch import nn
 
 
+class _RMSNormFn(torch.autograd.Function):
+    """RMSNorm with a hand-written backward: about half the kernels of autograd's decomposition
+    of ``F.rms_norm`` in eager mode, which pays at small widths on CPU."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        xf = x.to(torch.promote_types(x.dtype, torch.float32))  # at least fp32
+        rstd = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True).add_(eps))
+        xhat = (xf * rstd).to(x.dtype)
+        ctx.save_for_backward(xhat, rstd, weight)
+        return xhat * weight
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        xhat, rstd, weight = ctx.saved_tensors
+        grad_w = (grad * xhat).sum(dim=tuple(range(grad.dim() - 1)))
+        gxhat = (grad * weight).to(rstd.dtype)
+        xh = xhat.to(rstd.dtype)
+        grad_x = rstd * (gxhat - xh * (gxhat * xh).mean(-1, keepdim=True))
+        return grad_x.to(grad.dtype), grad_w.to(weight.dtype), None
+
+
 class RMSNorm(nn.Module):
     """``x / rms(x) * g`` over the last dimension (gain ``g`` starts at one, no bias)."""
 
@@ -16,7 +38,9 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
+        if torch.compiler.is_compiling():
+            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
+        return _RMSNormFn.apply(x, self.weight, self.eps)
 
 
 def rope_tables(head_dim: int, seq_len: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:

@@ -169,7 +169,9 @@ def evaluate(
         parts=tuple(int(x) for x in parts),
         stage_times=tuple(st),
         stage_mem=tuple(mem),
-        stage_params=tuple(sum(c.params for c in costs[parts[j] : parts[j + 1]]) for j in range(pp)),
+        stage_params=tuple(
+            sum(c.params for c in costs[parts[j] : parts[j + 1]]) for j in range(pp)
+        ),
         bottleneck=bottleneck_ratio(times, parts),
         step_time=costlib.step_time(st, micro_batches),
         fits=all(m <= cap * (1 + 1e-9) for m in mem),
@@ -197,7 +199,7 @@ def balance_costs(
 
 
 def default_micro_batches(cfg: Any, pp: int, dp: int = 1) -> int:
-    """Gradient-accumulation steps implied by the config (at least ``pp``... or 1 if unknown)."""
+    """Micro-batches per step implied by ``train.global_batch_size`` (1 when it is 0)."""
     tr = cfg.train
     if tr.global_batch_size:
         return max(1, tr.global_batch_size // (tr.micro_batch_size * dp))
@@ -275,7 +277,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--micro-batches", type=int, default=None, help="1F1B micro-batches per step")
     ap.add_argument("--gpu-mem", type=float, default=None, help="per-device memory cap, GiB")
     ap.add_argument("--unit", choices=("layer", "sublayer"), default=None)
-    ap.add_argument("--device", default="auto", help=f"auto or one of {', '.join(costlib.DEVICES)}")
+    ap.add_argument(
+        "--device",
+        default="h100",
+        help=f"cost-model device: one of {', '.join(costlib.DEVICES)}, or auto (this machine)",
+    )
     ap.add_argument("--dp", type=int, default=1, help="data-parallel size (ZeRO sharding)")
     ap.add_argument("--zero", type=int, default=1, choices=(0, 1), help="ZeRO stage (PP: 0/1)")
     ap.add_argument("--checkpointing", action="store_true", help="activation checkpointing")
@@ -309,8 +315,10 @@ def main(argv: list[str] | None = None) -> int:
     for m in METHODS:
         print(res.table(m))
         print()
-    print("bottleneck ratio (slowest stage / mean): " + ", ".join(
-        f"{m} {res.methods[m].bottleneck:.3f}" for m in METHODS))
+    print(
+        "bottleneck ratio (slowest stage / mean): "
+        + ", ".join(f"{m} {res.methods[m].bottleneck:.3f}" for m in METHODS)
+    )
     return 0
 
 

@@ -2,34 +2,36 @@
 
 A *unit* is one entry of :func:`tapered_megatron.models.pipeline_layer_specs`: the embedding, one
 block (``unit="layer"``) or one token mixer / one MLP slot (``unit="sublayer"``), and the final
-norm + LM head + loss. Everything here comes from ``tapered_megatron.models.counters.count_model``:
-per-unit parameters, forward FLOPs per token and activation bytes per token. Backward is 2x
-forward (the counters' convention), so a unit's training time for one micro-batch of ``b``
-sequences of ``s`` tokens is::
+norm + LM head + loss. Parameters, forward FLOPs per token and activation bytes per token come
+from ``tapered_megatron.models.counters.count_model`` only; backward is 2x forward (the counters'
+convention), so a unit's training time for one micro-batch of ``b`` sequences of ``s`` tokens is::
 
-    time = (3 + r) * flops_fwd_per_token * b * s / (tp * peak * efficiency[kind]) + launch
+    time = (3 + r) * (flops_fwd_per_token * b * s / (tp * peak * efficiency[kind]) + launch)
 
-with ``r = 1`` when the unit is recomputed under activation checkpointing, else 0. ``efficiency``
-is the achieved fraction of the device's dense peak per op kind (documented defaults per device,
-overridable), ``launch`` a small fixed per-unit overhead. Alternatively the per-unit times can be
-*profiled* on the actual device (:mod:`tapered_megatron.pipeline.profile`), cached on disk keyed by
-config and device; both feed the same solver.
+with ``r = 1`` when the unit is recomputed under activation checkpointing. ``efficiency`` is the
+achieved fraction of the device's dense peak per unit kind (mixer / MLP / block / head /
+embedding; documented defaults per device, the CPU ones calibrated here), ``launch`` a small
+fixed per-pass overhead. Alternatively the per-unit times (and the bytes autograd really saves)
+are *profiled* on the actual device (:mod:`tapered_megatron.pipeline.profile`), cached on disk
+keyed by config and device; both feed the same solver.
 
-Memory of stage ``j`` under 1F1B with ``M`` micro-batches (stage ``j`` of ``P`` keeps ``min(P - j, M)``
-micro-batches of activations alive)::
+Memory of stage ``j`` under 1F1B with ``M`` micro-batches (stage ``j`` of ``P`` keeps
+``min(P - j, M)`` micro-batches of activations alive)::
 
     mem_j = overhead + sum(params) / tp * bytes_per_param(precision, zero, dp, pipeline)
-            + min(P - j, M) * sum(saved activations per micro-batch) + max(recompute working set)
+            + min(P - j, M) * sum(saved activations of one micro-batch) + max(transient)
 
 * bytes per parameter (ZeRO paper accounting, K = 12 for Adam's fp32 master + m + v):
   bf16 = 2 (weights) + 2 (grads) + 12 (optimizer), plus a 4-byte fp32 gradient-accumulation
   buffer when DeepSpeed's BF16_Optimizer is used (pipeline runs); fp32 = 4 + 4 + 8 (no master).
   ZeRO-1 divides the optimizer term by ``dp``, ZeRO-2 also the gradients, ZeRO-3 everything.
 * activations: the counters' bytes per token x ``b * s``; tensor parallelism shards everything
-  but the unit's input (the residual stream, replicated without sequence parallelism).
-  With checkpointing a block/sub-block keeps only its input per micro-batch in flight and
-  re-creates its full activations for one micro-batch during backward (the transient term).
-  The embedding and the head are not checkpointed (the logits dominate the last stage).
+  but the unit's input and its norm's input (replicated without sequence parallelism). With
+  checkpointing a block/sub-block keeps only its input per micro-batch in flight.
+* transient: while one unit runs backward, its activation gradients (about the size of what it
+  saved; under checkpointing its recomputed activations) live next to everything in flight.
+  The head additionally holds its logits in DeepSpeed's pipe buffer until the micro-batch's
+  backward, and the fp32 loss backward has three vocab-wide fp32 tensors alive at once.
 """
 
 from __future__ import annotations
@@ -49,8 +51,12 @@ GPU_EFFICIENCY = {
     "layer": 0.58,
     "head": 0.65,
 }
-MIXER_EFFICIENCY_SCALE = {"transformer": 1.0, "gated_attention": 0.95, "titans": 0.6,
-                          "hope_attention": 1.0}
+MIXER_EFFICIENCY_SCALE = {
+    "transformer": 1.0,
+    "gated_attention": 0.95,
+    "titans": 0.6,
+    "hope_attention": 1.0,
+}
 
 
 @dataclass(frozen=True)
@@ -201,16 +207,25 @@ def counter_units(cfg: Any, unit: str, dtype_bytes: int) -> list[UnitCount]:
 
     c = count_model(cfg, dtype_bytes=dtype_bytes)
     inp = c.ckpt_act_bytes
-    out = [UnitCount("embedding", "embedding", c.embedding.params, c.embedding.flops,
-                     c.embedding.act_bytes, 0.0)]
+    out = [
+        UnitCount(
+            "embedding",
+            "embedding",
+            c.embedding.params,
+            c.embedding.flops,
+            c.embedding.act_bytes,
+            0.0,
+        )
+    ]
     for lc in c.layers:
         if unit == "layer":
             t = lc.total
             out.append(UnitCount(f"layer{lc.layer}", "layer", t.params, t.flops, t.act_bytes, inp))
         elif unit == "sublayer":
             for kind, x in (("mixer", lc.mixer), ("mlp", lc.mlp)):
-                out.append(UnitCount(f"layer{lc.layer}.{kind}", kind, x.params, x.flops,
-                                     x.act_bytes, inp))
+                out.append(
+                    UnitCount(f"layer{lc.layer}.{kind}", kind, x.params, x.flops, x.act_bytes, inp)
+                )
         else:
             raise ValueError(f"pipeline unit must be 'layer' or 'sublayer', got {unit!r}")
     out.append(UnitCount("head", "head", c.head.params, c.head.flops, c.head.act_bytes, inp))
@@ -229,6 +244,7 @@ def unit_costs(
     shape: RunShape,
     device: Device,
     arch: str,
+    vocab: int,
     measured_times: Sequence[float] | None = None,
 ) -> list[UnitCost]:
     """Turn counter records into solver inputs (time, static memory, activations, transient).
@@ -238,6 +254,7 @@ def unit_costs(
     """
     bpp = bytes_per_param(shape.precision, shape.zero_stage, shape.dp, shape.pipeline)
     tok = shape.tokens
+    elem = activation_scale(shape.precision)
     out = []
     for i, u in enumerate(units):
         eff = device.efficiency[u.kind]
@@ -254,11 +271,18 @@ def unit_costs(
         # on every TP rank; everything inside the mixer / MLP / head is sharded.
         subunits = 2 if u.kind == "layer" else 1
         resid = min(2 * subunits * u.input_bytes, u.act_bytes) * tok
-        full = (resid + (u.act_bytes * tok - resid) / shape.tp)
-        if recompute:
-            act, peak = u.input_bytes * tok, full
-        else:
-            act, peak = full, 0.0
+        full = resid + (u.act_bytes * tok - resid) / shape.tp
+        # While a unit runs backward, gradients of its activations (about the size of what it
+        # saved) are alive next to everything held for the micro-batches in flight; a
+        # checkpointed unit first re-creates its activations. Either way: one unit's worth.
+        act = u.input_bytes * tok if recompute else full
+        peak = full
+        if u.kind == "head":
+            # DeepSpeed's last stage keeps its output (the logits) in the pipe buffer until that
+            # micro-batch's backward; the fp32 loss backward then has three more vocab-wide
+            # fp32 tensors alive (grad of the log-probs, the exp temporary, grad of the logits).
+            act += vocab * elem * tok / shape.tp
+            peak = 3 * 4.0 * vocab * tok / shape.tp
         out.append(
             UnitCost(
                 name=u.name,
@@ -283,8 +307,11 @@ def model_unit_costs(
     if profiled:
         from tapered_megatron.pipeline.profile import profile_units
 
-        measured = profile_units(cfg, unit, shape.micro_batch_size, shape.checkpointing)
-    return unit_costs(units, shape, device, cfg.model.arch, measured)
+        prof = profile_units(cfg, unit, shape.micro_batch_size, shape.checkpointing)
+        measured = prof["time"]
+        if not shape.checkpointing:  # measured saved bytes replace the counted ones
+            units = [replace(u, act_bytes=a) for u, a in zip(units, prof["act_bytes"])]
+    return unit_costs(units, shape, device, cfg.model.arch, cfg.padded_vocab_size, measured)
 
 
 def inflight(stages: int, micro_batches: int) -> list[int]:

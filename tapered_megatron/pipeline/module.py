@@ -17,6 +17,7 @@ or, with specs and boundaries computed elsewhere::
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from typing import Any
 
@@ -59,7 +60,7 @@ class BalancedPipelineModule(PipelineModule):
             raise ValueError(
                 f"parts {parts} must have {p + 1} entries from 0 to {n} (the number of specs)"
             )
-        if any(b <= a for a, b in zip(parts[:-1], parts[1:])):
+        if any(b <= a for a, b in itertools.pairwise(parts)):
             raise ValueError(f"parts {parts}: every pipeline stage needs at least one layer spec")
         self.parts = list(parts)
         if self.global_rank == 0:
@@ -91,14 +92,14 @@ class BalancedPipelineModule(PipelineModule):
         ``cfg.parallel.pipeline_unit``; the number of stages comes from ``topology`` (or
         ``num_stages``, else ``cfg.parallel.pp``). ``partition_kwargs`` go to
         :func:`tapered_megatron.pipeline.balance.analyse` (``device``, ``gpu_mem``, ``dp``, ...).
-        Other keyword arguments go to ``PipelineModule`` (``loss_fn`` defaults to the one that
-        comes with the specs).
+        Other keyword arguments go to ``PipelineModule`` (``loss_fn`` defaults to
+        :func:`tapered_megatron.models.lm_loss`).
         """
-        from tapered_megatron.models import pipeline_layer_specs
+        from tapered_megatron.models import lm_loss, pipeline_layer_specs
         from tapered_megatron.pipeline.balance import ALIASES, analyse
 
         u = unit or cfg.parallel.pipeline_unit
-        specs, loss_fn = _specs_and_loss(pipeline_layer_specs(cfg, unit=u))
+        specs = pipeline_layer_specs(cfg, unit=u)
         topo = kwargs.get("topology")
         pp = topo.get_dim("pipe") if topo is not None else kwargs.get("num_stages", cfg.parallel.pp)
         if topo is None:
@@ -109,16 +110,8 @@ class BalancedPipelineModule(PipelineModule):
             raise RuntimeError(
                 f"cost model has {len(res.costs)} units but pipeline_layer_specs gave {len(specs)}"
             )
-        if loss_fn is not None:
-            kwargs.setdefault("loss_fn", loss_fn)
+        kwargs.setdefault("loss_fn", lm_loss)
         return cls(specs, res.methods[m].parts, table=res.table(m), **kwargs)
-
-
-def _specs_and_loss(value: Any) -> tuple[list[Any], Any]:
-    """Accept ``specs`` or ``(specs, loss_fn)`` from ``pipeline_layer_specs``."""
-    if isinstance(value, tuple) and len(value) == 2 and callable(value[1]):
-        return list(value[0]), value[1]
-    return list(value), None
 
 
 def _spec_name(spec: Any) -> str:

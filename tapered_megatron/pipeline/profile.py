@@ -1,12 +1,14 @@
 """Per-unit times measured on this device, cached on disk; and this CPU's matmul peak.
 
 :func:`profile_units` builds every entry of ``pipeline_layer_specs(cfg, unit)`` once (TP = 1, one
-process), runs forward + backward of one micro-batch through it (the head includes ``lm_loss``)
-and keeps the median of a few repetitions after two warm-up calls. On the CPU the clock is the
-thread's CPU time (``time.thread_time``): on a shared machine wall time measures the neighbours. Results are cached as JSON under
-``$TM_PROFILE_CACHE`` (default ``~/.cache/tapered_megatron/profiles``), keyed by a hash of the
-model config, the taper widths, the unit kind, the micro-batch shape, checkpointing, the device
-name, the torch version and the thread count, so a profile is reused only where it is valid.
+process), runs forward + backward of one micro-batch through it (the head includes ``lm_loss``),
+keeps the median of a few repetitions after two warm-up calls, and counts the bytes autograd
+saves for backward (the unit's real activation memory). On the CPU the clock is the thread's CPU
+time (``time.thread_time``): on a shared machine wall time measures the neighbours. Results are
+cached as JSON under ``$TM_PROFILE_CACHE`` (default ``~/.cache/tapered_megatron/profiles``),
+keyed by a hash of the model config, the taper widths, the unit kind, the micro-batch size,
+checkpointing, the device name, the torch version and the thread count, so a profile is reused
+only where it is valid.
 """
 
 from __future__ import annotations
@@ -56,7 +58,7 @@ def _cached(payload: dict[str, Any], compute: Any) -> Any:
 
 
 def measure_cpu_peak(n: int = 512, reps: int = 10) -> float:
-    """Achieved fp32 matmul FLOP/s of one thread (``n x n`` by ``n x n``, thread CPU time), cached."""
+    """Achieved fp32 matmul FLOP/s of one thread (``n x n`` squared, thread CPU time), cached."""
     payload = {
         "what": "cpu_peak",
         "device": device_label(),
@@ -79,71 +81,88 @@ def measure_cpu_peak(n: int = 512, reps: int = 10) -> float:
     return float(_cached(payload, run))
 
 
-def _time_unit(module: torch.nn.Module, make_input: Any, loss: Any, reps: int) -> float:
-    # Thread CPU time on the CPU (immune to other processes sharing the cores; torch runs
-    # single-threaded ops in the calling thread); wall time with a synchronize elsewhere.
+def _time_once(module: torch.nn.Module, make_input: Any, loss: Any) -> float:
+    """One forward + backward. On the CPU the clock is the thread's CPU time (torch runs
+    single-threaded ops in the calling thread), elsewhere wall time between synchronisations."""
     from deepspeed.accelerator import get_accelerator
 
     acc = get_accelerator()
     on_cpu = acc.device_name() == "cpu"
     clock = time.thread_time if on_cpu else time.perf_counter
-    times = []
-    for i in range(reps + 2):
-        x = make_input()
-        if not on_cpu:
-            acc.synchronize()
-        t0 = clock()
-        out = module(x)
-        loss(out).backward()
-        if not on_cpu:
-            acc.synchronize()
-        dt = clock() - t0
-        if i >= 2:  # two warm-up calls
-            times.append(dt)
-        module.zero_grad(set_to_none=True)
-    return statistics.median(times)
+    x = make_input()
+    if not on_cpu:
+        acc.synchronize()
+    t0 = clock()
+    loss(module(x)).backward()
+    if not on_cpu:
+        acc.synchronize()
+    dt = clock() - t0
+    module.zero_grad(set_to_none=True)
+    return dt
+
+
+def _saved_bytes(module: torch.nn.Module, x: torch.Tensor, loss: Any) -> float:
+    """Bytes autograd keeps for backward in one forward (unique storages, parameters and the
+    input excluded): the activation memory of one micro-batch."""
+    skip = {p.untyped_storage().data_ptr() for p in module.parameters()}
+    skip.add(x.untyped_storage().data_ptr())
+    seen: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        ptr = t.untyped_storage().data_ptr()
+        if ptr not in skip:
+            seen[ptr] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        loss(module(x))
+    return float(sum(seen.values()))
 
 
 def measure_units(
-    cfg: Any, unit: str, micro_batch_size: int, checkpointing: bool, reps: int = 5
-) -> list[float]:
-    """Forward + backward seconds of one micro-batch through each pipeline unit (no cache)."""
+    cfg: Any, unit: str, micro_batch_size: int, checkpointing: bool, reps: int = 7
+) -> dict[str, list[float]]:
+    """Per pipeline unit, for one micro-batch: forward + backward seconds (``time``) and the
+    activation bytes per token autograd keeps (``act_bytes``). Not cached."""
     from tapered_megatron.models import lm_loss, pipeline_layer_specs, set_activation_checkpointing
 
     torch.manual_seed(0)
     b, s, d = micro_batch_size, cfg.model.seq_len, cfg.model.d_model
     ids = torch.randint(0, cfg.model.vocab_size, (b, s))
-    out = []
+    runs = []
     for spec in pipeline_layer_specs(cfg, unit=unit):
         module = spec.build()
         set_activation_checkpointing(module, checkpointing)
         module.train()
         name = spec.typename.__name__
         if name == "Embedding":
-            t = _time_unit(module, lambda: ids, lambda y: y.float().square().mean(), reps)
-        elif name == "Head":
-            t = _time_unit(
-                module,
-                lambda: torch.randn(b, s, d, requires_grad=True),
-                lambda y: lm_loss(y, ids),
-                reps,
-            )
+            make, loss = (lambda: ids), (lambda y: y.float().square().mean())
         else:
-            t = _time_unit(
-                module,
-                lambda: torch.randn(b, s, d, requires_grad=True),
-                lambda y: y.float().square().mean(),
-                reps,
-            )
-        out.append(t)
-    return out
+            make = lambda: torch.randn(b, s, d, requires_grad=True)  # noqa: E731
+            loss = (lambda y: lm_loss(y, ids)) if name == "Head" else (
+                lambda y: y.float().square().mean())  # fmt: skip
+        runs.append((module, make, loss))
+    # Repetitions in the outer loop: a burst of background load hits every unit alike, so the
+    # relative costs (what the balancer needs) stay right even on a shared machine.
+    times: list[list[float]] = [[] for _ in runs]
+    for rep in range(reps + 2):
+        for i, (module, make, loss) in enumerate(runs):
+            dt = _time_once(module, make, loss)
+            if rep >= 2:  # two warm-up rounds
+                times[i].append(dt)
+    return {
+        "time": [statistics.median(t) for t in times],
+        "act_bytes": [_saved_bytes(m, make(), loss) / (b * s) for m, make, loss in runs],
+    }
 
 
-def profile_units(cfg: Any, unit: str, micro_batch_size: int, checkpointing: bool) -> list[float]:
+def profile_units(
+    cfg: Any, unit: str, micro_batch_size: int, checkpointing: bool
+) -> dict[str, list[float]]:
     """Cached :func:`measure_units` (see the module docstring for the cache key)."""
     cfg1 = cfg.with_overrides(["--parallel.tp", "1", "--parallel.pp", "1"])
     payload = {
-        "what": "units",
+        "what": "units-v3",
         "model": cfg1.to_dict()["model"],
         "widths": list(cfg1.taper_plan.widths),
         "unit": unit,
@@ -153,6 +172,4 @@ def profile_units(cfg: Any, unit: str, micro_batch_size: int, checkpointing: boo
         "threads": torch.get_num_threads(),
         "torch": torch.__version__,
     }
-    return [float(x) for x in _cached(payload, lambda: measure_units(cfg1, unit,
-                                                                      micro_batch_size,
-                                                                      checkpointing))]
+    return _cached(payload, lambda: measure_units(cfg1, unit, micro_batch_size, checkpointing))

@@ -8,22 +8,25 @@ non-empty range ``[lo, hi)`` and needs::
     time_j = sum(t[lo:hi])
     mem_j  = fixed[j] + sum(s[lo:hi]) + inflight[j] * sum(a[lo:hi]) + max(peak[lo:hi])
 
-``inflight[j]`` is the number of micro-batches whose activations stage ``j`` holds at once, ``min(P - j,
-M)`` under 1F1B; ``peak`` is a transient working set (one checkpointed unit's recomputed activations).
-Memory is therefore stage-aware: the same range costs more on an early stage than on a late one.
+``inflight[j]`` is the number of micro-batches whose activations stage ``j`` holds at once,
+``min(P - j, M)`` under 1F1B; ``peak`` is a transient working set (one unit's activation
+gradients, or its recomputed activations under checkpointing). Memory is therefore stage-aware:
+the same range costs more on an early stage than on a late one.
 
 :func:`solve` returns the partition minimising ``max_j time_j`` subject to ``mem_j <= cap`` and
 every stage non-empty. It is exact: a dynamic programme over prefix sums, ``f[j][k]`` = the best
-bottleneck for units ``[0, k)`` on stages ``0..j``, with the recurrence ``f[j][k] = min_i max(f[j-1][i],
-T[i, k])`` over feasible ``i`` (``O(P * N^2)``, vectorised over ``(i, k)`` so 64 stages x 500 units
-take well under a second). Among the partitions that reach the optimal bottleneck, a second pass of
-the same programme picks the one with the smallest sum of squared stage times (the most even), so
-the answer is deterministic and robust to cost-model error. Feasibility of a range is monotone
-(a sub-range of a feasible range is feasible), which the tests check against brute force.
+bottleneck for units ``[0, k)`` on stages ``0..j``, with the recurrence
+``f[j][k] = min_i max(f[j-1][i], T[i, k])`` over feasible ``i`` (``O(P * N^2)``, vectorised over
+``(i, k)``: 64 stages x 500 units take well under a second). Among the partitions that reach the
+optimal bottleneck, a second pass of the same programme picks the one with the smallest sum of
+squared stage times (the most even), so the answer is deterministic and robust to cost-model
+error. Feasibility of a range is monotone (a sub-range of a feasible range is feasible), and the
+tests check the result against brute force.
 """
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -178,7 +181,7 @@ def solve(problem: Problem) -> list[int]:
 
 def stage_times(times: Sequence[float], parts: Sequence[int]) -> list[float]:
     """Per-stage time sums of a ``parts`` boundary list."""
-    return [float(sum(times[a:b])) for a, b in zip(parts[:-1], parts[1:])]
+    return [float(sum(times[a:b])) for a, b in itertools.pairwise(parts)]
 
 
 def bottleneck_ratio(times: Sequence[float], parts: Sequence[int]) -> float:

@@ -136,6 +136,10 @@ class Trainer:
         engine, *_ = deepspeed.initialize(**kwargs)
         if self.pipeline:
             self._time_pipeline_compute(engine)
+        # Only fp32 ZeRO-0 leaves the gradient norm uncomputed (DeepSpeed clips without storing it).
+        self._fp32_stage0 = engine.zero_optimization_stage() == 0 and not (
+            engine.fp16_enabled() or engine.bfloat16_enabled()
+        )
         return engine
 
     def _pipeline_module(self) -> Any:
@@ -204,7 +208,7 @@ class Trainer:
             loss = lm_loss(eng(x), y)
             eng.backward(loss)
             last = k == self.layout.grad_accum - 1
-            if last and want_norm and eng.zero_optimization_stage() == 0:
+            if last and want_norm and self._fp32_stage0:
                 norm = self._stage0_grad_norm()
             eng.step()
             total += loss.detach().double()
@@ -244,13 +248,15 @@ class Trainer:
             lr = self.engine.get_lr()[0]
             t = time.perf_counter()
             loss, gnorm = self._train_step(batches, log_now or bool(cfg.logging.metrics_file))
-            acc_time += time.perf_counter() - t
+            step_s = time.perf_counter() - t
+            acc_time += step_s
             if not losses:
-                self.log(f"first step done {time.time() - self.t0:.1f} s after launch")
+                self.log(f"first step done {time.time() - self.t0:.1f} s after process start")
             self.iteration, self.consumed = it, self.consumed + lay.global_batch_size
             losses.append(loss)
             acc_loss, acc_iters = acc_loss + loss, acc_iters + 1
             record = {"iteration": it, "loss": loss, "lr": lr, "grad_norm": gnorm}
+            record.update(step_s=step_s, wall=time.time())
             if log_now:
                 self.logger.train(
                     it,

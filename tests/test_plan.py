@@ -1,0 +1,88 @@
+"""Scale planner: enumeration, memory fit, ranking, filled DeepSpeed config and SLURM script."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from tapered_megatron.config import load_config
+from tapered_megatron.pipeline import cost as costlib
+from tapered_megatron.plan import (
+    ds_config,
+    enumerate_candidates,
+    fill_slurm,
+    meta_param_count,
+    plan,
+)
+
+
+def test_meta_param_count_equals_counters() -> None:
+    cfg = load_config("titans_7b")
+    assert meta_param_count(cfg) == costlib.model_params(cfg)
+
+
+def test_bytes_per_param_follow_zero_stages() -> None:
+    assert costlib.bytes_per_param("bf16", 0, 8, False) == 16
+    assert costlib.bytes_per_param("bf16", 1, 4, False) == 2 + 2 + 3
+    assert costlib.bytes_per_param("bf16", 3, 4, False) == 4
+    assert costlib.bytes_per_param("bf16", 1, 1, True) == 20  # BF16_Optimizer fp32 grad buffer
+    assert costlib.bytes_per_param("fp32", 0, 1, True) == 16
+
+
+def test_enumeration_respects_deepspeed_rules() -> None:
+    cfg = load_config("transformer_7b")
+    cands = enumerate_candidates(cfg, 64, 8)
+    assert cands
+    for c in cands:
+        assert c.tp * c.pp * c.dp == 64 and c.tp <= 8 and cfg.model.heads % c.tp == 0
+        assert c.pp == 1 or c.zero <= 1  # DeepSpeed: pipeline only with ZeRO 0/1
+        assert c.micro_batch_size * c.grad_accum * c.dp == cfg.train.global_batch_size
+
+
+def test_plan_7b_on_64_gpus_fits_and_fills_templates() -> None:
+    cfg = load_config("transformer_7b")
+    dev = costlib.get_device("h100")
+    cap = 0.9 * 80 * costlib.GiB
+    ranked, rejected = plan(cfg, 64, dev, cap)
+    assert ranked and rejected  # some layouts do not fit 80 GiB
+    assert all(c.mem_gib * costlib.GiB <= cap * (1 + 1e-9) for c in ranked)
+    assert [c.step_s for c in ranked] == sorted(c.step_s for c in ranked)
+    best = ranked[0]
+    assert 0.2 < best.mfu < 0.7
+    ds = ds_config(cfg, best, dev)
+    assert ds["train_batch_size"] == cfg.train.global_batch_size
+    assert ds["zero_optimization"]["stage"] == best.zero
+    text = fill_slurm("transformer_7b", best, 8, 8, "ds_configs/cluster_7b.json")
+    assert "{{" not in text and f"--parallel.tp {best.tp}" in text
+
+
+def test_plan_cli_json() -> None:
+    out = subprocess.run(
+        [sys.executable, "-m", "tapered_megatron.plan", "--config", "transformer_1.3b",
+         "--gpus", "16", "--gpu-mem", "40", "--nodes", "2", "--json", "--top", "3"],
+        capture_output=True, text=True, check=True,
+    )  # fmt: skip
+    obj = json.loads(out.stdout.strip().splitlines()[-1])
+    assert obj["best"] and len(obj["candidates"]) == 3 and obj["reasoning"]
+    best = obj["best"]
+    assert best["tp"] * best["pp"] * best["dp"] == 16
+    assert best["mem_gib"] <= 0.9 * 40
+
+
+@pytest.mark.parametrize("name", ["cluster_7b", "cluster_30b"])
+def test_cluster_ds_configs_are_valid(name: str) -> None:
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    ds = json.loads((root / "ds_configs" / f"{name}.json").read_text())
+    assert ds["train_batch_size"] == (
+        ds["train_micro_batch_size_per_gpu"] * ds["gradient_accumulation_steps"]
+        * (ds["train_batch_size"] // (ds["train_micro_batch_size_per_gpu"]
+                                      * ds["gradient_accumulation_steps"]))
+    )  # fmt: skip
+    assert ds["zero_optimization"]["stage"] in (0, 1, 2, 3)
+    sbatch = (root / "scripts" / f"slurm_{name}.sbatch").read_text()
+    assert "{{" not in sbatch and f"ds_configs/{name}.json" in sbatch

@@ -1,0 +1,231 @@
+"""Training pieces without a process group: validation, LR schedule, param groups, checkpoints."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from tapered_megatron.config import ConfigError, load_config
+from tapered_megatron.training import checkpoint, launch, optim
+
+ROOT = Path(__file__).resolve().parents[1]
+DS = ROOT / "ds_configs"
+
+
+def _resolve(overrides=(), ds=None, world=1):
+    cfg = load_config("quickstart", list(overrides))
+    return launch.resolve(cfg, ds if ds is not None else {}, world)
+
+
+# ------------------------------------------------------------------ ds_config resolution
+def test_auto_keys_are_filled_from_train_config():
+    ds, lay = _resolve(
+        ["--train.micro_batch_size", "2", "--train.global_batch_size", "16"],
+        json.loads((DS / "default.json").read_text()),
+        world=4,
+    )
+    assert (lay.dp, lay.grad_accum) == (4, 2)
+    assert ds["train_micro_batch_size_per_gpu"] == 2
+    assert ds["train_batch_size"] == 16
+    assert ds["gradient_accumulation_steps"] == 2
+    assert ds["gradient_clipping"] == 1.0
+    assert ds["bf16"]["enabled"] is False  # CPU: fp32
+
+
+def test_every_shipped_ds_config_resolves():
+    for path in sorted(DS.glob("*.json")):
+        if path.name.startswith("cluster_"):
+            continue
+        ds = json.loads(path.read_text())
+        pp = ["--parallel.pp", "2"] if "pipeline" in ds else []
+        _resolve(pp, ds, world=2)
+
+
+@pytest.mark.parametrize(
+    "overrides, ds, world, key",
+    [
+        ([], {"train_batch_size": 4}, 1, "train_batch_size"),
+        ([], {"train_micro_batch_size_per_gpu": 3}, 1, "train_micro_batch_size_per_gpu"),
+        ([], {"gradient_accumulation_steps": 2}, 2, "gradient_accumulation_steps"),
+        ([], {"gradient_clipping": 0.5}, 1, "gradient_clipping"),
+        (["--parallel.pp", "2"], {"zero_optimization": {"stage": 2}}, 2, "stage=2"),
+        (["--parallel.pp", "2"], {"zero_optimization": {"stage": 3}}, 2, "stage=3"),
+        (["--parallel.tp", "2"], {}, 3, "parallel.tp * parallel.pp"),
+        (["--train.global_batch_size", "12"], {}, 2, "train.global_batch_size"),
+        ([], {"pipeline": {"stages": 4}}, 1, "pipeline.stages"),
+        ([], {"bf16": {"enabled": True}}, 1, "CPU"),
+        ([], {"zero_optimization": {"stage": 5}}, 1, "zero_optimization.stage"),
+    ],
+)
+def test_inconsistent_configs_are_rejected_naming_the_key(overrides, ds, world, key):
+    with pytest.raises(ConfigError) as e:
+        _resolve(overrides, ds, world)
+    msg = str(e.value)
+    assert key in msg and "\n" not in msg
+
+
+def test_resume_alias_and_launcher_local_rank():
+    args, rest = launch.parse_args(["--local_rank=3", "--resume", "auto", "--train.iters", "5"])
+    assert args.local_rank == 3
+    assert load_config("quickstart", rest).train.resume == "auto"
+    with pytest.raises(ConfigError):
+        launch.parse_args(["--resume", "auto", "--train.resume", "x"])
+
+
+def test_invalid_config_rejected_before_any_process_group(tmp_path):
+    """A 4-rank launch of PP=2 with ZeRO-3 fails at once on every rank, before any rendezvous."""
+    env = dict(os.environ, WORLD_SIZE="4", RANK="1", MASTER_ADDR="127.0.0.1", MASTER_PORT="1")
+    env["LOCAL_RANK"] = "1"
+    cmd = [
+        sys.executable, str(ROOT / "pretrain" / "main.py"), "--ds_config",
+        str(DS / "zero3.json"), "--parallel.pp", "2", "--train.save_dir", str(tmp_path / "ck"),
+    ]  # fmt: skip
+    t = time.time()
+    r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2
+    assert time.time() - t < 30  # MASTER_PORT=1 would hang/time out if a group were started
+    env["RANK"] = "0"
+    r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=60)
+    lines = r.stderr.strip().splitlines()
+    assert r.returncode == 2 and len(lines) == 1, r.stderr
+    assert "zero_optimization.stage=3" in lines[0] and "ds_configs/pipeline.json" in lines[0]
+    assert not (tmp_path / "ck").exists()
+
+
+# ------------------------------------------------------------------ optimiser / schedule
+def test_warmup_then_cosine_to_min_lr():
+    tr = load_config(
+        "quickstart",
+        ["--train.lr", "1e-3", "--train.min_lr", "1e-4", "--train.warmup_iters", "10",
+         "--train.iters", "110"],
+    ).train  # fmt: skip
+    lrs = [optim.lr_at(tr, i) for i in range(130)]
+    assert lrs[0] == pytest.approx(1e-4)
+    assert lrs[9] == pytest.approx(1e-3)
+    assert all(a < b for a, b in itertools.pairwise(lrs[:10]))
+    assert all(a >= b for a, b in itertools.pairwise(lrs[9:111]))
+    assert lrs[60] == pytest.approx(5.5e-4)
+    assert lrs[110:] == [pytest.approx(1e-4)] * 20
+
+
+def test_scheduler_state_round_trips():
+    tr = load_config("quickstart").train
+    p = nn.Parameter(torch.zeros(2, 2))
+    opt = torch.optim.AdamW([p], lr=tr.lr)
+    sch = optim.build_scheduler(opt, tr)
+    for _ in range(7):
+        opt.step()
+        sch.step()
+    state = sch.state_dict()
+    opt2 = torch.optim.AdamW([p], lr=tr.lr)
+    sch2 = optim.build_scheduler(opt2, tr)
+    opt2.load_state_dict(opt.state_dict())  # DeepSpeed restores both, as here
+    sch2.load_state_dict(state)
+    assert opt2.param_groups[0]["lr"] == opt.param_groups[0]["lr"] == optim.lr_at(tr, 7)
+    opt.step(), sch.step(), opt2.step(), sch2.step()
+    assert opt2.param_groups[0]["lr"] == opt.param_groups[0]["lr"] == optim.lr_at(tr, 8)
+
+
+def test_no_weight_decay_on_norms_gains_and_biases():
+    from tapered_megatron.models import build_model
+
+    cfg = load_config(
+        "quickstart",
+        ["--model.layers", "2", "--model.d_model", "32", "--model.heads", "2",
+         "--model.d_ff", "64", "--model.arch", "gated_attention"],
+    )  # fmt: skip
+    model = build_model(cfg)
+    groups = optim.param_groups(model, 0.1)
+    names = {id(p): n for n, p in model.named_parameters()}
+    decayed = [names[id(p)] for p in groups[0]["params"]]
+    kept = [names[id(p)] for p in groups[1]["params"]]
+    assert groups[0]["weight_decay"] == 0.1 and groups[1]["weight_decay"] == 0.0
+    assert any("norm" in n for n in kept) and not any("norm" in n for n in decayed)
+    assert all(p.ndim >= 2 for p in groups[0]["params"])
+    assert len(decayed) + len(kept) == len(list(model.parameters()))
+
+
+# ------------------------------------------------------------------ checkpoints
+class FakeEngine:
+    """Writes a file per save like DeepSpeed; can be told to die half-way."""
+
+    def __init__(self, fail_at: int | None = None) -> None:
+        self.fail_at = fail_at
+        self.loaded = None
+
+    def save_checkpoint(self, save_dir, tag, client_state, save_latest):
+        assert save_latest is False
+        d = Path(save_dir) / tag
+        d.mkdir(parents=True, exist_ok=True)
+        (d / "mp_rank_00_model_states.pt").write_text(json.dumps(client_state))
+        if client_state["iteration"] == self.fail_at:
+            raise RuntimeError("node died while writing")
+
+    def load_checkpoint(self, load_dir, tag, **kw):
+        self.loaded = tag
+        return str(Path(load_dir) / tag), json.loads(
+            (Path(load_dir) / tag / "mp_rank_00_model_states.pt").read_text()
+        )
+
+
+def _cfg(tmp_path, *extra):
+    return load_config(
+        "quickstart", ["--train.save_dir", str(tmp_path), "--train.keep_last", "2", *extra]
+    )
+
+
+def test_latest_only_points_at_complete_checkpoints(tmp_path):
+    cfg = _cfg(tmp_path)
+    checkpoint.save(FakeEngine(), cfg, 10, 80)
+    assert (tmp_path / "latest").read_text() == "global_step10"
+    assert checkpoint.is_complete(tmp_path / "global_step10")
+    saved = yaml_load(tmp_path / "global_step10" / "config.yaml")
+    assert saved["train"]["save_dir"] == str(tmp_path)
+    assert json.loads((tmp_path / "global_step10" / "taper_plan.json").read_text())["widths"]
+    with pytest.raises(RuntimeError):
+        checkpoint.save(FakeEngine(fail_at=20), cfg, 20, 160)
+    assert (tmp_path / "global_step20").exists()  # half-written ...
+    assert (tmp_path / "latest").read_text() == "global_step10"  # ... and never latest
+    resume = _cfg(tmp_path, "--train.resume", "auto")
+    assert checkpoint.find_resume(resume) == (tmp_path, "global_step10")
+    # even with a stale/corrupt `latest`, auto picks the newest complete checkpoint
+    (tmp_path / "latest").write_text("global_step20")
+    assert checkpoint.find_resume(resume) == (tmp_path, "global_step10")
+    eng = FakeEngine()
+    client = checkpoint.load(eng, tmp_path, "global_step10")
+    assert client == {"iteration": 10, "consumed_samples": 80}
+
+
+def test_keep_last_and_explicit_paths(tmp_path):
+    cfg = _cfg(tmp_path)
+    for it in (5, 10, 15, 20):
+        checkpoint.save(FakeEngine(), cfg, it, it * 8)
+    assert [t for _, t in checkpoint.complete_tags(tmp_path)] == ["global_step15", "global_step20"]
+    assert not (tmp_path / "global_step5").exists()
+    assert checkpoint.find_resume(_cfg(tmp_path, "--train.resume", str(tmp_path))) == (
+        tmp_path,
+        "global_step20",
+    )
+    one = tmp_path / "global_step15"
+    assert checkpoint.find_resume(_cfg(tmp_path, "--train.resume", str(one))) == (
+        tmp_path,
+        "global_step15",
+    )
+    assert checkpoint.find_resume(_cfg(tmp_path / "empty", "--train.resume", "auto")) is None
+    with pytest.raises(FileNotFoundError):
+        checkpoint.find_resume(_cfg(tmp_path, "--train.resume", str(tmp_path / "nothing")))
+
+
+def yaml_load(path: Path) -> dict:
+    import yaml
+
+    return yaml.safe_load(path.read_text())
