@@ -10,12 +10,14 @@ order, so load from other processes on a shared machine hits them all alike. Thr
 deliver while they run, far less disturbed by other processes than wall time, which is reported
 too). MFU uses the model FLOPs of ``count_model`` (attention over the mean causal context)
 against the best fp32 matmul rate measured the same way on the same machine in the same run.
-Needs ``transformers`` (benchmark-only extra). Prints one JSON line.
+glibc is told to keep freed memory (see :func:`keep_freed_memory`) for every variant unless
+``--default-malloc``. Needs ``transformers`` (benchmark-only extra). Prints one JSON line.
 """
 
 from __future__ import annotations
 
 import argparse
+import ctypes
 import datetime
 import json
 import os
@@ -34,6 +36,20 @@ SHAPE = [
     "--model.vocab_size", "8192", "--model.seq_len", "256", "--taper.multiple", "16",
 ]  # fmt: skip
 BATCH, SEQ, VOCAB = 8, 256, 8192
+
+
+def keep_freed_memory() -> bool:
+    """Stop glibc from returning freed tensors to the OS (no mmap'd chunks, no heap trimming).
+
+    Otherwise every step's large activations are fresh pages, and first-touch page faults (very
+    expensive in a VM) cost as much as the arithmetic at these sizes. Applies to every variant.
+    """
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+    except OSError:
+        return False
+    m_trim_threshold, m_mmap_max = -1, -4
+    return bool(libc.mallopt(m_mmap_max, 0) and libc.mallopt(m_trim_threshold, 1 << 30))
 
 
 def matmul_peak(threads: int, seconds: float = 1.0) -> tuple[float, float]:
@@ -94,7 +110,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=10, help="timed steps per variant")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--compile", action="store_true", help="also time torch.compile'd ours")
+    ap.add_argument(
+        "--default-malloc", action="store_true", help="leave glibc's allocator settings alone"
+    )
     a = ap.parse_args(argv)
+    malloc_tuned = not a.default_malloc and keep_freed_memory()
     torch.set_num_threads(a.threads)
     torch.manual_seed(0)
 
@@ -179,6 +199,7 @@ def main(argv: list[str] | None = None) -> int:
         "ratio_tapered_vs_uniform": round(tps_cpu["ours_tapered"] / tps_cpu["ours_uniform"], 3),
         "ratio_gated_vs_plain": round(tps_cpu["ours_gated_uniform"] / tps_cpu["ours_uniform"], 3),
         "steps_per_variant": a.rounds,
+        "malloc_keeps_freed_memory": malloc_tuned,
     }
     if a.compile:
         result["ratio_ours_compiled_vs_hf"] = round(

@@ -73,8 +73,9 @@ def _overhead(config: str, ds_config: str, overrides: list[str], rounds: int, st
     times: dict[str, list[float]] = {"engine": [], "bare": []}
     for fn in (bare_step, engine_step):  # warm-up, not timed
         fn()
-    for _ in range(rounds):
-        for name, fn in (("bare", bare_step), ("engine", engine_step)):
+    sides = [("bare", bare_step), ("engine", engine_step)]
+    for r in range(rounds):
+        for name, fn in sides if r % 2 == 0 else sides[::-1]:  # alternate who goes first
             for _ in range(steps):
                 t = time.perf_counter()
                 fn()

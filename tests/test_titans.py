@@ -288,12 +288,15 @@ def test_tapered_and_uniform_budgets_match():
 
 
 @pytest.mark.distributed
-def test_tp2_equals_tp1():
+def test_tp2_equals_tp1_titans_and_hope():
+    """One launch of two processes covers every Titans variant and hope_attention (the CMS's
+    in-context updates included), to keep the default run short."""
     assert_tp_equal(
         {
             "mag": ["titans"],
             "mal": ["titans", "--model.titans.variant", "mal"],
             "lmm": ["titans", "--model.titans.variant", "lmm"],
+            "hope": ["hope_attention"],
         }
     )
 

@@ -19,8 +19,9 @@ gives, for every token ``t`` of the chunk::
     B_t = prod_{j<=t}(1-alpha_j),  E_t = prod_{j<=t} eta_j,  P_t = sum_{s<=t} (B_t/B_s) E_s
     c_{t,i} = theta_i sum_{s=i..t} (B_t/B_s)(E_s/E_i)
 
-(all ratios formed as differences of cumulative log-gates, masked before ``exp``, so nothing is
-divided by a vanishing product). The read-out ``M_t(q_t)`` never materialises ``M_t``: layer by
+(``theta_i`` includes the per-token gradient clip below; all ratios are formed as differences
+of cumulative log-gates, masked before ``exp``, so nothing is divided by a vanishing product).
+The read-out ``M_t(q_t)`` never materialises ``M_t``: layer by
 layer, ``M_t x_t = B_t M_0 x_t + P_t S_0 x_t - sum_i c_{t,i} delta_i (a_i . x_t)``, i.e. two
 weight matmuls plus a causally masked ``b x b`` "attention" over the chunk's gradient factors
 (the dual form of TTT). At the chunk end ``M`` and ``S`` are materialised (``delta^T diag(c) a``)
@@ -56,7 +57,11 @@ Choices the paper leaves open, and ours:
   output. LMM (memory only): ``o = W_o RMSNorm_h(mem)``.
 * Tensor parallelism: memory heads are split across TP ranks exactly like attention heads; every
   memory computation is local to its head, so the memory adds no communication.
-* The memory MLP is state, not the tapered site: the block's separate SwiGLU MLP tapers.
+* The memory MLP is state, not the tapered site: the block's separate SwiGLU MLP tapers. The
+  MAG mixer has about 1.8x the parameters of plain attention (its own memory q/k/v).
+* titans-pytorch (the reference implementation on PyPI) takes all surprise gradients of one
+  forward call w.r.t. the call's starting weights and reads out with chunk-granular weights;
+  ours takes them at each chunk start and reads out per token, so chunk size 1 is exact.
 """
 
 from __future__ import annotations
@@ -176,9 +181,13 @@ def memory_scan(
         eta = F.pad(eta, (0, pad), value=1.0)
     n = (seq + pad) // b
     shape = (bsz, heads, n, b)
-    coef, keep, mom, s_keep, s_coef = _chunk_coefficients(
-        torch.log(eta.clamp_min(1e-30)).reshape(shape),
-        torch.log1p(-alpha.clamp_max(1 - 1e-7)).reshape(shape),
+    # gate products in fp32 whatever the activation dtype (cumulative log sums), then cast back
+    coef, keep, mom, s_keep, s_coef = (
+        t.to(q.dtype)
+        for t in _chunk_coefficients(
+            torch.log(eta.float().clamp_min(1e-30)).reshape(shape),
+            torch.log1p(-alpha.float().clamp_max(1 - 1e-7)).reshape(shape),
+        )
     )
     theta = theta.reshape(shape)
     qc, kc, vc = (t.reshape(bsz, heads, n, b, -1) for t in (q, k, v))
