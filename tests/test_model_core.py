@@ -160,4 +160,6 @@ def test_rmsnorm_matches_reference_and_gradients():
     torch.testing.assert_close(_RMSNormFn.apply(x, w, 1e-5), ref)
     assert torch.autograd.gradcheck(lambda a, b: _RMSNormFn.apply(a, b, 1e-5), (x, w))
     norm = RMSNorm(16)
-    torch.testing.assert_close(norm(x.float()), torch.nn.functional.rms_norm(x.float(), (16,), eps=1e-5))
+    torch.testing.assert_close(
+        norm(x.float()), torch.nn.functional.rms_norm(x.float(), (16,), eps=1e-5)
+    )
