@@ -393,6 +393,15 @@ def load_config(name_or_path: str = "quickstart", overrides: list[str] | None = 
     return _build(_merge(data, parse_overrides(list(overrides or []))))
 
 
+def load_config_or_exit(name_or_path: str, overrides: list[str]) -> Config:
+    """:func:`load_config` for command-line tools: a bad config prints one line and exits 2."""
+    try:
+        return load_config(name_or_path, overrides)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        raise SystemExit(2) from None
+
+
 def _require(cond: bool, msg: str) -> None:
     if not cond:
         raise ConfigError(msg)
@@ -469,9 +478,17 @@ def validate(cfg: Config) -> None:
         f"data.split: {cfg.data.split!r} needs up to three non-negative weights",
     )
     try:
-        cfg.taper_plan  # noqa: B018 - computing the plan is the validation
+        plan = cfg.taper_plan
     except TaperError as e:
         raise ConfigError(str(e)) from None
+    if m.arch == "hope_attention":
+        narrowest = min(plan.widths)
+        _require(
+            narrowest >= m.hope.levels * plan.unit,
+            f"model.hope.levels: the narrowest layer (d_ff={narrowest}) cannot be split into "
+            f"{m.hope.levels} CMS levels of at least one rounding unit ({plan.unit}); use fewer "
+            "levels, a wider model.d_ff or a smaller taper.multiple",
+        )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -481,11 +498,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--print", action="store_true", help="print the resolved config (default)")
     ap.add_argument("--json", action="store_true", help="print JSON instead of YAML")
     a, rest = ap.parse_known_args(argv)
-    try:
-        cfg = load_config(a.config, rest)
-    except ConfigError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    cfg = load_config_or_exit(a.config, rest)
     if a.json:
         print(json.dumps({**cfg.to_dict(), "taper_plan": cfg.taper_plan.to_dict()}))
     else:

@@ -342,7 +342,7 @@ def fill_slurm(
 
 def main(argv: list[str] | None = None) -> int:
     """CLI entry (see the module docstring)."""
-    from tapered_megatron.config import ConfigError, load_config
+    from tapered_megatron.config import load_config_or_exit
 
     ap = argparse.ArgumentParser(
         prog="python -m tapered_megatron.plan", description=__doc__.split("\n\n")[0]
@@ -366,11 +366,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--write-ds-config", default=None, help="write the best DeepSpeed JSON here")
     ap.add_argument("--write-slurm", default=None, help="write the filled SLURM script here")
     a, rest = ap.parse_known_args(argv)
-    try:
-        cfg = load_config(a.config, rest)
-    except ConfigError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    cfg = load_config_or_exit(a.config, rest)
     nodes = a.nodes or max(1, a.gpus // 8)
     if a.gpus % nodes:
         print(f"error: --gpus {a.gpus} is not a multiple of --nodes {nodes}", file=sys.stderr)

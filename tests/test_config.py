@@ -77,6 +77,17 @@ def test_public_entry_point():
         (["--data.split", "a,b"], r"data\.split"),
         (["--train.iters", "1", "--train.iters", "2"], r"given twice"),
         (["train.iters", "1"], r"unexpected argument"),
+        (
+            [
+                "--model.arch",
+                "hope_attention",
+                "--model.hope.levels",
+                "17",
+                "--model.hope.periods",
+                *["0"] * 17,
+            ],
+            r"model\.hope\.levels",
+        ),
     ],
 )
 def test_bad_input_names_the_key(overrides, match):

@@ -49,6 +49,24 @@ def test_counted_params_equal_real_module():
         )
 
 
+def _cms_split_slack(cfg) -> float:
+    """FLOPs the Hope CMS level split can add beyond linearity in d_ff (0 for other archs).
+
+    Each layer splits d_ff(l) into levels in whole rounding units; where the remainder lands
+    (a static level or an in-context-updating one, which costs more per unit of width) is not
+    linear in d_ff(l). Bound: per layer and variant, under one unit per level at the update price.
+    """
+    if cfg.model.arch != "hope_attention":
+        return 0.0
+    from tapered_megatron.models.hope import ContinuumMemory
+
+    unit, levels = cfg.taper_plan.unit, cfg.model.hope.levels
+    one = ContinuumMemory.counts(cfg, 0, d_ff=levels * unit).flops / (levels * unit)
+    static = cfg.with_overrides(["--model.hope.lr", "0"])
+    base = ContinuumMemory.counts(static, 0, d_ff=levels * unit).flops / (levels * unit)
+    return 2 * cfg.model.layers * unit * levels * abs(one - base)
+
+
 @pytest.mark.parametrize("preset", PRESETS)
 def test_taper_keeps_params_and_flops_within_plan_deviation(preset):
     variants = {
@@ -62,11 +80,13 @@ def test_taper_keeps_params_and_flops_within_plan_deviation(preset):
     lc = uni.layers[0]
     p_slope, f_slope = lc.mlp.params / lc.d_ff, lc.mlp.flops / lc.d_ff
     dev_u = abs(variants["uniform"].taper_plan.deviation)
+    split_slack = _cms_split_slack(variants["uniform"])
     for name in ("tapered", "reverse"):
         dev = abs(variants[name].taper_plan.deviation) + dev_u
         c = counts[name]
         assert abs(c.params_total - uni.params_total) <= p_slope * dev + 1e-6, name
-        assert abs(c.flops_per_token - uni.flops_per_token) <= f_slope * dev * 1.0001 + 1e-6, name
+        flops_bound = f_slope * dev * 1.0001 + split_slack + 1e-6
+        assert abs(c.flops_per_token - uni.flops_per_token) <= flops_bound, name
     assert counts["tapered"].params_total == counts["reverse"].params_total
     assert [l.d_ff for l in counts["reverse"].layers] == [l.d_ff for l in counts["tapered"].layers][
         ::-1

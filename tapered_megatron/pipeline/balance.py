@@ -266,7 +266,7 @@ def partition(
 
 def main(argv: list[str] | None = None) -> int:
     """CLI entry (see the module docstring)."""
-    from tapered_megatron.config import ConfigError, load_config
+    from tapered_megatron.config import load_config_or_exit
 
     ap = argparse.ArgumentParser(
         prog="python -m tapered_megatron.pipeline.balance",
@@ -288,11 +288,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--profiled", action="store_true", help="per-unit times measured here")
     ap.add_argument("--json", action="store_true", help="one JSON object")
     a, rest = ap.parse_known_args(argv)
-    try:
-        cfg = load_config(a.config, rest)
-    except ConfigError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    cfg = load_config_or_exit(a.config, rest)
     try:
         res = analyse(
             cfg,
