@@ -78,8 +78,8 @@ class Counts:
         )
 
 
-class TokenMixer(nn.Module):
-    """Base of token mixers ``M_l``: ``[b, s, d] -> [b, s, d]``, causal. See module docstring."""
+class BlockPart(nn.Module):
+    """Common base of the two halves of a block (see the protocol in the module docstring)."""
 
     def __init__(self, cfg: Config, layer: int) -> None:
         super().__init__()
@@ -91,17 +91,12 @@ class TokenMixer(nn.Module):
         raise NotImplementedError(f"{cls.__name__}.counts")
 
 
-class MLPSlot(nn.Module):
+class TokenMixer(BlockPart):
+    """Base of token mixers ``M_l``: ``[b, s, d] -> [b, s, d]``, causal."""
+
+
+class MLPSlot(BlockPart):
     """Base of MLP-slot modules ``F_l`` (the tapered site): ``[b, s, d] -> [b, s, d]``."""
-
-    def __init__(self, cfg: Config, layer: int) -> None:
-        super().__init__()
-        self.layer = layer
-
-    @classmethod
-    def counts(cls, cfg: Config, layer: int, dtype_bytes: int = 2) -> Counts:
-        """Parameters, forward FLOPs per token and activation bytes per token (full model)."""
-        raise NotImplementedError(f"{cls.__name__}.counts")
 
 
 ARCHITECTURES: dict[str, tuple[str, str]] = {
