@@ -48,8 +48,10 @@ SHAPE = [
 ]  # fmt: skip
 
 
-def _ours(arch: str, schedule: str):
-    cfg = load_config("quickstart", [*SHAPE, "--model.arch", arch, "--taper.schedule", schedule])
+def _ours(arch: str, schedule: str, *extra: str):
+    cfg = load_config(
+        "quickstart", [*SHAPE, "--model.arch", arch, "--taper.schedule", schedule, *extra]
+    )
     model = build_model(cfg)
     return model, lambda ids: lm_loss(model(ids[:, :-1]), ids[:, 1:])
 
@@ -153,6 +155,11 @@ def main(argv: list[str] | None = None) -> int:
             model, fn = _ours(arch, schedule)
             key = f"{arch}/{'tapered' if schedule == 'cosine' else 'uniform'}"
             entries[key], params[key] = (model, fn), sum(p.numel() for p in model.parameters())
+    # The nested-learning peer's timed forward makes no in-context CMS update; this is ours
+    # doing the same work (update rate 0: attention + the static CMS chain).
+    key = "hope_attention/uniform, static CMS (hope.lr 0)"
+    model, fn = _ours("hope_attention", "uniform", "--model.hope.lr", "0")
+    entries[key], params[key] = (model, fn), sum(p.numel() for p in model.parameters())
     base = load_config("quickstart", SHAPE)
     peers_status: dict[str, str] = {}
     if not a.no_peers:
