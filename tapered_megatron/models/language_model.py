@@ -25,8 +25,10 @@ from tapered_megatron.models.layers import RMSNorm
 from tapered_megatron.parallel import (
     ColumnParallelLinear,
     VocabParallelEmbedding,
+    copy_to_tp_region,
     init_parameters,
     vocab_parallel_cross_entropy,
+    vocab_parallel_linear_cross_entropy,
 )
 
 if TYPE_CHECKING:
@@ -130,16 +132,29 @@ class Head(nn.Module):
     def forward(self, h: torch.Tensor) -> torch.Tensor:
         return self.proj(self.norm(h))
 
+    def loss(self, h: torch.Tensor, labels: torch.Tensor | tuple) -> torch.Tensor:
+        """``lm_loss(self(h), labels)`` with the LM head fused into the cross-entropy, so the
+        logits are never a separate tensor (see ``vocab_parallel_linear_cross_entropy``)."""
+        x = copy_to_tp_region(self.norm(h))
+        return _mean_loss(
+            labels, lambda target: vocab_parallel_linear_cross_entropy(x, self.proj.weight, target)
+        )
+
 
 def lm_loss(logits: torch.Tensor, labels: torch.Tensor | tuple) -> torch.Tensor:
     """Mean next-token cross-entropy over (vocab-parallel) logits: the pipeline ``loss_fn``.
 
     ``labels`` is ``[b, s]`` token ids, or ``(labels, loss_mask)`` with a 0/1 mask ``[b, s]``.
     """
+    return _mean_loss(labels, lambda target: vocab_parallel_cross_entropy(logits, target))
+
+
+def _mean_loss(labels: torch.Tensor | tuple, per_token) -> torch.Tensor:
+    """The mean (or masked mean) of ``per_token(labels)``; ``labels`` as for :func:`lm_loss`."""
     mask = None
     if isinstance(labels, (tuple, list)):
         labels, mask = labels
-    loss = vocab_parallel_cross_entropy(logits, labels)
+    loss = per_token(labels)
     if mask is None:
         return loss.mean()
     mask = mask.to(loss.dtype)
@@ -166,8 +181,7 @@ class LanguageModel(nn.Module):
         h = self.embedding(input_ids)
         for block in self.layers:
             h = block(h)
-        logits = self.head(h)
-        return logits if labels is None else lm_loss(logits, labels)
+        return self.head(h) if labels is None else self.head.loss(h, labels)
 
 
 def set_activation_checkpointing(model: nn.Module, enabled: bool = True) -> nn.Module:

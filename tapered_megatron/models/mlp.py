@@ -9,10 +9,50 @@ import torch
 import torch.nn.functional as F
 
 from tapered_megatron.models.base import Counts, MLPSlot
-from tapered_megatron.parallel import ColumnParallelLinear, RowParallelLinear
+from tapered_megatron.parallel import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    copy_to_tp_region,
+    reduce_from_tp_region,
+)
 
 if TYPE_CHECKING:
     from tapered_megatron.config import Config
+
+
+class _SwiGLUFn(torch.autograd.Function):
+    """``(silu(x W1^T) * (x W3^T)) W2^T`` with ``W13 = [W1; W3]``, hand-written backward.
+
+    Same arithmetic as autograd's, but the gradient of the fused ``[gate | up]`` projection is
+    written straight into one buffer (autograd's ``chunk`` backward concatenates a copy) and the
+    silu derivative is one fused kernel. Eager only (under ``torch.compile`` inductor fuses the
+    plain form).
+    """
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
+        h = F.linear(x, w13)
+        gate, up = h.chunk(2, dim=-1)
+        act = F.silu(gate)
+        prod = act * up
+        ctx.save_for_backward(x, gate, up, act, prod, w13, w2)
+        return F.linear(prod, w2)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        x, gate, up, act, prod, w13, w2 = ctx.saved_tensors
+        f = w2.shape[1]
+        g2 = grad.reshape(-1, grad.shape[-1])
+        grad_w2 = g2.t().mm(prod.reshape(-1, f))
+        grad_prod = g2.mm(w2).view(prod.shape)
+        grad_h = torch.empty(*prod.shape[:-1], 2 * f, dtype=grad_prod.dtype, device=grad.device)
+        grad_gate, grad_up = grad_h.chunk(2, dim=-1)
+        torch.mul(grad_prod, act, out=grad_up)
+        torch.ops.aten.silu_backward.grad_input(grad_prod * up, gate, grad_input=grad_gate)
+        gh2 = grad_h.view(-1, 2 * f)
+        grad_x = gh2.mm(w13).view(x.shape)
+        grad_w13 = gh2.t().mm(x.reshape(-1, x.shape[-1]))
+        return grad_x, grad_w13, grad_w2
 
 
 class SwiGLU(MLPSlot):
@@ -35,8 +75,12 @@ class SwiGLU(MLPSlot):
         self.w2 = RowParallelLinear(self.d_ff, m.d_model, std=std_out)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.w13(x).chunk(2, dim=-1)
-        return self.w2(F.silu(gate) * up)
+        if torch.compiler.is_compiling():
+            gate, up = self.w13(x).chunk(2, dim=-1)
+            return self.w2(F.silu(gate) * up)
+        # the same as above: enter the TP region, both projections, leave it
+        y = _SwiGLUFn.apply(copy_to_tp_region(x), self.w13.weight, self.w2.weight)
+        return reduce_from_tp_region(y)
 
     @classmethod
     def counts(

@@ -4,7 +4,10 @@ Model files compose these and carry no process-group plumbing of their own. Ever
 a single process without ``torch.distributed`` (TP = PP = 1).
 """
 
-from tapered_megatron.parallel.cross_entropy import vocab_parallel_cross_entropy
+from tapered_megatron.parallel.cross_entropy import (
+    vocab_parallel_cross_entropy,
+    vocab_parallel_linear_cross_entropy,
+)
 from tapered_megatron.parallel.layers import (
     ColumnParallelLinear,
     RowParallelLinear,
@@ -82,4 +85,5 @@ __all__ = [
     "shard",
     "unshard",
     "vocab_parallel_cross_entropy",
+    "vocab_parallel_linear_cross_entropy",
 ]
