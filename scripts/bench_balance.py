@@ -21,12 +21,12 @@ import gc
 import json
 import os
 import platform
-import socket
 import statistics
 import sys
 import time
-import traceback
 from datetime import datetime, timezone
+
+from tapered_megatron.parallel.local_launch import run_workers
 
 MODEL = [
     "--model.d_model", "256", "--model.layers", "12", "--model.heads", "4",
@@ -71,55 +71,6 @@ def predict() -> list[dict]:
 
 
 # --------------------------------------------------------------------------- measured (PP=2)
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _spawn(fn, world: int, *args) -> list:
-    import torch.multiprocessing as mp
-
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
-    port = _free_port()
-    procs = [ctx.Process(target=_entry, args=(r, world, port, fn, args, q)) for r in range(world)]
-    for p in procs:
-        p.start()
-    out = {}
-    try:
-        for _ in procs:
-            r, ok, val = q.get(timeout=1800)
-            if not ok:
-                raise RuntimeError(f"rank {r} failed:\n{val}")
-            out[r] = val
-    finally:
-        for p in procs:
-            p.join(timeout=60)
-            if p.is_alive():
-                p.kill()
-    return [out[r] for r in range(world)]
-
-
-def _entry(rank, world, port, fn, args, q) -> None:
-    os.environ.update(
-        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
-        LOCAL_RANK=str(rank), LOCAL_SIZE=str(world),
-    )  # fmt: skip
-    import torch
-    import torch.distributed as dist
-
-    torch.set_num_threads(1)
-    try:
-        dist.init_process_group("gloo", rank=rank, world_size=world)
-        q.put((rank, True, fn(rank, world, *args)))
-    except BaseException:
-        q.put((rank, False, traceback.format_exc()))
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
-
-
 def _batches(cfg, steps: int) -> list[list]:
     import torch
 
@@ -280,7 +231,7 @@ def measure(steps: int) -> list[dict]:
         models[unit] = (prof, ana)
         for m in ("balancer", "uniform", "parameters") if unit == "layer" else ("balancer",):
             runs.append((unit, m, list(prof.methods[m].parts)))
-    per_rank = _spawn(_measure_worker, 2, steps, runs)
+    per_rank = run_workers(_measure_worker, 2, steps, runs, timeout=1800)
     warm = 1  # the first step allocates and warms up
     rows, by_key = [], {}
     for i, (unit, method, parts) in enumerate(runs):
@@ -417,7 +368,7 @@ def memory(steps: int) -> list[dict]:
     rows = []
     for unit in ("layer", "sublayer"):
         analyse(cfg, 2, MICRO_BATCHES, unit=unit, device="cpu", profiled=True)  # fill the cache
-        per_rank = _spawn(_memory_worker, 2, unit, steps)
+        per_rank = run_workers(_memory_worker, 2, unit, steps, timeout=1800)
         row = {
             "bench": "plan_memory", "unit": unit, "zero": 0, "precision": "fp32",
             "micro_batch": MICRO_BATCH, "micro_batches": MICRO_BATCHES,

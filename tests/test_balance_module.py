@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import pytest
-from dist_utils import run_workers
+
+from tapered_megatron.parallel.local_launch import run_workers
 
 TINY = [
     "--model.layers", "4", "--model.d_model", "32", "--model.heads", "2", "--model.d_ff", "64",

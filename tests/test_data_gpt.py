@@ -200,7 +200,7 @@ def _rank_fn(rank, world, prefix, cache):
 
 @pytest.mark.distributed
 def test_ranks_build_once_and_agree(data, tmp_path):
-    from dist_utils import run_workers
+    from tapered_megatron.parallel.local_launch import run_workers
 
     cache = str(tmp_path / "cache")
     out = run_workers(_rank_fn, 2, data, cache)

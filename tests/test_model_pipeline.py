@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from dist_utils import run_workers
 
 from tapered_megatron.config import load_config
 from tapered_megatron.models import build_model, lm_loss, pipeline_layer_specs
+from tapered_megatron.parallel.local_launch import run_workers
 
 TINY = [
     "--model.d_model", "32", "--model.layers", "3", "--model.heads", "2", "--model.d_ff", "64",

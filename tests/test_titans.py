@@ -11,12 +11,12 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
-from dist_utils import run_workers
 
 from tapered_megatron.config import load_config
 from tapered_megatron.models import build_model, count_model, lm_loss
 from tapered_megatron.models.titans import MAX_GRAD_NORM, NeuralMemory, TitansMixer, memory_scan
 from tapered_megatron.parallel import init_parameters
+from tapered_megatron.parallel.local_launch import run_workers
 
 SAMPLE = Path(__file__).resolve().parents[1] / "data" / "sample" / "corpus.jsonl.gz"
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
-from dist_utils import run_workers
 
 from tapered_megatron.config import load_config
 from tapered_megatron.models import build_model, lm_loss
@@ -16,6 +15,7 @@ from tapered_megatron.parallel import (
     unshard,
     vocab_parallel_cross_entropy,
 )
+from tapered_megatron.parallel.local_launch import run_workers
 
 TINY = [
     "--model.d_model", "64", "--model.layers", "3", "--model.heads", "4", "--model.d_ff", "160",

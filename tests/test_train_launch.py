@@ -18,7 +18,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from dist_utils import free_port
+
+from tapered_megatron.parallel.local_launch import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 MAIN = str(ROOT / "pretrain" / "main.py")

@@ -1,4 +1,6 @@
-"""Run a test function in several real processes joined by a gloo process group.
+"""Run a function in several real local processes joined by a gloo process group.
+
+Used by the distributed tests and the benchmark scripts to stand in for ranks on one machine.
 
 ``run_workers(fn, world_size, *args)`` spawns ``world_size`` fresh interpreters, initialises
 ``torch.distributed`` (gloo, CPU) in each, calls ``fn(rank, world_size, *args)`` and returns the
@@ -34,6 +36,7 @@ def _entry(rank: int, world_size: int, port: int, fn: Callable, args: tuple, que
         RANK=str(rank),
         WORLD_SIZE=str(world_size),
         LOCAL_RANK=str(rank),
+        LOCAL_SIZE=str(world_size),
     )
     torch.set_num_threads(1)
     try:
