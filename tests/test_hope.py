@@ -7,7 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from test_titans import assert_causal, tiny_cfg, train_losses
+from real_text import train_losses
+from test_titans import assert_causal, tiny_cfg
 
 from tapered_megatron.models import build_model, count_model
 from tapered_megatron.models.hope import ContinuumMemory, level_widths

@@ -4,22 +4,16 @@ TP=2 vs TP=1, tapered-vs-uniform budget, training on real text. Helpers here are
 
 from __future__ import annotations
 
-import gzip
-import json
-from pathlib import Path
-
 import pytest
 import torch
 import torch.nn.functional as F
+from real_text import train_losses
 
 from tapered_megatron.config import load_config
 from tapered_megatron.models import build_model, count_model, lm_loss
 from tapered_megatron.models.titans import MAX_GRAD_NORM, NeuralMemory, TitansMixer, memory_scan
 from tapered_megatron.parallel import init_parameters
 from tapered_megatron.parallel.local_launch import run_workers
-
-SAMPLE = Path(__file__).resolve().parents[1] / "data" / "sample" / "corpus.jsonl.gz"
-
 
 # --------------------------------------------------------------------------------------------
 # shared helpers
@@ -52,38 +46,6 @@ def tiny_cfg(arch: str, *overrides: str):
         ],
     )  # fmt: skip
     return cfg.with_overrides(list(overrides)) if overrides else cfg
-
-
-def real_text_bytes(n: int) -> torch.Tensor:
-    """The first ``n`` bytes of real English text from the shipped sample corpus."""
-    out = bytearray()
-    with gzip.open(SAMPLE, "rt", encoding="utf-8") as f:
-        for line in f:
-            out += json.loads(line)["text"].encode("utf-8")
-            if len(out) >= n:
-                break
-    return torch.tensor(list(out[:n]), dtype=torch.int64)
-
-
-def train_losses(cfg, steps: int, batch: int = 8, lr: float = 3e-3) -> list[float]:
-    """AdamW next-byte training of ``build_model(cfg)`` on random windows of real text."""
-    torch.manual_seed(0)
-    model = build_model(cfg)
-    data = real_text_bytes(200_000)
-    seq = cfg.model.seq_len
-    gen = torch.Generator().manual_seed(0)
-    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
-    losses = []
-    for _ in range(steps):
-        starts = torch.randint(0, len(data) - seq - 1, (batch,), generator=gen)
-        x = torch.stack([data[s : s + seq + 1] for s in starts])
-        loss = lm_loss(model(x[:, :-1]), x[:, 1:])
-        opt.zero_grad()
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        losses.append(loss.item())
-    return losses
 
 
 def assert_causal(model, vocab: int, seq: int, cut_points: list[int]) -> None:
