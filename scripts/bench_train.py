@@ -36,7 +36,7 @@ def _overhead(config: str, ds_config: str, overrides: list[str], rounds: int, st
     import torch
 
     from tapered_megatron.config import load_config
-    from tapered_megatron.models import build_model, lm_loss
+    from tapered_megatron.models import build_model
     from tapered_megatron.training import launch, optim
     from tapered_megatron.training.trainer import Trainer
 
@@ -61,7 +61,7 @@ def _overhead(config: str, ds_config: str, overrides: list[str], rounds: int, st
     def bare_step() -> None:
         for _ in range(layout.grad_accum):
             x, y = next(bare_batches)
-            (lm_loss(model(x), y) / layout.grad_accum).backward()
+            (model(x, y) / layout.grad_accum).backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.train.clip_grad)
         opt.step()
         sched.step()

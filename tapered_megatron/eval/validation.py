@@ -7,7 +7,7 @@ comparable and a resumed run logs what the uninterrupted one did.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -20,14 +20,14 @@ def validation_loss(
     batches: Iterator[tuple[torch.Tensor, torch.Tensor]],
     iters: int,
     grad_accum: int,
-    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None,
     dp_group: Any = None,
 ) -> float:
     """Mean token loss over ``iters`` global batches of ``(inputs, labels)`` micro-batches.
 
     A pipeline engine (``engine.eval_batch``) runs ``grad_accum`` micro-batches per call and
     returns the loss already averaged over data-parallel ranks; a plain engine is run here
-    micro-batch by micro-batch with ``loss_fn(logits, labels)`` and averaged over ``dp_group``.
+    micro-batch by micro-batch with the model's own loss ``engine(inputs, labels)`` and averaged
+    over ``dp_group``.
     Collective over all ranks of the run.
     """
     was_training = engine.module.training
@@ -41,7 +41,7 @@ def validation_loss(
     else:
         for _ in range(iters * grad_accum):
             x, y = next(batches)
-            total += float(loss_fn(engine(x), y))
+            total += float(engine(x, y))
         t = total.to(next(engine.module.parameters()).device) / (iters * grad_accum)
         if dist.is_initialized():
             dist.all_reduce(t, group=dp_group)

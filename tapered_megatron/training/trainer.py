@@ -205,7 +205,7 @@ class Trainer:
         norm = None
         for k in range(self.layout.grad_accum):
             x, y = next(batches)
-            loss = lm_loss(eng(x), y)
+            loss = eng(x, y)  # the model's loss: LM head fused into the cross-entropy
             eng.backward(loss)
             last = k == self.layout.grad_accum - 1
             if last and want_norm and self._fp32_stage0:
@@ -223,7 +223,7 @@ class Trainer:
         n = self.cfg.eval.iters * lay.global_batch_size
         batches = self._batches(self.valid_ds, n, 0)
         return validation_loss(
-            self.engine, batches, self.cfg.eval.iters, lay.grad_accum, lm_loss, self.dp_group
+            self.engine, batches, self.cfg.eval.iters, lay.grad_accum, self.dp_group
         )
 
     def fit(self) -> list[float]:
