@@ -1,6 +1,6 @@
 """Training-step throughput of our models against Hugging Face's LlamaForCausalLM, side by side.
 
-    python scripts/bench_model.py [--rounds 10] [--threads 2] [--compile]
+    python scripts/bench_model.py [--rounds 10] [--threads 2] [--compile] [--no-floor]
 
 Shapes (issue 3): d_model 256, 8 layers, 4 heads, SwiGLU width 688, vocab 8192, sequence 256,
 batch 8; fp32, one process, ``--threads`` threads; a step is forward + backward + AdamW (torch's
@@ -12,7 +12,10 @@ processes than wall time, which is reported too; ``best`` uses the least disturb
 uses the model FLOPs of ``count_model`` (attention over the mean causal context) against the
 best fp32 matmul rate measured the same way on the same machine in the same run. glibc is told
 to keep freed memory (see :func:`keep_freed_memory`) for every variant unless
-``--default-malloc``. Needs ``transformers`` (benchmark-only extra). Prints one JSON line.
+``--default-malloc``. ``--compile`` adds ``torch.compile``'d ours and HF. The kernel floor
+(:func:`kernel_floor`) times the step's own matmuls and attention kernels in isolation: the
+time no implementation built on these kernels can beat, hence an upper bound on MFU.
+Needs ``transformers`` (benchmark-only extra). Prints one JSON line.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from __future__ import annotations
 import argparse
 import ctypes
 import datetime
+import functools
 import json
 import os
 import platform
@@ -74,6 +78,80 @@ def matmul_peak(threads: int, seconds: float = 1.0) -> tuple[float, float]:
     return best_wall, best_cpu
 
 
+def _best_time(fn, seconds: float) -> float:
+    """Smallest wall time of one call of ``fn`` (after a warm-up call), over ``seconds`` of calls.
+
+    Wall time: a process's CPU clock credits its other threads only at scheduler ticks, so
+    millisecond-long calls read low on it.
+    """
+    fn()
+    best, t0 = float("inf"), time.perf_counter()
+    while time.perf_counter() - t0 < seconds:
+        c0 = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - c0)
+    return best
+
+
+def _causal_attention(q, k, v, grad: torch.Tensor) -> None:
+    out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    torch.autograd.grad(out, (q, k, v), grad)
+
+
+def kernel_floor(step, optimizer_step, seconds: float = 0.2) -> dict:
+    """Seconds per step of ``step``'s matmuls, flash attention and optimizer run on their own.
+
+    One profiled call of ``step`` lists every ``mm``/``addmm``/``bmm`` with its shapes and every
+    CPU flash-attention forward; each product is re-timed alone on random inputs of those shapes
+    with a preallocated output, in its fastest operand layout (any of the four transpositions),
+    each attention as a causal forward + backward of random ``q, k, v`` of its shape, and
+    ``optimizer_step`` (the fused AdamW update every variant needs) alone. The sum is what a
+    step built on these kernels cannot beat (all else taken as free, caches hot), so
+    ``flops / (floor * peak)`` bounds its MFU from above.
+    """
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
+        step()
+    gemms: dict[tuple, int] = {}
+    attns: dict[tuple, int] = {}
+    for ev in prof.events():
+        shapes = ev.input_shapes
+        if ev.name in ("aten::mm", "aten::bmm"):
+            key = (tuple(shapes[0]), tuple(shapes[1]))
+        elif ev.name in ("aten::addmm", "aten::addmm_", "aten::baddbmm"):
+            key = (tuple(shapes[1]), tuple(shapes[2]))
+        elif ev.name == "aten::_scaled_dot_product_flash_attention_for_cpu":
+            attns[tuple(shapes[0])] = attns.get(tuple(shapes[0]), 0) + 1
+            continue
+        else:
+            continue
+        gemms[key] = gemms.get(key, 0) + 1
+    gemm_s = attn_s = 0.0
+    for (sa, sb), count in gemms.items():
+        *batch, m, k = sa
+        n = sb[-1]
+        out = torch.empty(*batch, m, n)
+        best = float("inf")
+        for ta in (False, True):
+            for tb in (False, True):
+                a = torch.randn(*batch, k, m).transpose(-1, -2) if ta else torch.randn(sa)
+                b = torch.randn(*batch, n, k).transpose(-1, -2) if tb else torch.randn(sb)
+                op = torch.bmm if batch else torch.mm
+                best = min(best, _best_time(functools.partial(op, a, b, out=out), seconds / 4))
+        gemm_s += count * best
+    for shape, count in attns.items():
+        q, k, v = (torch.randn(shape, requires_grad=True) for _ in range(3))
+        attention = functools.partial(_causal_attention, q, k, v, torch.randn(shape))
+        attn_s += count * _best_time(attention, seconds)
+    return {
+        "gemm_s": gemm_s,
+        "attention_s": attn_s,
+        "optimizer_s": _best_time(optimizer_step, seconds),
+        "gemm_calls": sum(gemms.values()),
+    }
+
+
 def ours(overrides: list[str], compile_: bool):
     cfg = load_config("quickstart", SHAPE + overrides)
     model = build_model(cfg)
@@ -81,7 +159,7 @@ def ours(overrides: list[str], compile_: bool):
     return cfg, model, lambda x, y: fwd(x, y)
 
 
-def hf_llama():
+def hf_llama(compile_: bool = False):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     conf = LlamaConfig(
@@ -104,14 +182,15 @@ def hf_llama():
         logits = model(input_ids=x, use_cache=False).logits
         return F.cross_entropy(logits.view(-1, VOCAB), y.reshape(-1))
 
-    return model, loss
+    return model, (torch.compile(loss) if compile_ else loss)
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--rounds", type=int, default=10, help="timed steps per variant")
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--compile", action="store_true", help="also time torch.compile'd ours")
+    ap.add_argument("--compile", action="store_true", help="also time torch.compile'd ours, HF")
+    ap.add_argument("--no-floor", action="store_true", help="skip the kernel floor (MFU bound)")
     ap.add_argument(
         "--default-malloc", action="store_true", help="leave glibc's allocator settings alone"
     )
@@ -131,6 +210,7 @@ def main(argv: list[str] | None = None) -> int:
     if a.compile:
         _, m, fn = ours(["--taper.schedule", "uniform"], True)
         variants["ours_uniform_compiled"] = (m, fn)
+        variants["hf_llama_compiled"] = hf_llama(compile_=True)
 
     params = {k: sum(p.numel() for p in m.parameters()) for k, (m, _) in variants.items()}
     assert params["ours_uniform"] == params["hf_llama"], params
@@ -162,6 +242,9 @@ def main(argv: list[str] | None = None) -> int:
             wall[name].append(time.perf_counter() - t0)
             cpu[name].append(time.process_time() - c0)
     peaks.append(matmul_peak(a.threads))
+    floor = None
+    if not a.no_floor:
+        floor = kernel_floor(lambda: step("ours_uniform"), opts["ours_uniform"].step)
     peak_wall, peak_cpu = max(p[0] for p in peaks), max(p[1] for p in peaks)
 
     tokens = BATCH * SEQ
@@ -176,7 +259,7 @@ def main(argv: list[str] | None = None) -> int:
         ).train_flops_per_token,
     }
     flops["hf_llama"] = flops["ours_uniform"]
-    flops["ours_uniform_compiled"] = flops["ours_uniform"]
+    flops["ours_uniform_compiled"] = flops["hf_llama_compiled"] = flops["ours_uniform"]
     result = {
         "bench": "model_train_step",
         "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
@@ -211,9 +294,18 @@ def main(argv: list[str] | None = None) -> int:
         "malloc_keeps_freed_memory": malloc_tuned,
     }
     if a.compile:
-        result["ratio_ours_compiled_vs_hf"] = round(
-            tps_cpu["ours_uniform_compiled"] / tps_cpu["hf_llama"], 3
+        compiled = tps_cpu["ours_uniform_compiled"]
+        result["ratio_ours_compiled_vs_hf"] = round(compiled / tps_cpu["hf_llama"], 3)
+        result["ratio_ours_compiled_vs_hf_compiled"] = round(
+            compiled / tps_cpu["hf_llama_compiled"], 3
         )
+    if floor is not None:
+        floor_s = floor["gemm_s"] + floor["attention_s"] + floor["optimizer_s"]
+        result["kernel_floor"] = {  # wall seconds, against the wall-clock matmul peak
+            **{k: round(v, 4) for k, v in floor.items()},
+            "ours_uniform_step_s": round(statistics.median(wall["ours_uniform"]), 4),
+            "mfu_ceiling": round(tokens / floor_s * flops["ours_uniform"] / peak_wall, 3),
+        }
     print(json.dumps(result))
     return 0
 

@@ -77,6 +77,7 @@ def test_public_entry_point():
         (["--data.split", "a,b"], r"data\.split"),
         (["--train.iters", "1", "--train.iters", "2"], r"given twice"),
         (["train.iters", "1"], r"unexpected argument"),
+        (["--model.arch", "titans", "--train.compile", "true"], r"train\.compile: supported for"),
         (
             [
                 "--model.arch",

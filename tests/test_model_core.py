@@ -16,6 +16,7 @@ from tapered_megatron.models import (
     set_activation_checkpointing,
 )
 from tapered_megatron.models.base import ARCHITECTURES
+from tapered_megatron.parallel import cross_entropy
 
 TINY = [
     "--model.d_model", "64", "--model.layers", "3", "--model.heads", "4", "--model.d_ff", "128",
@@ -102,6 +103,29 @@ def test_activation_checkpointing_same_gradients():
     assert all(b.activation_checkpointing for b in build_model(ckpt_cfg).layers)
     for name in grads[0]:
         torch.testing.assert_close(grads[0][name], grads[1][name], atol=1e-6, rtol=0)
+
+
+@pytest.mark.parametrize("masked", [False, True])
+@pytest.mark.parametrize("chunk_bytes", [None, 7 * 256 * 4])  # default (one chunk), 7 tokens
+def test_fused_chunked_loss_equals_logits_path(masked, chunk_bytes, monkeypatch):
+    """``model(ids, labels)`` (LM head fused into the loss, gradients made in the forward pass,
+    chunks of 7 tokens that don't divide the 48) equals ``lm_loss(model(ids), labels)``."""
+    if chunk_bytes:
+        monkeypatch.setattr(cross_entropy, "CHUNK_BYTES", chunk_bytes)
+    cfg = tiny("gated_elementwise")
+    ids = torch.randint(0, 256, (2, 24), generator=torch.Generator().manual_seed(5))
+    labels = (ids, (torch.rand(2, 24) > 0.3).float()) if masked else ids
+    runs = []
+    for fused in (False, True):
+        model = build_model(cfg)
+        loss = model(ids, labels) if fused else lm_loss(model(ids), labels)
+        (3.0 * loss).backward()  # a non-unit upstream gradient reaches the saved gradients
+        runs.append((loss.detach(), {n: p.grad for n, p in model.named_parameters()}))
+    torch.testing.assert_close(runs[1][0], runs[0][0], atol=1e-6, rtol=0)
+    for name, grad in runs[0][1].items():
+        torch.testing.assert_close(runs[1][1][name], grad, atol=1e-6, rtol=1e-5, msg=name)
+    with torch.no_grad():  # evaluation: loss only, same value
+        torch.testing.assert_close(model(ids, labels), runs[1][0], atol=1e-6, rtol=0)
 
 
 def test_loss_mask():

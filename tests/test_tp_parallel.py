@@ -1,4 +1,5 @@
-"""Tensor parallelism in real processes: TP=2 equals TP=1 (logits, loss, every gradient)."""
+"""Tensor parallelism in real processes: TP=2 equals TP=1 (logits, loss, every gradient,
+through both the logits path and the fused chunked LM-head loss)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from tapered_megatron.config import load_config
 from tapered_megatron.models import build_model, lm_loss
 from tapered_megatron.parallel import (
     col_layout,
+    cross_entropy,
     get_tensor_model_parallel_group,
     init_model_parallel,
     unshard,
@@ -47,6 +49,7 @@ def _run(cfg) -> dict:
     loss = lm_loss(logits, labels)
     loss.backward()
     tp = dist.get_world_size(get_tensor_model_parallel_group()) if dist.is_initialized() else 1
+    chunk_bytes = cross_entropy.CHUNK_BYTES
 
     def full(t: torch.Tensor, layout) -> torch.Tensor:
         if tp == 1 or layout is None:
@@ -61,6 +64,15 @@ def _run(cfg) -> dict:
         layout = getattr(p, "tp_layout", None)
         out["w:" + name] = full(p.detach(), layout)
         out["g:" + name] = full(p.grad, layout)
+    # the fused, chunked LM-head loss (7-token chunks: per-chunk TP all-reduces) on a twin model
+    twin = build_model(cfg)
+    cross_entropy.CHUNK_BYTES = 7 * 4 * cfg.padded_vocab_size // tp
+    fused = twin(inputs, labels)
+    fused.backward()
+    cross_entropy.CHUNK_BYTES = chunk_bytes
+    out["fused_loss"] = fused.item()
+    for name, p in twin.named_parameters():
+        out["fused_g:" + name] = full(p.grad, getattr(p, "tp_layout", None))
     return out
 
 
@@ -92,11 +104,15 @@ def test_tp2_matches_tp1_logits_and_every_gradient():
             got = rank_out[case]
             assert got.keys() == ref.keys()
             assert abs(got["loss"] - ref["loss"]) < 1e-5, case
+            assert abs(got["fused_loss"] - ref["loss"]) < 1e-5, case
             for key in ref:
-                if key == "loss":
+                if key in ("loss", "fused_loss"):
                     continue
                 got_t = torch.from_numpy(got[key])
                 torch.testing.assert_close(got_t, ref[key], atol=1e-5, rtol=0, msg=key)
+                if key.startswith("fused_g:"):  # the fused loss's gradients equal the plain ones
+                    plain = ref["g:" + key.removeprefix("fused_g:")]
+                    torch.testing.assert_close(got_t, plain, atol=1e-5, rtol=0, msg=key)
     logits = torch.randn(5, 22, generator=torch.Generator().manual_seed(3), requires_grad=True)
     target = torch.tensor([0, 10, 11, 21, 5])
     ref_loss = torch.nn.functional.cross_entropy(logits, target, reduction="none")

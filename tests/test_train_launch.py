@@ -150,6 +150,7 @@ SLOW_LAYOUTS = {
     "dp2-actckpt": (2, "zero1.json", ["--parallel.activation_checkpointing", "true"]),
     "pp2-actckpt": (2, "pipeline.json", ["--parallel.pp", "2",
                                          "--parallel.activation_checkpointing", "true"]),
+    "compiled": (1, "zero0.json", ["--train.compile", "true"]),
 }  # fmt: skip
 
 

@@ -28,7 +28,7 @@ from tapered_megatron.parallel import (
     copy_to_tp_region,
     init_parameters,
     vocab_parallel_cross_entropy,
-    vocab_parallel_linear_cross_entropy,
+    vocab_parallel_linear_cross_entropy_mean,
 )
 
 if TYPE_CHECKING:
@@ -133,12 +133,12 @@ class Head(nn.Module):
         return self.proj(self.norm(h))
 
     def loss(self, h: torch.Tensor, labels: torch.Tensor | tuple) -> torch.Tensor:
-        """``lm_loss(self(h), labels)`` with the LM head fused into the cross-entropy, so the
-        logits are never a separate tensor (see ``vocab_parallel_linear_cross_entropy``)."""
+        """``lm_loss(self(h), labels)`` with the LM head fused into the cross-entropy and taken
+        in chunks, so no logits-sized tensor exists (see
+        ``vocab_parallel_linear_cross_entropy_mean``)."""
+        target, mask = labels if isinstance(labels, (tuple, list)) else (labels, None)
         x = copy_to_tp_region(self.norm(h))
-        return _mean_loss(
-            labels, lambda target: vocab_parallel_linear_cross_entropy(x, self.proj.weight, target)
-        )
+        return vocab_parallel_linear_cross_entropy_mean(x, self.proj.weight, target, mask)
 
 
 def lm_loss(logits: torch.Tensor, labels: torch.Tensor | tuple) -> torch.Tensor:
@@ -146,15 +146,8 @@ def lm_loss(logits: torch.Tensor, labels: torch.Tensor | tuple) -> torch.Tensor:
 
     ``labels`` is ``[b, s]`` token ids, or ``(labels, loss_mask)`` with a 0/1 mask ``[b, s]``.
     """
-    return _mean_loss(labels, lambda target: vocab_parallel_cross_entropy(logits, target))
-
-
-def _mean_loss(labels: torch.Tensor | tuple, per_token) -> torch.Tensor:
-    """The mean (or masked mean) of ``per_token(labels)``; ``labels`` as for :func:`lm_loss`."""
-    mask = None
-    if isinstance(labels, (tuple, list)):
-        labels, mask = labels
-    loss = per_token(labels)
+    target, mask = labels if isinstance(labels, (tuple, list)) else (labels, None)
+    loss = vocab_parallel_cross_entropy(logits, target)
     if mask is None:
         return loss.mean()
     mask = mask.to(loss.dtype)

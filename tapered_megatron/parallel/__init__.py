@@ -6,7 +6,7 @@ a single process without ``torch.distributed`` (TP = PP = 1).
 
 from tapered_megatron.parallel.cross_entropy import (
     vocab_parallel_cross_entropy,
-    vocab_parallel_linear_cross_entropy,
+    vocab_parallel_linear_cross_entropy_mean,
 )
 from tapered_megatron.parallel.layers import (
     ColumnParallelLinear,
@@ -85,5 +85,5 @@ __all__ = [
     "shard",
     "unshard",
     "vocab_parallel_cross_entropy",
-    "vocab_parallel_linear_cross_entropy",
+    "vocab_parallel_linear_cross_entropy_mean",
 ]

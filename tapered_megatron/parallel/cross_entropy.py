@@ -23,10 +23,11 @@ def _all_reduce(x: torch.Tensor, op: dist.ReduceOp) -> None:
         dist.all_reduce(x, op=op, group=get_tensor_model_parallel_group())
 
 
-def _ce_forward(ctx, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+def _ce_stats(logits: torch.Tensor, target: torch.Tensor):
     """Per-token loss from fp32 local logits, which it overwrites with ``exp(logits - max)``.
 
-    Saves that buffer and its (all-reduced) row sums on ``ctx`` for :func:`_ce_grad`.
+    Returns ``(loss, exp, sum_exp, local_target, outside)``: what :func:`_ce_grad_` needs, with
+    the max, the target logit and the row sums all-reduced over the TP group.
     """
     vocab_local = logits.shape[-1]
     logits_max = logits.amax(dim=-1, keepdim=True)
@@ -44,17 +45,12 @@ def _ce_forward(ctx, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor
     exp = logits.sub_(logits_max).exp_()
     sum_exp = exp.sum(dim=-1)
     _all_reduce(sum_exp, dist.ReduceOp.SUM)
-    ctx.ce_saved = (exp, sum_exp, local_target, outside)
-    return sum_exp.log().add_(logits_max.squeeze(-1)).sub_(predicted)
+    loss = sum_exp.log().add_(logits_max.squeeze(-1)).sub_(predicted)
+    return loss, exp, sum_exp, local_target, outside
 
 
-def _ce_grad(ctx, grad_loss: torch.Tensor) -> torch.Tensor:
-    """``grad_loss * (softmax - one_hot(target))`` in the saved buffer (in place: one backward)."""
-    saved = getattr(ctx, "ce_saved", None)
-    if saved is None:
-        raise RuntimeError("vocab-parallel cross-entropy supports one backward pass per forward")
-    exp, sum_exp, local_target, outside = saved
-    ctx.ce_saved = None
+def _ce_grad_(exp, sum_exp, local_target, outside, grad_loss: torch.Tensor) -> torch.Tensor:
+    """``grad_loss * (softmax - one_hot(target))``, made in place in the ``exp`` buffer."""
     grad_loss = grad_loss.float()
     grad = exp.mul_((grad_loss / sum_exp).unsqueeze(-1))
     hit = grad_loss if outside is None else grad_loss.masked_fill(outside, 0.0)
@@ -65,54 +61,112 @@ class _VocabParallelCE(torch.autograd.Function):
     """Per-token loss and its gradient over the local vocabulary slice, all in fp32.
 
     Forward keeps ``exp(logits - max)`` (unnormalised) and its row sums; backward turns them into
-    ``grad_loss * (softmax - one_hot(target))`` in one pass over that buffer.
+    ``grad_loss * (softmax - one_hot(target))`` in one pass over that buffer (so one backward
+    pass per forward).
     """
 
     @staticmethod
     def forward(ctx, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         ctx.dtype = logits.dtype
-        return _ce_forward(ctx, logits.to(torch.float32, copy=True), target)
+        loss, *ctx.ce_saved = _ce_stats(logits.to(torch.float32, copy=True), target)
+        return loss
 
     @staticmethod
     def backward(ctx, grad_loss: torch.Tensor):
-        return _ce_grad(ctx, grad_loss).to(ctx.dtype), None
+        saved = getattr(ctx, "ce_saved", None)
+        if saved is None:
+            raise RuntimeError("vocab-parallel cross-entropy: one backward pass per forward")
+        ctx.ce_saved = None
+        return _ce_grad_(*saved, grad_loss).to(ctx.dtype), None
 
 
-class _LinearCE(torch.autograd.Function):
-    """``_VocabParallelCE(h W^T, target)`` without a separate logits tensor: the projection's
-    output buffer becomes the saved ``exp`` buffer, and backward's ``grad_logits`` is made in
-    it before the two matmuls of the projection's backward."""
+#: Bytes of fp32 logits one chunk of the fused LM-head loss materialises.
+CHUNK_BYTES = 16 * 2**20
+
+
+class _LinearCEMean(torch.autograd.Function):
+    """``sum_t w_t * CE(h_t W^T, target_t)`` with both gradients made during the forward pass.
+
+    Tokens are taken in chunks whose fp32 logits fit in :data:`CHUNK_BYTES`: each chunk's
+    logits are computed, reduced to its loss, turned into ``w_t * (softmax - one_hot)`` in the
+    same buffer and multiplied into ``grad_h`` and ``grad_W`` while still in cache. Nothing of
+    logits size outlives the chunk; backward only scales the two saved gradients.
+    """
 
     @staticmethod
-    def forward(ctx, h: torch.Tensor, weight: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-        logits = F.linear(h, weight)
-        if logits.dtype != torch.float32:
-            logits = logits.float()
-        ctx.save_for_backward(h, weight)
-        return _ce_forward(ctx, logits, target)
+    def forward(ctx, h, weight, target, token_weight, chunk_tokens):
+        n, vocab_local = h.shape[0], weight.shape[0]
+        need_grad = ctx.needs_input_grad[0] or ctx.needs_input_grad[1]
+        chunk = max(1, min(n, chunk_tokens))
+        buf = torch.empty(chunk, vocab_local, dtype=torch.float32, device=h.device)
+        loss = torch.zeros((), dtype=torch.float32, device=h.device)
+        grad_h = grad_w = None
+        if need_grad:
+            grad_h = torch.empty_like(h)
+            grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=h.device)
+        for s in range(0, n, chunk):
+            h_c = h[s : s + chunk]
+            logits = buf[: h_c.shape[0]]
+            if weight.dtype == torch.float32 and h.dtype == torch.float32:
+                torch.mm(h_c, weight.t(), out=logits)
+            else:
+                logits.copy_(torch.mm(h_c, weight.t()))
+            w_c = token_weight[s : s + chunk]
+            per_token, *stats = _ce_stats(logits, target[s : s + chunk])
+            loss += torch.dot(per_token, w_c)
+            if need_grad:
+                g = _ce_grad_(*stats, w_c)
+                if weight.dtype == torch.float32:
+                    torch.mm(g, weight, out=grad_h[s : s + chunk])
+                    grad_w.addmm_(g.t(), h_c)
+                else:
+                    g = g.to(weight.dtype)
+                    grad_h[s : s + chunk] = torch.mm(g, weight)
+                    grad_w += torch.mm(g.t(), h_c)
+        ctx.weight_dtype = weight.dtype
+        ctx.save_for_backward(grad_h, grad_w)
+        return loss
 
     @staticmethod
     def backward(ctx, grad_loss: torch.Tensor):
-        h, weight = ctx.saved_tensors
-        grad = _ce_grad(ctx, grad_loss).to(weight.dtype)
-        g2 = grad.reshape(-1, grad.shape[-1])
-        grad_h = g2.mm(weight).view(h.shape)
-        grad_w = g2.t().mm(h.reshape(-1, h.shape[-1]))
-        return grad_h, grad_w, None
+        grad_h, grad_w = ctx.saved_tensors
+        grad_loss = grad_loss.float()
+        return (
+            grad_h * grad_loss.to(grad_h.dtype),
+            (grad_w * grad_loss).to(ctx.weight_dtype),
+            None,
+            None,
+            None,
+        )
 
 
-def vocab_parallel_linear_cross_entropy(
-    h: torch.Tensor, weight: torch.Tensor, target: torch.Tensor
+@torch.compiler.disable  # a loop of extern kernels: nothing for inductor to fuse
+def vocab_parallel_linear_cross_entropy_mean(
+    h: torch.Tensor,
+    weight: torch.Tensor,
+    target: torch.Tensor,
+    loss_mask: torch.Tensor | None = None,
+    chunk_tokens: int | None = None,
 ) -> torch.Tensor:
-    """``vocab_parallel_cross_entropy(F.linear(h, weight), target)``, fused (eager).
+    """Mean (or ``loss_mask``-weighted mean) of ``vocab_parallel_cross_entropy(F.linear(h,
+    weight), target)``, fused and chunked: no logits-sized tensor is kept for backward.
 
     ``h`` ``[..., d]`` is already in the TP region (after ``copy_to_tp_region``), ``weight`` is
-    this rank's vocabulary rows ``[vocab/tp, d]``. Saves one logits-sized tensor and one pass
-    over it; under ``torch.compile`` the unfused form (inductor fuses it).
+    this rank's vocabulary rows ``[vocab/tp, d]``, ``target`` and ``loss_mask`` are ``[...]``.
+    ``chunk_tokens`` defaults to the most tokens whose fp32 logits fit in :data:`CHUNK_BYTES`.
+    Gradients are made in the forward pass when either input requires them, so the memory of
+    the loss is two gradient-sized tensors instead of the logits.
     """
-    if torch.compiler.is_compiling():
-        return vocab_parallel_cross_entropy(F.linear(h, weight), target)
-    return _LinearCE.apply(h, weight, target)
+    h2 = h.reshape(-1, h.shape[-1])
+    target = target.reshape(-1)
+    if loss_mask is None:
+        token_weight = torch.full(target.shape, 1.0 / target.numel(), device=h.device)
+    else:
+        mask = loss_mask.reshape(-1).to(device=h.device, dtype=torch.float32)
+        token_weight = mask / mask.sum().clamp(min=1.0)
+    if chunk_tokens is None:
+        chunk_tokens = CHUNK_BYTES // (4 * weight.shape[0])
+    return _LinearCEMean.apply(h2, weight, target, token_weight, chunk_tokens)
 
 
 def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:

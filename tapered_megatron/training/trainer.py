@@ -134,6 +134,8 @@ class Trainer:
         if not self.pipeline and self.layout.tp > 1:
             kwargs["mpu"] = parallel.topology  # DeepSpeed's mpu protocol (TP-aware ZeRO, norms)
         engine, *_ = deepspeed.initialize(**kwargs)
+        if cfg.train.compile:
+            engine.compile()
         if self.pipeline:
             self._time_pipeline_compute(engine)
         # Only fp32 ZeRO-0 leaves the gradient norm uncomputed (DeepSpeed clips without storing it).
