@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import gc
+
 import pytest
 import torch
 
@@ -126,6 +128,31 @@ def test_fused_chunked_loss_equals_logits_path(masked, chunk_bytes, monkeypatch)
         torch.testing.assert_close(runs[1][1][name], grad, atol=1e-6, rtol=1e-5, msg=name)
     with torch.no_grad():  # evaluation: loss only, same value
         torch.testing.assert_close(model(ids, labels), runs[1][0], atol=1e-6, rtol=0)
+
+
+def test_fused_loss_keeps_no_logits_sized_tensor():
+    """Nothing of ``tokens x vocab`` size outlives the fused loss's forward: neither what it
+    saves for backward (seen by saved-tensor hooks) nor anything stashed on Python objects."""
+    tokens, d, vocab = 64, 16, 512
+    h = torch.randn(tokens, d, requires_grad=True)
+    weight = torch.randn(vocab, d, requires_grad=True)
+    target = torch.randint(0, vocab, (tokens,))
+    saved: list[int] = []
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        saved.append(t.numel())
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        loss = cross_entropy.vocab_parallel_linear_cross_entropy_mean(
+            h, weight, target, chunk_tokens=8
+        )
+    assert saved and max(saved) == vocab * d < tokens * vocab
+    gc.collect()
+    live = [o for o in gc.get_objects() if issubclass(type(o), torch.Tensor)]
+    assert not [t for t in live if t.numel() >= tokens * vocab]
+    loss.backward()
+    assert h.grad.shape == h.shape and weight.grad.shape == weight.shape
 
 
 def test_loss_mask():
