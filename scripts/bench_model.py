@@ -1,6 +1,7 @@
 """Training-step throughput of our models against Hugging Face's LlamaForCausalLM, side by side.
 
     python scripts/bench_model.py [--rounds 10] [--threads 2] [--compile] [--no-floor]
+    python scripts/bench_model.py --device accelerator --dtype bf16 --compile   # on a GPU
 
 Shapes (issue 3): d_model 256, 8 layers, 4 heads, SwiGLU width 688, vocab 8192, sequence 256,
 batch 8; fp32, one process, ``--threads`` threads; a step is forward + backward + AdamW (torch's
@@ -13,8 +14,11 @@ uses the model FLOPs of ``count_model`` (attention over the mean causal context)
 best fp32 matmul rate measured the same way on the same machine in the same run. glibc is told
 to keep freed memory (see :func:`keep_freed_memory`) for every variant unless
 ``--default-malloc``. ``--compile`` adds ``torch.compile``'d ours and HF. The kernel floor
-(:func:`kernel_floor`) times the step's own matmuls and attention kernels in isolation: the
-time no implementation built on these kernels can beat, hence an upper bound on MFU.
+(:func:`kernel_floor`, CPU fp32 only) times the step's own matmuls, attention kernels and AdamW
+in isolation: the time no implementation built on these kernels can beat, hence an upper bound
+on MFU. ``--device accelerator`` runs on DeepSpeed's accelerator (``cuda:0``), timing wall
+clock between synchronisations; ``--dtype bf16`` runs every variant under ``torch.autocast``
+(fp32 parameters), with the peak measured in bf16.
 Needs ``transformers`` (benchmark-only extra). Prints one JSON line.
 """
 
@@ -26,16 +30,17 @@ import datetime
 import functools
 import json
 import os
-import platform
 import random
 import statistics
 import time
 
 import torch
 import torch.nn.functional as F
+from deepspeed.accelerator import get_accelerator
 
 from tapered_megatron.config import load_config
 from tapered_megatron.models import build_model, count_model
+from tapered_megatron.training.logger import device_product_name
 
 SHAPE = [
     "--model.d_model", "256", "--model.layers", "8", "--model.heads", "4", "--model.d_ff", "688",
@@ -58,23 +63,33 @@ def keep_freed_memory() -> bool:
     return bool(libc.mallopt(m_mmap_max, 0) and libc.mallopt(m_trim_threshold, 1 << 30))
 
 
-def matmul_peak(threads: int, seconds: float = 1.0) -> tuple[float, float]:
-    """Best fp32 matmul FLOP/s over square and model-shaped products: (wall-clock, CPU-time).
+def matmul_peak(
+    threads: int, device: torch.device, dtype: torch.dtype, seconds: float = 1.0
+) -> tuple[float, float]:
+    """Best matmul FLOP/s of ``dtype`` over square and model-shaped products on ``device``:
+    (wall-clock, CPU-time).
 
     The CPU-time rate is FLOPs per CPU-second of this process times ``threads``: what the
-    threads deliver while they actually run, which other processes' load disturbs far less.
+    threads deliver while they actually run, which other processes' load disturbs far less
+    (on an accelerator it is the wall-clock rate).
     """
+    sync = get_accelerator().synchronize if device.type != "cpu" else lambda: None
+    squares = (2048, 1024) if device.type == "cpu" else (8192, 4096)
     best_wall = best_cpu = 0.0
-    for m, k, n in ((2048, 2048, 2048), (1024, 1024, 1024), (BATCH * SEQ, 256, 1376)):
-        a, b = torch.randn(m, k), torch.randn(k, n)
+    for m, k, n in ((squares[0],) * 3, (squares[1],) * 3, (BATCH * SEQ, 256, 1376)):
+        a = torch.randn(m, k, device=device, dtype=dtype)
+        b = torch.randn(k, n, device=device, dtype=dtype)
         torch.mm(a, b)
+        sync()
         reps, t0, c0 = 0, time.perf_counter(), time.process_time()
         while time.perf_counter() - t0 < seconds / 3:
             torch.mm(a, b)
             reps += 1
+        sync()
         flop = 2 * m * k * n * reps
         best_wall = max(best_wall, flop / (time.perf_counter() - t0))
-        best_cpu = max(best_cpu, flop * threads / (time.process_time() - c0))
+        cpu_s = time.process_time() - c0
+        best_cpu = max(best_cpu, flop * threads / cpu_s if device.type == "cpu" else best_wall)
     return best_wall, best_cpu
 
 
@@ -192,10 +207,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--compile", action="store_true", help="also time torch.compile'd ours, HF")
     ap.add_argument("--no-floor", action="store_true", help="skip the kernel floor (MFU bound)")
     ap.add_argument(
+        "--device", choices=["cpu", "accelerator"], default="cpu", help="accelerator: cuda:0 etc."
+    )
+    ap.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32", help="bf16: autocast")
+    ap.add_argument(
         "--default-malloc", action="store_true", help="leave glibc's allocator settings alone"
     )
     a = ap.parse_args(argv)
-    malloc_tuned = not a.default_malloc and keep_freed_memory()
+    acc = get_accelerator()
+    dev = torch.device(acc.current_device_name() if a.device == "accelerator" else "cpu")
+    on_cpu = dev.type == "cpu"
+    dtype = torch.bfloat16 if a.dtype == "bf16" else torch.float32
+    malloc_tuned = on_cpu and not a.default_malloc and keep_freed_memory()
     torch.set_num_threads(a.threads)
     torch.manual_seed(0)
 
@@ -212,25 +235,31 @@ def main(argv: list[str] | None = None) -> int:
         variants["ours_uniform_compiled"] = (m, fn)
         variants["hf_llama_compiled"] = hf_llama(compile_=True)
 
+    for m, _ in variants.values():
+        m.to(dev)
     params = {k: sum(p.numel() for p in m.parameters()) for k, (m, _) in variants.items()}
     assert params["ours_uniform"] == params["hf_llama"], params
     opts = {
         k: torch.optim.AdamW(m.parameters(), lr=1e-4, fused=True) for k, (m, _) in variants.items()
     }
     ids = torch.randint(0, VOCAB, (BATCH, SEQ + 1), generator=torch.Generator().manual_seed(0))
-    x, y = ids[:, :-1], ids[:, 1:]
+    x, y = ids[:, :-1].to(dev), ids[:, 1:].to(dev)
 
     def step(name: str) -> None:
         _, fn = variants[name]
         opt = opts[name]
         opt.zero_grad(set_to_none=True)
-        fn(x, y).backward()
+        with torch.autocast(dev.type, dtype=dtype, enabled=a.dtype != "fp32"):
+            loss = fn(x, y)
+        loss.backward()
         opt.step()
+        if not on_cpu:
+            acc.synchronize()
 
     for name in variants:  # warm-up (and compilation)
         for _ in range(2):
             step(name)
-    peaks = [matmul_peak(a.threads)]
+    peaks = [matmul_peak(a.threads, dev, dtype)]
     load_before = os.getloadavg()[0]
     wall: dict[str, list[float]] = {k: [] for k in variants}
     cpu: dict[str, list[float]] = {k: [] for k in variants}
@@ -241,14 +270,16 @@ def main(argv: list[str] | None = None) -> int:
             step(name)
             wall[name].append(time.perf_counter() - t0)
             cpu[name].append(time.process_time() - c0)
-    peaks.append(matmul_peak(a.threads))
+    peaks.append(matmul_peak(a.threads, dev, dtype))
     floor = None
-    if not a.no_floor:
+    if on_cpu and not a.no_floor and a.dtype == "fp32":  # times CPU fp32 kernels
         floor = kernel_floor(lambda: step("ours_uniform"), opts["ours_uniform"].step)
     peak_wall, peak_cpu = max(p[0] for p in peaks), max(p[1] for p in peaks)
 
     tokens = BATCH * SEQ
     tps_wall = {k: tokens / statistics.median(v) for k, v in wall.items()}
+    if not on_cpu:  # an accelerator's steps: wall time between synchronisations
+        cpu = {k: [t * a.threads for t in v] for k, v in wall.items()}
     tps_cpu = {k: tokens * a.threads / statistics.median(v) for k, v in cpu.items()}
     tps_best = {k: tokens * a.threads / min(v) for k, v in cpu.items()}
     flops = {
@@ -263,8 +294,9 @@ def main(argv: list[str] | None = None) -> int:
     result = {
         "bench": "model_train_step",
         "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-        "machine": f"{platform.processor() or platform.machine()}, {a.threads} threads",
+        "machine": device_product_name() + (f", {a.threads} threads" if on_cpu else ""),
         "torch": torch.__version__,
+        "dtype": a.dtype,
         "shape": {
             "d_model": 256,
             "layers": 8,

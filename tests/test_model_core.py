@@ -155,6 +155,26 @@ def test_fused_loss_keeps_no_logits_sized_tensor():
     assert h.grad.shape == h.shape and weight.grad.shape == weight.shape
 
 
+@pytest.mark.parametrize("arch", ["transformer", "gated_attention", "titans", "hope_attention"])
+def test_bf16_autocast_trains_like_fp32(arch):
+    """Under ``torch.autocast`` (bf16) the hand-written autograd functions get consistent
+    operands: forward and backward run, and loss and gradients track the fp32 ones."""
+    cfg = load_config("quickstart", [*TINY, "--model.arch", arch])
+    ids = torch.randint(0, 256, (2, 24), generator=torch.Generator().manual_seed(9))
+    runs = []
+    for autocast in (False, True):
+        model = build_model(cfg)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            loss = model(ids, ids)
+        loss.backward()
+        grads = torch.cat([p.grad.flatten() for p in model.parameters()])
+        assert all(p.grad.dtype == torch.float32 for p in model.parameters())
+        runs.append((loss.item(), grads))
+    assert abs(runs[1][0] - runs[0][0]) < 2e-2
+    assert torch.isfinite(runs[1][1]).all()
+    assert torch.nn.functional.cosine_similarity(runs[0][1], runs[1][1], dim=0) > 0.99
+
+
 def test_loss_mask():
     cfg = tiny()
     model = build_model(cfg)

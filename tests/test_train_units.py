@@ -135,6 +135,15 @@ def test_scheduler_state_round_trips():
     assert opt2.param_groups[0]["lr"] == opt.param_groups[0]["lr"] == optim.lr_at(tr, 8)
 
 
+def test_mfu_peak_configured_or_probed_on_this_device():
+    from tapered_megatron.training import logger
+
+    assert logger.peak_tflops(123.0) == 123.0
+    assert logger.device_product_name()
+    probed = logger.peak_tflops(0.0)  # CPU: an fp32 matmul probe on this machine
+    assert 1e-3 < probed < 1e3
+
+
 def test_no_weight_decay_on_norms_gains_and_biases():
     from tapered_megatron.models import build_model
 

@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 
+from tapered_megatron.autocast import autocast_off, autocast_operands
 from tapered_megatron.models.base import Counts, MLPSlot
 from tapered_megatron.parallel import (
     ColumnParallelLinear,
@@ -79,7 +80,9 @@ class SwiGLU(MLPSlot):
             gate, up = self.w13(x).chunk(2, dim=-1)
             return self.w2(F.silu(gate) * up)
         # the same as above: enter the TP region, both projections, leave it
-        y = _SwiGLUFn.apply(copy_to_tp_region(x), self.w13.weight, self.w2.weight)
+        operands = autocast_operands(copy_to_tp_region(x), self.w13.weight, self.w2.weight)
+        with autocast_off(x.device):
+            y = _SwiGLUFn.apply(*operands)
         return reduce_from_tp_region(y)
 
     @classmethod

@@ -3,6 +3,8 @@
 Each TP rank holds the logits of its contiguous vocabulary slice; the max, the target logit and
 the softmax denominator are all-reduced over the TP group, so the full logits are never
 materialised. Backward is ``softmax - one_hot(target)`` on the local slice. Computed in fp32.
+:func:`vocab_parallel_linear_cross_entropy_mean` also fuses the LM head in, token chunk by token
+chunk, so not even the local logits exist beyond one chunk.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from tapered_megatron.autocast import autocast_off, autocast_operands
 from tapered_megatron.parallel.topology import (
     get_tensor_model_parallel_group,
     get_tensor_model_parallel_rank,
@@ -166,7 +169,9 @@ def vocab_parallel_linear_cross_entropy_mean(
         token_weight = mask / mask.sum().clamp(min=1.0)
     if chunk_tokens is None:
         chunk_tokens = CHUNK_BYTES // (4 * weight.shape[0])
-    return _LinearCEMean.apply(h2, weight, target, token_weight, chunk_tokens)
+    h2, weight = autocast_operands(h2, weight)
+    with autocast_off(h.device):
+        return _LinearCEMean.apply(h2, weight, target, token_weight, chunk_tokens)
 
 
 def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:

@@ -7,13 +7,15 @@ per-layer MLP widths of the taper plan are logged once as a figure (``model/widt
 
 MFU = achieved model FLOPs / peak FLOPs. Model FLOPs per token come from the model library's
 counters (forward; backward = 2x forward; activation recomputation not counted). The peak is
-``logging.peak_tflops`` per device when set, otherwise a table of known accelerators, otherwise
-(CPU) a short matmul probe measured once at start-up.
+``logging.peak_tflops`` per device when set, otherwise a table of known accelerators (dense bf16,
+looked up by the device's product name), otherwise a short matmul probe on the device measured
+once at start-up (fp32 on CPU, bf16 on an accelerator).
 """
 
 from __future__ import annotations
 
 import math
+import platform
 import resource
 import time
 
@@ -26,27 +28,41 @@ from tapered_megatron.config import Config
 _PEAK_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0, "A10": 125.0, "L40": 181.0}
 
 
+def device_product_name() -> str:
+    """The accelerator's product name (e.g. ``NVIDIA H200``), or the CPU's on a CPU."""
+    kind = get_accelerator().device_name()
+    if kind == "cpu":
+        return platform.processor() or platform.machine()
+    module = torch.get_device_module(kind)
+    return module.get_device_name() if hasattr(module, "get_device_name") else kind
+
+
 def peak_tflops(configured: float) -> float:
     """Peak TFLOP/s of one device: configured, known accelerator, or a measured matmul probe."""
     if configured > 0:
         return configured
-    acc = get_accelerator()
-    if acc.device_name() != "cpu":
-        name = str(acc.get_device_name() if hasattr(acc, "get_device_name") else "")
+    name = device_product_name().upper()
+    if get_accelerator().device_name() != "cpu":
         for key, val in _PEAK_TFLOPS.items():
-            if key in name.upper():
+            if key in name:
                 return val
     return _probe_tflops()
 
 
 def _probe_tflops(n: int = 1024, reps: int = 5) -> float:
-    """Best-case fp32 matmul TFLOP/s of this process (the fastest of ``reps`` products)."""
+    """Best-case matmul TFLOP/s on this rank's device (fp32 on CPU, bf16 on an accelerator),
+    the fastest of ``reps`` products."""
+    acc = get_accelerator()
+    device = torch.device(acc.current_device_name())
+    dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
     g = torch.Generator().manual_seed(0)  # leaves the global RNG stream untouched
-    a, b = torch.randn(n, n, generator=g), torch.randn(n, n, generator=g)
+    a, b = (torch.randn(n, n, generator=g).to(device, dtype) for _ in range(2))
     best = float("inf")
     for _ in range(reps + 1):
+        acc.synchronize()
         t = time.perf_counter()
         a @ b
+        acc.synchronize()
         best = min(best, time.perf_counter() - t)
     return 2 * n**3 / max(best, 1e-9) / 1e12
 
