@@ -278,10 +278,11 @@ def main(argv: list[str] | None = None) -> int:
 
     tokens = BATCH * SEQ
     tps_wall = {k: tokens / statistics.median(v) for k, v in wall.items()}
-    if not on_cpu:  # an accelerator's steps: wall time between synchronisations
-        cpu = {k: [t * a.threads for t in v] for k, v in wall.items()}
-    tps_cpu = {k: tokens * a.threads / statistics.median(v) for k, v in cpu.items()}
-    tps_best = {k: tokens * a.threads / min(v) for k, v in cpu.items()}
+    # CPU: tokens x threads per CPU-second; an accelerator: tokens per wall second between
+    # synchronisations (its CPU time says nothing about the device)
+    per_step, scale = (cpu, a.threads) if on_cpu else (wall, 1)
+    tps_cpu = {k: tokens * scale / statistics.median(v) for k, v in per_step.items()}
+    tps_best = {k: tokens * scale / min(v) for k, v in per_step.items()}
     flops = {
         "ours_uniform": count_model(cfg_u).train_flops_per_token,
         "ours_tapered": count_model(cfg_t).train_flops_per_token,

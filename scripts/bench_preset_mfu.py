@@ -26,24 +26,9 @@ from deepspeed.accelerator import get_accelerator
 
 from tapered_megatron.config import load_config
 from tapered_megatron.models import build_model, count_model
-from tapered_megatron.training.logger import device_product_name, peak_tflops
+from tapered_megatron.training.logger import device_product_name, peak_tflops, probe_tflops
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
-
-
-def measured_peak(device: torch.device, dtype: torch.dtype, n: int) -> float:
-    """Best ``n x n`` matmul FLOP/s of ``dtype`` on ``device`` (fastest of ten products)."""
-    acc = get_accelerator()
-    a = torch.randn(n, n, device=device, dtype=dtype)
-    b = torch.randn(n, n, device=device, dtype=dtype)
-    best = float("inf")
-    for _ in range(11):
-        acc.synchronize()
-        t = time.perf_counter()
-        torch.mm(a, b)
-        acc.synchronize()
-        best = min(best, time.perf_counter() - t)
-    return 2 * n**3 / best
 
 
 def time_preset(preset: str, args: argparse.Namespace, device: torch.device) -> dict:
@@ -103,7 +88,7 @@ def main(argv: list[str] | None = None) -> int:
     acc = get_accelerator()
     device = torch.device(acc.current_device_name())
     datasheet = peak_tflops(0.0) * 1e12 if device.type != "cpu" else 0.0
-    measured = measured_peak(device, DTYPES[args.dtype], args.peak_n)
+    measured = probe_tflops(args.peak_n, reps=10, dtype=DTYPES[args.dtype]) * 1e12
     results = {p: time_preset(p, args, device) for p in args.presets}
     for r in results.values():
         flops = r["model_tflops"] * 1e12

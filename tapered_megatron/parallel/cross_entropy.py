@@ -103,6 +103,7 @@ class _LinearCEMean(torch.autograd.Function):
         chunk = max(1, min(n, chunk_tokens))
         buf = torch.empty(chunk, vocab_local, dtype=torch.float32, device=h.device)
         loss = torch.zeros((), dtype=torch.float32, device=h.device)
+        fp32 = weight.dtype == torch.float32 and h.dtype == torch.float32  # products into buffers
         grad_h = grad_w = None
         if need_grad:
             grad_h = torch.empty_like(h)
@@ -110,7 +111,7 @@ class _LinearCEMean(torch.autograd.Function):
         for s in range(0, n, chunk):
             h_c = h[s : s + chunk]
             logits = buf[: h_c.shape[0]]
-            if weight.dtype == torch.float32 and h.dtype == torch.float32:
+            if fp32:
                 torch.mm(h_c, weight.t(), out=logits)
             else:
                 logits.copy_(torch.mm(h_c, weight.t()))
@@ -119,7 +120,7 @@ class _LinearCEMean(torch.autograd.Function):
             loss += torch.dot(per_token, w_c)
             if need_grad:
                 g = _ce_grad_(*stats, w_c)
-                if weight.dtype == torch.float32:
+                if fp32:
                     torch.mm(g, weight, out=grad_h[s : s + chunk])
                     grad_w.addmm_(g.t(), h_c)
                 else:

@@ -41,20 +41,21 @@ def peak_tflops(configured: float) -> float:
     """Peak TFLOP/s of one device: configured, known accelerator, or a measured matmul probe."""
     if configured > 0:
         return configured
-    name = device_product_name().upper()
     if get_accelerator().device_name() != "cpu":
+        name = device_product_name().upper()
         for key, val in _PEAK_TFLOPS.items():
             if key in name:
                 return val
-    return _probe_tflops()
+    return probe_tflops()
 
 
-def _probe_tflops(n: int = 1024, reps: int = 5) -> float:
-    """Best-case matmul TFLOP/s on this rank's device (fp32 on CPU, bf16 on an accelerator),
-    the fastest of ``reps`` products."""
+def probe_tflops(n: int = 1024, reps: int = 5, dtype: torch.dtype | None = None) -> float:
+    """Best-case ``n x n`` matmul TFLOP/s on this rank's device, the fastest of ``reps``
+    products; ``dtype`` defaults to fp32 on CPU and bf16 on an accelerator."""
     acc = get_accelerator()
     device = torch.device(acc.current_device_name())
-    dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
+    if dtype is None:
+        dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
     g = torch.Generator().manual_seed(0)  # leaves the global RNG stream untouched
     a, b = (torch.randn(n, n, generator=g).to(device, dtype) for _ in range(2))
     best = float("inf")
