@@ -28,87 +28,100 @@ import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import yaml
 
 from tapered_megatron.taper import (
     DEFAULT_STEP_MULTIPLIERS,
-    SCHEDULES,
+    Schedule,
     TaperError,
     TaperPlan,
     make_plan,
 )
 
-ARCHS = ("transformer", "gated_attention", "titans", "hope_attention")
 PRESET_DIR = Path(
     os.environ.get("TM_CONFIG_DIR", Path(__file__).resolve().parents[1] / "pretrain" / "configs")
 )
+Partition = Literal["balanced", "uniform", "parameters", "megatron"]
+PipelineUnit = Literal["layer", "sublayer"]
 
 
 class ConfigError(ValueError):
     """Invalid configuration; the message names the offending key and how to fix it."""
 
 
-@dataclass(frozen=True)
-class TitansConfig:
-    """Titans neural long-term memory (tlm-spec.md section 5.3)."""
-
-    variant: str = "mag"  # mag | mal | lmm
-    memory_depth: int = 2  # layers of the per-head memory MLP (>= 2)
-    memory_expansion: int = 2  # hidden width of the memory MLP, as a multiple of head_dim
-    chunk_size: int = 16  # tokens per chunk of the chunk-parallel update
-    conv_size: int = 4  # short causal depthwise convolution on q, k, v
-    window: int = 64  # sliding-window size of the attention branch (MAG / MAL)
-
-
-@dataclass(frozen=True)
-class HopeConfig:
-    """Hope-attention's Continuum Memory System (tlm-spec.md section 5.4)."""
-
-    levels: int = 3  # K MLP levels in the chain
-    periods: tuple[int, ...] = (
-        0,
-        64,
-        16,
-    )  # update period per level in tokens; 0 = never (plain MLP)
-    lr: float = 0.01  # inner-loop update rate scale; 0 disables in-context updates
+def at_least(low: float, default: Any) -> Any:
+    """A dataclass field whose value (each element, for a tuple) must be ``>= low``; checked
+    when the config is parsed, with the key named in the error."""
+    return field(default=default, metadata={"min": low})
 
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """Model shape. ``d_ff`` is the uniform baseline width the taper redistributes."""
+    """Model shape. ``d_ff`` is the uniform baseline width the taper redistributes.
 
-    arch: str = "transformer"
-    d_model: int = 256
-    layers: int = 8
-    heads: int = 4
-    d_ff: int = 688
-    vocab_size: int = 8192
-    seq_len: int = 256
-    make_vocab_size_divisible_by: int = 128
+    ``options`` holds the settings of ``arch`` (its registered options dataclass), written in
+    YAML and on the command line under the architecture's own key (``model.titans.chunk_size``,
+    ``model.hope.levels``, ``model.gate``) and read the same way (``cfg.model.titans``). A config
+    carries no other architecture's settings. ``plugins`` are modules or ``.py`` files imported
+    before ``arch`` is looked up (architectures defined outside the package).
+    """
+
+    arch: str = "transformer"  # any registered architecture (tapered_megatron.models.ARCHITECTURES)
+    d_model: int = at_least(1, 256)
+    layers: int = at_least(1, 8)
+    heads: int = at_least(1, 4)
+    d_ff: int = at_least(1, 688)
+    vocab_size: int = at_least(1, 8192)
+    seq_len: int = at_least(1, 256)
+    make_vocab_size_divisible_by: int = at_least(1, 128)
     norm_eps: float = 1e-5
     rope_theta: float = 10000.0
     init_std: float = 0.02
-    gate: str = "elementwise"  # gated_attention: elementwise | headwise
-    titans: TitansConfig = field(default_factory=TitansConfig)
-    hope: HopeConfig = field(default_factory=HopeConfig)
+    plugins: tuple[str, ...] = ()
+    options: Any = field(default=None, metadata={"derived": True})
 
     @property
     def head_dim(self) -> int:
         """Per-head width."""
         return self.d_model // self.heads
 
+    def __getattr__(self, name: str) -> Any:
+        # cfg.model.<section> (or a flat option such as cfg.model.gate): the arch's options
+        opts = self.__dict__.get("options")
+        if name.startswith("__") or opts is None:
+            raise AttributeError(name)
+        key = _registry().resolve_architecture(self.__dict__["arch"]).options_key
+        if name == key:
+            return opts
+        if key == "" and name in {f.name for f in dataclasses.fields(opts)}:
+            return getattr(opts, name)
+        raise AttributeError(f"model has no setting {name!r} (model.arch is {self.arch})")
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain dictionary; the options sit under the architecture's own key."""
+        out = {
+            f.name: _plain(getattr(self, f.name))
+            for f in dataclasses.fields(self)
+            if f.name != "options"
+        }
+        key = _registry().resolve_architecture(self.arch).options_key
+        if key is not None and self.options is not None:
+            values = _plain(dataclasses.asdict(self.options))
+            out.update(values if key == "" else {key: values})
+        return out
+
 
 @dataclass(frozen=True)
 class TaperConfig:
     """MLP width schedule (see :mod:`tapered_megatron.taper`)."""
 
-    schedule: str = "cosine"
+    schedule: Schedule = "cosine"
     ratio: tuple[float, ...] = (1.5, 0.5)
     step_multipliers: tuple[float, ...] = DEFAULT_STEP_MULTIPLIERS
     reverse: bool = False
-    multiple: int = 16
+    multiple: int = at_least(1, 16)  # widths are multiples of it; tp must divide it
     sigmoid_k: float = 10.0
 
 
@@ -116,10 +129,10 @@ class TaperConfig:
 class ParallelConfig:
     """Model-parallel layout; data parallelism is whatever remains of the world size."""
 
-    tp: int = 1
-    pp: int = 1
-    partition: str = "balanced"  # balanced | uniform | parameters | megatron
-    pipeline_unit: str = "layer"  # layer | sublayer (mixer and MLP as separate pipeline units)
+    tp: int = at_least(1, 1)
+    pp: int = at_least(1, 1)
+    partition: Partition = "balanced"
+    pipeline_unit: PipelineUnit = "layer"  # sublayer: mixer and MLP as separate pipeline units
     activation_checkpointing: bool = False
 
 
@@ -139,12 +152,12 @@ class DataConfig:
 class TrainConfig:
     """Optimisation and checkpointing."""
 
-    iters: int = 200
-    micro_batch_size: int = 8
-    global_batch_size: int = 0  # 0: micro_batch_size * data-parallel size (no accumulation)
+    iters: int = at_least(1, 200)
+    micro_batch_size: int = at_least(1, 8)
+    global_batch_size: int = at_least(0, 0)  # 0: micro_batch_size * data-parallel size
     lr: float = 1e-3
     min_lr: float = 1e-4
-    warmup_iters: int = 20
+    warmup_iters: int = at_least(0, 20)
     lr_decay_iters: int = 0  # 0: train.iters
     weight_decay: float = 0.1
     adam_beta1: float = 0.9
@@ -152,12 +165,12 @@ class TrainConfig:
     adam_eps: float = 1e-8
     clip_grad: float = 1.0
     seed: int = 1234
-    save_interval: int = 0  # 0: only at the end
+    save_interval: int = at_least(0, 0)  # 0: only at the end
     save_dir: str = "checkpoints/quickstart"
-    keep_last: int = 2
+    keep_last: int = at_least(1, 2)
     resume: str = ""  # "" (fresh), "auto" (newest complete checkpoint in save_dir) or a path
-    exit_interval: int = 0  # stop (after saving) once the iteration is a multiple of it; 0: never
-    compile: bool = False  # torch.compile via DeepSpeed's engine.compile (transformer, gated)
+    exit_interval: int = at_least(0, 0)  # stop (after saving) at multiples of it; 0: never
+    compile: bool = False  # torch.compile via DeepSpeed's engine.compile (where arch compiles)
 
 
 @dataclass(frozen=True)
@@ -172,9 +185,9 @@ class EvalConfig:
 class LoggingConfig:
     """Console and tensorboardX logging."""
 
-    interval: int = 10
+    interval: int = at_least(1, 10)
     tensorboard_dir: str = ""  # empty: <train.save_dir>/tensorboard
-    peak_tflops: float = 0.0  # per-device peak for MFU; 0: known accelerator or measured probe
+    peak_tflops: float = at_least(0, 0.0)  # per-device peak for MFU; 0: known device or probe
     metrics_file: str = ""  # JSON line per iteration (loss, lr, grad_norm, val_loss); "": none
 
 
@@ -202,24 +215,26 @@ class Config:
             t.schedule,
             tuple(ratios),
             t.multiple,
-            self.parallel.tp,
-            t.reverse,
-            t.sigmoid_k,
+            reverse=t.reverse,
+            sigmoid_k=t.sigmoid_k,
         )
 
     @property
     def padded_vocab_size(self) -> int:
-        """Vocabulary padded (Megatron habit) to a multiple of the divisor times ``tp``."""
-        unit = self.model.make_vocab_size_divisible_by * self.parallel.tp
+        """Vocabulary padded (Megatron habit) to a multiple of the divisor; the same at any TP
+        size (validation makes ``parallel.tp`` divide the divisor)."""
+        unit = self.model.make_vocab_size_divisible_by
         return -(-self.model.vocab_size // unit) * unit
 
     def to_dict(self) -> dict[str, Any]:
         """Plain nested dictionary (YAML/JSON ready)."""
-        return _plain(dataclasses.asdict(self))
+        out = _plain(dataclasses.asdict(self))
+        out["model"] = self.model.to_dict()
+        return out
 
     def with_overrides(self, overrides: list[str]) -> Config:
         """A new validated config with dotted command-line overrides applied."""
-        return _build(_merge(self.to_dict(), parse_overrides(overrides)))
+        return _build(_override(self.to_dict(), parse_overrides(overrides)))
 
 
 def _plain(x: Any) -> Any:
@@ -230,17 +245,30 @@ def _plain(x: Any) -> Any:
     return x
 
 
-def _resolve_hints(cls: type) -> dict[str, Any]:
-    return typing.get_type_hints(cls)
+def _registry() -> types.ModuleType:
+    """The architecture registry (imported on use: it imports torch and the model files)."""
+    import tapered_megatron.models.base as base
+
+    return base
 
 
 def _coerce(value: Any, tp: Any, key: str) -> Any:
     """Check/convert one YAML or CLI value to the field's declared type."""
     origin = typing.get_origin(tp)
+    if tp is ModelConfig:
+        if not isinstance(value, dict):
+            raise ConfigError(f"{key}: expected a mapping of model fields, got {value!r}")
+        return _model_from_dict(value, key + ".")
     if dataclasses.is_dataclass(tp):
         if not isinstance(value, dict):
             raise ConfigError(f"{key}: expected a mapping of {tp.__name__} fields, got {value!r}")
         return _from_dict(tp, value, key + ".")
+    if origin is Literal:
+        choices = typing.get_args(tp)
+        value = _coerce(value, type(choices[0]), key)
+        if value not in choices:
+            raise ConfigError(f"{key}: {value!r}; use one of {', '.join(map(str, choices))}")
+        return value
     if origin in (tuple, list):
         (elem, *_rest) = typing.get_args(tp)
         if not isinstance(value, (list, tuple)):
@@ -281,16 +309,58 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
     raise ConfigError(f"{key}: unsupported type {tp}")
 
 
-def _from_dict(cls: type, data: dict[str, Any], prefix: str = "") -> Any:
-    hints = _resolve_hints(cls)
-    names = {f.name for f in dataclasses.fields(cls)}
+def _from_dict(cls: type, data: dict[str, Any], prefix: str = "", extra: tuple = ()) -> Any:
+    """``cls(**data)`` with every value type-checked (``Literal`` choices and ``at_least``
+    bounds included); ``extra`` are further keys valid here, named in the unknown-key error."""
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls) if not f.metadata.get("derived")}
     for k in data:
-        if k not in names:
-            raise ConfigError(
-                f"{prefix}{k}: unknown key; valid keys here: {', '.join(sorted(names))}"
-            )
-    kwargs = {k: _coerce(v, hints[k], prefix + k) for k, v in data.items()}
+        if k not in fields:
+            valid = ", ".join(sorted([*fields, *extra]))
+            raise ConfigError(f"{prefix}{k}: unknown key; valid keys here: {valid}")
+    kwargs = {}
+    for k, v in data.items():
+        kwargs[k] = value = _coerce(v, hints[k], prefix + k)
+        low = fields[k].metadata.get("min")
+        if low is not None:
+            for x in value if isinstance(value, tuple) else (value,):
+                if x < low:
+                    raise ConfigError(f"{prefix}{k}: must be >= {low}, got {x}")
     return cls(**kwargs)
+
+
+def _model_from_dict(data: dict[str, Any], prefix: str) -> ModelConfig:
+    """The ``model`` section: plugins imported, ``arch`` looked up in the registry, and the
+    architecture's own settings parsed into its options dataclass."""
+    reg = _registry()
+    data = dict(data)
+    plugins = _coerce(data.pop("plugins", ()), tuple[str, ...], prefix + "plugins")
+    name = _coerce(data.pop("arch", ModelConfig.arch), str, prefix + "arch")
+    try:
+        reg.load_plugins(plugins)
+        arch = reg.resolve_architecture(name)
+    except reg.ArchitectureError as e:
+        raise ConfigError(str(e)) from None
+    own = arch.option_names()
+    settings = {k: data.pop(k) for k in own if k in data}
+    for k in data:
+        owners = [a.name for a in reg.ARCHITECTURES.values() if k in a.option_names()]
+        if owners and not hasattr(ModelConfig, k):
+            raise ConfigError(
+                f"{prefix}{k}: a setting of model.arch {' / '.join(owners)}, but model.arch is "
+                f"{name}; remove it (a config carries only its own architecture's settings)"
+            )
+    model = _from_dict(ModelConfig, {**data, "arch": name, "plugins": plugins}, prefix, own)
+    if arch.options is None:
+        return model
+    if arch.options_key:
+        section = settings.get(arch.options_key) or {}
+        if not isinstance(section, dict):
+            raise ConfigError(f"{prefix}{arch.options_key}: expected a mapping, got {section!r}")
+        options = _from_dict(arch.options, section, f"{prefix}{arch.options_key}.")
+    else:
+        options = _from_dict(arch.options, settings, prefix, tuple(ModelConfig.__annotations__))
+    return dataclasses.replace(model, options=options)
 
 
 def _merge(base: dict, over: dict) -> dict:
@@ -301,6 +371,24 @@ def _merge(base: dict, over: dict) -> dict:
         else:
             out[k] = v
     return out
+
+
+def _override(base: dict, over: dict) -> dict:
+    """``over`` merged into ``base``; when ``over`` changes ``model.arch``, the settings of the
+    old architecture are dropped from ``base`` (the architecture is an override)."""
+    old = base.get("model", {}).get("arch", ModelConfig.arch)
+    if over.get("model", {}).get("arch", old) != old:
+        reg = _registry()
+        model = dict(base["model"])
+        try:
+            reg.load_plugins(model.get("plugins", ()))
+        except reg.ArchitectureError as e:
+            raise ConfigError(str(e)) from None
+        arch = reg.ARCHITECTURES.get(old)
+        for key in arch.option_names() if arch else ():
+            model.pop(key, None)
+        base = {**base, "model": model}
+    return _merge(base, over)
 
 
 def parse_overrides(args: list[str]) -> dict[str, Any]:
@@ -377,12 +465,12 @@ def _load_yaml(name_or_path: str, seen: tuple[str, ...] = ()) -> dict[str, Any]:
         base_path = Path(base)
         if not base_path.is_absolute() and base_path.suffix in (".yaml", ".yml"):
             base = str(path.parent / base_path)
-        data = _merge(_load_yaml(base, (*seen, str(path))), data)
+        data = _override(_load_yaml(base, (*seen, str(path))), data)
     return data
 
 
 def _build(data: dict[str, Any]) -> Config:
-    cfg = _from_dict(Config, data)
+    cfg = _from_dict(Config, {"model": {}, **data})
     validate(cfg)
     return cfg
 
@@ -391,7 +479,7 @@ def load_config(name_or_path: str = "quickstart", overrides: list[str] | None = 
     """Load a preset (name or YAML path), apply dotted overrides, validate, return the config."""
     data = _load_yaml(name_or_path)
     data.setdefault("name", Path(name_or_path).stem)
-    return _build(_merge(data, parse_overrides(list(overrides or []))))
+    return _build(_override(data, parse_overrides(list(overrides or []))))
 
 
 def load_config_or_exit(name_or_path: str, overrides: list[str]) -> Config:
@@ -408,93 +496,64 @@ def _require(cond: bool, msg: str) -> None:
         raise ConfigError(msg)
 
 
+def tp_problem(cfg: Config, tp: int) -> str | None:
+    """Why tensor-parallel size ``tp`` cannot split ``cfg``'s model evenly (``None``: it can).
+
+    The model's shape is a function of the model config alone (widths are multiples of
+    ``taper.multiple``, the vocabulary is padded to ``model.make_vocab_size_divisible_by``), so
+    a TP size must divide those and the heads; it never changes the model.
+    """
+    m = cfg.model
+    for key, value in (
+        ("model.heads", m.heads),
+        ("taper.multiple", cfg.taper.multiple),
+        ("model.make_vocab_size_divisible_by", m.make_vocab_size_divisible_by),
+    ):
+        if value % tp:
+            return (
+                f"parallel.tp ({tp}) must divide {key} ({value}); use a parallel.tp that "
+                f"divides it or set --{key} to a multiple of {tp}"
+            )
+    return None
+
+
 def validate(cfg: Config) -> None:
-    """Reject impossible combinations with a message naming the key."""
-    m, t, p, tr = cfg.model, cfg.taper, cfg.parallel, cfg.train
-    _require(m.arch in ARCHS, f"model.arch: unknown architecture {m.arch!r}; use one of {ARCHS}")
-    for key in ("d_model", "layers", "heads", "d_ff", "vocab_size", "seq_len"):
-        _require(getattr(m, key) > 0, f"model.{key}: must be positive, got {getattr(m, key)}")
+    """Reject impossible combinations with a message naming the key (types, choices and bounds
+    are checked while parsing; the architecture's own checks run last)."""
+    m, p, tr = cfg.model, cfg.parallel, cfg.train
+    arch = _registry().resolve_architecture(m.arch)
     _require(
         m.d_model % m.heads == 0,
         f"model.d_model ({m.d_model}) must be divisible by model.heads ({m.heads})",
     )
     _require(m.head_dim % 2 == 0, f"model.d_model/model.heads = {m.head_dim} must be even for RoPE")
-    _require(
-        m.gate in ("elementwise", "headwise"),
-        f"model.gate: {m.gate!r} is not elementwise or headwise",
-    )
-    _require(
-        m.titans.variant in ("mag", "mal", "lmm"),
-        f"model.titans.variant: {m.titans.variant!r}; use mag, mal or lmm",
-    )
-    _require(m.titans.memory_depth >= 2, "model.titans.memory_depth: must be >= 2")
-    for key in ("chunk_size", "conv_size", "window", "memory_expansion"):
-        _require(getattr(m.titans, key) >= 1, f"model.titans.{key}: must be >= 1")
-    _require(m.hope.levels >= 1, "model.hope.levels: must be >= 1")
-    _require(
-        len(m.hope.periods) == m.hope.levels,
-        f"model.hope.periods: give one period per level ({m.hope.levels}), "
-        f"got {list(m.hope.periods)}",
-    )
-    _require(all(x >= 0 for x in m.hope.periods), "model.hope.periods: periods must be >= 0")
-    _require(m.hope.lr >= 0, "model.hope.lr: must be >= 0")
-    _require(
-        t.schedule in SCHEDULES, f"taper.schedule: unknown {t.schedule!r}; use one of {SCHEDULES}"
-    )
-    _require(p.tp >= 1 and p.pp >= 1, "parallel.tp and parallel.pp must be >= 1")
-    _require(
-        m.heads % p.tp == 0, f"model.heads ({m.heads}) must be divisible by parallel.tp ({p.tp})"
-    )
+    problem = tp_problem(cfg, p.tp)
+    _require(problem is None, str(problem))
     units = m.layers * (2 if p.pipeline_unit == "sublayer" else 1)
     _require(
         p.pp <= units, f"parallel.pp ({p.pp}) exceeds the {units} pipeline units of model.layers"
     )
     _require(
-        p.partition in ("balanced", "uniform", "parameters", "megatron"),
-        f"parallel.partition: {p.partition!r}; use balanced, uniform, parameters or megatron",
-    )
-    _require(
-        p.pipeline_unit in ("layer", "sublayer"),
-        f"parallel.pipeline_unit: {p.pipeline_unit!r}; use layer or sublayer",
-    )
-    _require(tr.iters >= 1, "train.iters: must be >= 1")
-    _require(tr.micro_batch_size >= 1, "train.micro_batch_size: must be >= 1")
-    _require(tr.global_batch_size >= 0, "train.global_batch_size: must be >= 0")
-    _require(
         0 <= tr.min_lr <= tr.lr, f"train.min_lr ({tr.min_lr}) must lie in [0, train.lr={tr.lr}]"
     )
-    _require(tr.warmup_iters >= 0, "train.warmup_iters: must be >= 0")
-    _require(tr.keep_last >= 1, "train.keep_last: must be >= 1")
-    _require(tr.save_interval >= 0, "train.save_interval: must be >= 0")
-    _require(tr.exit_interval >= 0, "train.exit_interval: must be >= 0")
+    compilable = sorted(a.name for a in _registry().ARCHITECTURES.values() if a.compiles)
     _require(
-        not tr.compile or m.arch in ("transformer", "gated_attention"),
-        f"train.compile: supported for transformer and gated_attention only ({m.arch}'s "
-        "memory loops did not finish compiling in 400 s on CPU); drop --train.compile",
+        not tr.compile or arch.compiles,
+        f"train.compile: supported for {', '.join(compilable)} only (the loops of {m.arch} do "
+        "not compile in reasonable time); drop --train.compile",
     )
-    _require(cfg.logging.interval >= 1, "logging.interval: must be >= 1")
-    _require(cfg.logging.peak_tflops >= 0, "logging.peak_tflops: must be >= 0")
-    parts = cfg.data.split.replace("/", ",").split(",")
+    from tapered_megatron.data.gpt_dataset import parse_split
+
     try:
-        weights = [float(x) for x in parts]
-    except ValueError:
-        raise ConfigError(f"data.split: {cfg.data.split!r} is not like '969,30,1'") from None
-    _require(
-        len(weights) <= 3 and sum(weights) > 0 and min(weights) >= 0,
-        f"data.split: {cfg.data.split!r} needs up to three non-negative weights",
-    )
+        parse_split(cfg.data.split)
+    except ValueError as e:
+        raise ConfigError(f"data.split: {e}") from None
     try:
-        plan = cfg.taper_plan
+        cfg.taper_plan  # noqa: B018 - computed once here so a bad taper fails at load time
     except TaperError as e:
         raise ConfigError(str(e)) from None
-    if m.arch == "hope_attention":
-        narrowest = min(plan.widths)
-        _require(
-            narrowest >= m.hope.levels * plan.unit,
-            f"model.hope.levels: the narrowest layer (d_ff={narrowest}) cannot be split into "
-            f"{m.hope.levels} CMS levels of at least one rounding unit ({plan.unit}); use fewer "
-            "levels, a wider model.d_ff or a smaller taper.multiple",
-        )
+    if arch.validate is not None:
+        arch.validate(cfg)
 
 
 def main(argv: list[str] | None = None) -> int:

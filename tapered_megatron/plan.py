@@ -1,15 +1,18 @@
 """Scale planner: choose TP x PP x DP, ZeRO stage, micro-batch, checkpointing and pipeline unit.
 
 ``python -m tapered_megatron.plan --config transformer_7b --gpus 64 --gpu-mem 80 [--nodes 8]``
-enumerates every layout that divides the GPUs (TP inside a node, dividing the heads; PP up to the
-number of pipeline units; DP the rest), every ZeRO stage DeepSpeed allows for it (0-3 without
-pipeline, 0-1 with), micro-batch sizes that divide the global batch, activation checkpointing on
-or off, and whole-layer or sub-layer pipeline units. For each it
+enumerates every layout that divides the GPUs (TP inside a node, dividing the heads, the taper
+unit and the vocabulary padding; PP up to the number of pipeline units; DP the rest), every ZeRO
+stage DeepSpeed allows for it (0-3 without pipeline, 0-1 with), micro-batch sizes that divide the
+global batch, activation checkpointing on or off, and whole-layer or sub-layer pipeline units.
+For each it
 
-1. builds the unit costs and memory from the model counters (:mod:`tapered_megatron.pipeline.cost`),
-2. runs the exact balancer under the per-GPU memory cap (infeasible -> rejected, with the reason),
-3. predicts the step time: the 1F1B pipeline (fill/drain + (M-1) x slowest stage), tensor-parallel
-   all-reduces (2 per sub-layer per pass, ring, NVLink), pipeline sends (activation forward and
+1. builds the unit costs and memory (:mod:`tapered_megatron.pipeline.cost`, the cost model the
+   trainer's balancer reads, tensor-parallel all-reduces included),
+2. runs the exact balancer under the per-GPU memory cap (infeasible -> rejected, with the reason)
+   through the same call as the trainer (:func:`tapered_megatron.pipeline.balance.analyse`),
+3. predicts the step time: the 1F1B pipeline (fill/drain + (M-1) x slowest stage, the stage
+   times including their tensor-parallel all-reduces), pipeline sends (activation forward and
    gradient backward per micro-batch, NVLink when neighbouring stages share a node, else the
    network), the data-parallel gradient reduction (ring all-reduce, 2(dp-1)/dp x bytes; ZeRO-3 adds
    a parameter all-gather per pass; over NVLink when the DP group fits in a node, else the network;
@@ -37,8 +40,9 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from tapered_megatron.config import tp_problem
 from tapered_megatron.pipeline import cost as costlib
-from tapered_megatron.pipeline.balance import balance_costs
+from tapered_megatron.pipeline.balance import analyse
 from tapered_megatron.pipeline.solver import InfeasibleError
 
 TEMPLATE = Path(__file__).resolve().parents[1] / "scripts" / "slurm_cluster_template.sbatch"
@@ -92,50 +96,33 @@ def meta_param_count(cfg: Any) -> int | None:
     return sum(p.numel() for p in model.parameters())
 
 
-def _ring(bytes_: float, n: int, bw: float) -> float:
-    """Ring all-reduce time of ``bytes_`` over ``n`` ranks with per-rank bandwidth ``bw``."""
-    return 0.0 if n <= 1 else 2.0 * (n - 1) / n * bytes_ / bw
-
-
 def evaluate(cfg: Any, c: Candidate, dev: costlib.Device, cap: float) -> Candidate | str:
-    """Predict one candidate; returns the filled candidate or the reason it is rejected."""
+    """Predict one candidate; returns the filled candidate or the reason it is rejected.
+
+    The stages come from :func:`tapered_megatron.pipeline.balance.analyse`, the call the
+    trainer's balancer makes, so a run launched with this candidate's overrides on the same
+    device and memory cap gets these boundaries.
+    """
     m = cfg.model
-    shape = costlib.RunShape(
-        micro_batch_size=c.micro_batch_size,
-        seq_len=m.seq_len,
-        micro_batches=c.grad_accum,
-        tp=c.tp,
+    layout = dict(
+        unit=c.unit,
+        device=dev,
         dp=c.dp,
         zero_stage=c.zero,
-        precision=dev.precision,
         checkpointing=c.checkpointing,
-        pipeline=c.pp > 1,
+        tp=c.tp,
+        micro_batch_size=c.micro_batch_size,
+        methods=("balancer",),
     )
-    tcfg = cfg.with_overrides(["--parallel.tp", str(c.tp), "--parallel.pp", "1"])
-    costs = costlib.model_unit_costs(tcfg, shape, dev, unit=c.unit)
-    elem = costlib.activation_scale(dev.precision)
-    act_bytes = shape.tokens * m.d_model * elem  # one residual-stream tensor of a micro-batch
-    # Tensor parallelism: one all-reduce per sub-layer per pass (fwd, bwd, recompute).
-    tp_bw = dev.intra_bw if c.tp <= dev.gpus_per_node else dev.inter_bw
-    tp_ar = _ring(act_bytes, c.tp, tp_bw)
-    passes = 3 if c.checkpointing else 2
-    per_unit_tp = []
-    for u in costs:
-        n_ar = {"layer": 2, "mixer": 1, "mlp": 1, "embedding": 1, "head": 1}[u.kind] * passes
-        per_unit_tp.append(n_ar * tp_ar)
-    costs = [replace(u, time=u.time + t) for u, t in zip(costs, per_unit_tp)]
     try:
-        bal = balance_costs(
-            costs, c.pp, c.grad_accum, cap, dev.overhead_bytes, methods=("balancer",)
-        )
+        bal = analyse(cfg, c.pp, c.grad_accum, gpu_mem=cap / costlib.GiB, **layout)
     except InfeasibleError:
-        need = balance_costs(
-            costs, c.pp, c.grad_accum, float("inf"), dev.overhead_bytes, methods=("balancer",)
-        ).methods["balancer"]
-        return (
-            f"out of memory: needs {max(need.stage_mem) / costlib.GiB:.1f} GiB on its worst stage"
-        )
-    r = bal.methods["balancer"]
+        need = analyse(cfg, c.pp, c.grad_accum, gpu_mem=float("inf"), **layout)
+        worst = max(need.methods["balancer"].stage_mem) / costlib.GiB
+        return f"out of memory: needs {worst:.1f} GiB on its worst stage"
+    r, costs = bal.methods["balancer"], bal.costs
+    elem = costlib.activation_scale(dev.precision)
+    act_bytes = c.micro_batch_size * m.seq_len * m.d_model * elem  # one residual-stream tensor
     # Pipeline sends: neighbouring stages are dp*tp ranks apart (topology axes pipe, data, model).
     pp_bw = dev.intra_bw if c.dp * c.tp < dev.gpus_per_node else dev.inter_bw
     p2p = act_bytes / c.tp / pp_bw if c.pp > 1 else 0.0  # DeepSpeed pipe_partitioned sends 1/tp
@@ -145,7 +132,7 @@ def evaluate(cfg: Any, c: Candidate, dev: costlib.Device, cap: float) -> Candida
     grad_elem = 2.0 if dev.precision == "bf16" else 4.0
     dp_bw = dev.intra_bw if c.dp * c.tp <= dev.gpus_per_node else dev.inter_bw
     stage_param = max(r.stage_params) / c.tp
-    dp_s = _ring(stage_param * grad_elem, c.dp, dp_bw)
+    dp_s = costlib.ring_all_reduce(stage_param * grad_elem, c.dp, dp_bw)
     if c.zero >= 3:
         dp_s += 2 * (c.dp - 1) / c.dp * stage_param * grad_elem / dp_bw * c.grad_accum
     bpp = costlib.bytes_per_param(dev.precision, c.zero, c.dp, c.pp > 1)
@@ -167,7 +154,7 @@ def evaluate(cfg: Any, c: Candidate, dev: costlib.Device, cap: float) -> Candida
             "compute_ideal_s": ideal,
             "pipeline_s": pipe_s,
             "bubble_and_imbalance_s": pipe_s - ideal,
-            "tp_comm_s": sum(per_unit_tp) * c.grad_accum / c.pp,
+            "tp_comm_s": sum(u.tp_comm for u in costs) * c.grad_accum / c.pp,
             "p2p_s": 2 * p2p * c.grad_accum,
             "dp_comm_s": dp_s,
             "optimizer_s": opt_s,
@@ -181,7 +168,7 @@ def enumerate_candidates(cfg: Any, gpus: int, gpus_per_node: int) -> list[Candid
     gbs = tr.global_batch_size or tr.micro_batch_size * gpus
     out = []
     for tp in _divisors(gpus):
-        if tp > gpus_per_node or m.heads % tp:
+        if tp > gpus_per_node or tp_problem(cfg, tp):
             continue
         for pp in _divisors(gpus // tp):
             if pp > m.layers:

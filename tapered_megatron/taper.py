@@ -3,10 +3,11 @@
 A TLM keeps every dimension of the uniform model except the MLP intermediate width ``d_ff(l)``,
 which follows a schedule over depth (tlm-spec.md section 2) and whose sum over layers equals the
 uniform budget ``L * d_ff_base``. :func:`make_plan` turns a schedule into integer widths that are
-multiples of one rounding unit (``multiple * tp``, so each tensor-parallel rank holds an integer
-slice), keeps the schedule's shape (monotone for linear/cosine/sigmoid), pins the first and last
-layers to the rounded endpoints and meets the budget exactly whenever the budget is a multiple of
-the unit; otherwise the smallest deviation is reported in the plan, never hidden.
+multiples of one rounding unit, ``multiple`` (a tensor-parallel size must divide it, so each rank
+holds an integer slice and the widths are the same at every TP size), keeps the schedule's shape
+(monotone for linear/cosine/sigmoid), pins the first and last layers to the rounded endpoints and
+meets the budget exactly whenever the budget is a multiple of the unit; otherwise the smallest
+deviation is reported in the plan, never hidden.
 
 The resulting :class:`TaperPlan` is immutable and is the one object that the model builder, the
 parameter/FLOP counters and the pipeline balancer read.
@@ -24,8 +25,10 @@ import math
 import sys
 from dataclasses import asdict, dataclass
 from itertools import pairwise, product
+from typing import Literal, get_args
 
-SCHEDULES = ("uniform", "linear", "cosine", "sigmoid", "step")
+Schedule = Literal["uniform", "linear", "cosine", "sigmoid", "step"]
+SCHEDULES: tuple[str, ...] = get_args(Schedule)
 DEFAULT_STEP_MULTIPLIERS = (1.5, 1.0, 0.5)
 
 
@@ -44,7 +47,7 @@ class TaperPlan:
             ``(1.0, 1.0)`` for uniform. Always given in the un-reversed orientation.
         reverse: whether the schedule is mirrored (narrow early, wide late).
         d_ff_base: the uniform baseline width.
-        unit: rounding unit, ``multiple * tp``.
+        unit: rounding unit, ``multiple``.
         budget: ``L * d_ff_base``.
         deviation: ``sum(widths) - budget`` (0 whenever the budget is a multiple of ``unit``).
         raw: the unrounded schedule values, for reports and tests.
@@ -220,7 +223,7 @@ def make_plan(
     schedule: str = "cosine",
     ratios: tuple[float, ...] = (1.5, 0.5),
     multiple: int = 16,
-    tp: int = 1,
+    *,
     reverse: bool = False,
     sigmoid_k: float = 10.0,
 ) -> TaperPlan:
@@ -235,16 +238,16 @@ def make_plan(
         raise TaperError(f"model.layers: need at least one layer, got {layers}")
     if d_ff < 1:
         raise TaperError(f"model.d_ff: must be positive, got {d_ff}")
-    if multiple < 1 or tp < 1:
-        raise TaperError(f"taper.multiple and parallel.tp must be >= 1, got {multiple} and {tp}")
+    if multiple < 1:
+        raise TaperError(f"taper.multiple: must be >= 1, got {multiple}")
     ratios = _check_ratios(schedule, tuple(ratios), layers)
-    unit = multiple * tp
+    unit = multiple
     budget = layers * d_ff
     raw = raw_schedule(schedule, layers, d_ff, ratios, sigmoid_k)
     if min(raw) < unit:
         raise TaperError(
             f"taper: the narrowest layer would be {min(raw):.1f} wide, below one rounding unit "
-            f"(taper.multiple * parallel.tp = {unit}); raise model.d_ff, make the taper gentler "
+            f"(taper.multiple = {unit}); raise model.d_ff, make the taper gentler "
             "or lower taper.multiple"
         )
     target_lo = (budget // unit) * unit
@@ -323,8 +326,10 @@ def main(argv: list[str] | None = None) -> int:
         default=None,
         help="r_start r_end (default 1.5 0.5), or the step multipliers",
     )
-    p.add_argument("--multiple", type=int, default=16)
-    p.add_argument("--tp", type=int, default=1)
+    p.add_argument("--multiple", type=int, default=16, help="widths are multiples of it")
+    p.add_argument(
+        "--tp", type=int, default=1, help="tensor-parallel size the widths must split over"
+    )
     p.add_argument("--reverse", action="store_true")
     p.add_argument("--sigmoid-k", type=float, default=10.0)
     p.add_argument("--json", action="store_true", help="print one JSON object")
@@ -332,8 +337,19 @@ def main(argv: list[str] | None = None) -> int:
     a = p.parse_args(argv)
     ratios = a.ratio or (DEFAULT_STEP_MULTIPLIERS if a.schedule == "step" else (1.5, 0.5))
     try:
+        if a.tp < 1 or a.multiple % a.tp:
+            raise TaperError(
+                f"--tp {a.tp} must divide --multiple {a.multiple} (each rank holds d_ff/tp "
+                f"columns); use a multiple of {max(a.tp, 1)}"
+            )
         plan = make_plan(
-            a.layers, a.d_ff, a.schedule, tuple(ratios), a.multiple, a.tp, a.reverse, a.sigmoid_k
+            a.layers,
+            a.d_ff,
+            a.schedule,
+            tuple(ratios),
+            a.multiple,
+            reverse=a.reverse,
+            sigmoid_k=a.sigmoid_k,
         )
     except TaperError as e:
         print(f"error: {e}", file=sys.stderr)

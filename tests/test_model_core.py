@@ -7,8 +7,9 @@ import gc
 import pytest
 import torch
 
-from tapered_megatron.config import load_config
+from tapered_megatron.config import ConfigError, load_config
 from tapered_megatron.models import (
+    Architecture,
     ArchitectureError,
     build_model,
     lm_loss,
@@ -89,8 +90,10 @@ def test_pipeline_form_equals_build_model(unit):
     x = ids
     for u in units:
         x = u(x)
-    torch.testing.assert_close(x, model(ids), atol=1e-6, rtol=0)
-    torch.testing.assert_close(lm_loss(x, ids), model(ids, ids), atol=1e-6, rtol=0)
+    torch.testing.assert_close(x.logits(), model(ids), atol=1e-6, rtol=0)
+    # the pipeline's loss_fn on the head's output is the model's own (fused) loss
+    torch.testing.assert_close(lm_loss(x, ids), model(ids, ids), atol=0, rtol=0)
+    torch.testing.assert_close(lm_loss(x.logits(), ids), model(ids, ids), atol=1e-6, rtol=0)
 
 
 def test_activation_checkpointing_same_gradients():
@@ -186,19 +189,29 @@ def test_loss_mask():
     torch.testing.assert_close(lm_loss(logits, (ids, mask)), per_token, atol=1e-5, rtol=0)
 
 
-def test_registry_errors_and_extension():
+def test_registry_is_the_list_of_architectures():
+    """``model.arch`` accepts exactly the registered records; an architecture registered at run
+    time is accepted by the config at once, and its options come from its own section only."""
     with pytest.raises(ArchitectureError, match="unknown architecture"):
         resolve_architecture("nope")
-    register_architecture(
-        "_missing",
-        "tapered_megatron.models._no_such_file:Mixer",
-        "tapered_megatron.models.mlp:SwiGLU",
-    )
+    with pytest.raises(ConfigError, match=r"unknown architecture 'nope'.*model\.plugins"):
+        load_config("quickstart", ["--model.arch", "nope"])
+    base = resolve_architecture("transformer")
+    with pytest.raises(TypeError, match="TokenMixer"):
+        register_architecture(Architecture("_bad", base.mlp, base.mlp))
+    register_architecture(Architecture("_copy", base.mixer, base.mlp))
     try:
-        with pytest.raises(ArchitectureError, match=r"_no_such_file\.py"):
-            resolve_architecture("_missing")
+        cfg = load_config("quickstart", [*TINY, "--model.arch", "_copy"])
+        assert cfg.model.arch == "_copy" and "gate" not in cfg.to_dict()["model"]
+        assert build_model(cfg)(torch.randint(0, 256, (1, 8))).shape[-1] == cfg.padded_vocab_size
     finally:
-        del ARCHITECTURES["_missing"]
+        del ARCHITECTURES["_copy"]
+    titans = load_config("quickstart", ["--model.arch", "titans"]).to_dict()["model"]
+    assert "titans" in titans and "hope" not in titans and "gate" not in titans
+    with pytest.raises(ConfigError, match=r"model\.titans: a setting of model\.arch titans"):
+        load_config("quickstart", ["--model.titans.chunk_size", "8"])
+    with pytest.raises(ConfigError, match=r"model\.gate: .*'sideways'; use one of"):
+        load_config("quickstart", ["--model.arch", "gated_attention", "--model.gate", "sideways"])
 
 
 def test_same_seed_same_weights_other_seed_differs():

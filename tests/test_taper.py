@@ -28,24 +28,23 @@ def plans(draw):
     schedule = draw(st.sampled_from(["uniform", "linear", "cosine", "sigmoid", "step"]))
     ratios = draw(st.sampled_from(STEP if schedule == "step" else RATIOS))
     layers = draw(st.integers(3 if schedule == "step" else 2, 128))
-    multiple = draw(st.sampled_from([16, 64, 128]))
-    tp = draw(st.sampled_from([1, 2, 4, 8]))
+    multiple = draw(st.sampled_from([16, 64, 128, 256, 512]))
     d_ff = draw(st.integers(16, 8192))
     reverse = draw(st.booleans())
-    return schedule, ratios, layers, multiple, tp, d_ff, reverse
+    return schedule, ratios, layers, multiple, d_ff, reverse
 
 
 @settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(plans())
 def test_plan_properties(args):
-    schedule, ratios, layers, multiple, tp, d_ff, reverse = args
-    unit = multiple * tp
+    schedule, ratios, layers, multiple, d_ff, reverse = args
+    unit = multiple
     raw = raw_schedule(schedule, layers, d_ff, ratios if schedule != "uniform" else (1.0, 1.0))
     if min(raw) < unit:
         with pytest.raises(TaperError, match="rounding unit"):
-            make_plan(layers, d_ff, schedule, ratios, multiple, tp, reverse)
+            make_plan(layers, d_ff, schedule, ratios, multiple, reverse=reverse)
         return
-    plan = make_plan(layers, d_ff, schedule, ratios, multiple, tp, reverse)
+    plan = make_plan(layers, d_ff, schedule, ratios, multiple, reverse=reverse)
     w = plan.widths
     assert len(w) == layers and plan.unit == unit
     assert all(x % unit == 0 and x >= unit for x in w), "widths are positive multiples of the unit"
@@ -64,7 +63,7 @@ def test_plan_properties(args):
 
 @pytest.mark.parametrize("layers,d_ff", [(24, 4096), (24, 3584), (32, 11008), (7, 100), (128, 688)])
 def test_cosine_matches_formula_within_one_unit(layers, d_ff):
-    plan = make_plan(layers, d_ff, "cosine", (1.5, 0.5), 16, 1)
+    plan = make_plan(layers, d_ff, "cosine", (1.5, 0.5), 16)
     for l, w in enumerate(plan.widths):
         x = l / (layers - 1)
         formula = 0.5 * d_ff + (1.5 * d_ff - 0.5 * d_ff) / 2 * (1 + math.cos(math.pi * x))
@@ -110,7 +109,10 @@ def test_cli_table_json_and_plot(tmp_path):
     out = _cli(*base, "--json", "--tp", "2", "--multiple", "64")
     obj = json.loads(out.stdout)
     assert obj["sum"] == obj["budget"] == 24 * 4096 and obj["deviation"] == 0
-    assert all(w % 128 == 0 for w in obj["widths"])
+    assert obj["unit"] == 64 and all(w % 64 == 0 for w in obj["widths"])
+    assert json.loads(_cli(*base, "--json", "--multiple", "64").stdout) == obj  # tp-independent
+    odd = _cli(*base, "--tp", "3", "--multiple", "64")
+    assert odd.returncode == 2 and "--tp 3 must divide --multiple 64" in odd.stderr
     png = tmp_path / "widths.png"
     assert _cli(*base, "--reverse", "--plot", str(png)).returncode == 0
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

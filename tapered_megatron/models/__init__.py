@@ -6,16 +6,21 @@ Public entry (stable)::
     model = build_model(cfg)              # forward(input_ids) -> logits [b, s, padded_vocab]
     specs = pipeline_layer_specs(cfg)     # DeepSpeed LayerSpecs; loss_fn=lm_loss
     counts = count_model(cfg)             # params / FLOPs / activation bytes per layer
+    table = units(cfg, "sublayer")        # the pipeline units everything above maps over
 
-See :mod:`tapered_megatron.models.base` for the mixer / MLP-slot protocol and the registry.
+See :mod:`tapered_megatron.models.base` for the mixer / MLP-slot protocol and the registry. The
+built-in architectures register themselves when their files are imported below.
 """
 
+from tapered_megatron.models import attention, hope, titans  # noqa: F401 - registers them
 from tapered_megatron.models.base import (
     ARCHITECTURES,
+    Architecture,
     ArchitectureError,
     Counts,
     MLPSlot,
     TokenMixer,
+    load_plugins,
     register_architecture,
     resolve_architecture,
 )
@@ -24,34 +29,38 @@ from tapered_megatron.models.language_model import (
     Block,
     Embedding,
     Head,
+    HeadOutput,
     LanguageModel,
-    MixerUnit,
-    MLPUnit,
+    Unit,
     build_model,
     lm_loss,
     pipeline_layer_specs,
     set_activation_checkpointing,
+    units,
 )
 
 __all__ = [
     "ARCHITECTURES",
+    "Architecture",
     "ArchitectureError",
     "Block",
     "Counts",
     "Embedding",
     "Head",
+    "HeadOutput",
     "LanguageModel",
     "LayerCounts",
     "MLPSlot",
-    "MLPUnit",
-    "MixerUnit",
     "ModelCounts",
     "TokenMixer",
+    "Unit",
     "build_model",
     "count_model",
     "lm_loss",
+    "load_plugins",
     "pipeline_layer_specs",
     "register_architecture",
     "resolve_architecture",
     "set_activation_checkpointing",
+    "units",
 ]

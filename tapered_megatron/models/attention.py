@@ -10,13 +10,15 @@ kernels where the backend has them); the output projection is row-parallel.
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Literal
 
 import torch
 import torch.nn.functional as F
 
-from tapered_megatron.models.base import Counts, TokenMixer
+from tapered_megatron.models.base import Architecture, Counts, TokenMixer, register_architecture
 from tapered_megatron.models.layers import RotaryEmbedding
+from tapered_megatron.models.mlp import SwiGLU
 from tapered_megatron.parallel import (
     ColumnParallelLinear,
     RowParallelLinear,
@@ -79,6 +81,13 @@ class Attention(TokenMixer):
         return Counts(params, 2.0 * params + attn_flops, float(elems * dtype_bytes))
 
 
+@dataclass(frozen=True)
+class GateOptions:
+    """``gated_attention``'s setting, written directly under ``model`` (``--model.gate``)."""
+
+    gate: Literal["elementwise", "headwise"] = "elementwise"
+
+
 class GatedAttention(Attention):
     """Gated attention (Qiu et al. 2025, "G1" as in Qwen3-Next): ``o_h * sigmoid(X W_g,h)``.
 
@@ -103,3 +112,17 @@ class GatedAttention(Attention):
 
     def gate(self, o: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
         return o * torch.sigmoid(g)
+
+
+register_architecture(Architecture("transformer", Attention, SwiGLU, compiles=True))
+register_architecture(
+    Architecture(
+        "gated_attention",
+        GatedAttention,
+        SwiGLU,
+        options=GateOptions,
+        section="",
+        mixer_efficiency=0.95,  # the gate's elementwise pass beside the attention core
+        compiles=True,
+    )
+)

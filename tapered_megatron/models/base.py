@@ -1,21 +1,27 @@
-"""The block protocol and the architecture registry: a new token mixer or MLP slot is one file.
+"""The block protocol and the architecture registry: a new architecture is one file.
 
 A layer of every architecture is (tlm-spec.md section 1, pre-norm)::
 
     z = h + mixer(mixer_norm(h))        # token mixer M_l
     h = z + mlp(mlp_norm(z))            # MLP slot F_l, the tapered site (width d_ff(l))
 
-The block (``tapered_megatron.models.language_model``) owns the two RMSNorms and the residual
-adds; an architecture only supplies two classes, registered in :data:`ARCHITECTURES`:
+The block (:class:`tapered_megatron.models.language_model.Block`) owns the two RMSNorms and the
+residual adds. An architecture is one :class:`Architecture` record, registered with
+:func:`register_architecture` by the file that defines it; the registry :data:`ARCHITECTURES` is
+the only list of architectures (``model.arch`` accepts exactly its keys). A record names:
 
-* a :class:`TokenMixer` subclass and
-* an :class:`MLPSlot` subclass.
+* a :class:`TokenMixer` subclass and an :class:`MLPSlot` subclass;
+* its options dataclass (frozen), parsed from the config section ``model.<section>`` of that
+  architecture only (a config never carries another architecture's section);
+* a validation function for checks that need the whole config;
+* the cost model's efficiency of its mixer and whether ``torch.compile`` is supported.
 
-Protocol for both (what the block, the pipeline specs and the counters rely on):
+Protocol of the two module classes (what the block, the unit table and the counters rely on):
 
 ``__init__(self, cfg: Config, layer: int)``
     Build the module for global layer ``layer`` (0-based) of ``cfg``. Read widths from the ONE
-    plan: ``cfg.taper_plan.widths[layer]`` is ``d_ff(l)``. No ``device`` argument: meta builds use
+    plan: ``cfg.taper_plan.widths[layer]`` is ``d_ff(l)``; the architecture's options are
+    ``cfg.model.<section>``. No ``device`` argument: meta builds use
     ``with torch.device("meta"):``. Under tensor parallelism use the layers of
     :mod:`tapered_megatron.parallel` (heads and ``d_ff(l)`` split over TP ranks; input and output
     of ``forward`` are the full, replicated ``[b, s, d_model]``).
@@ -30,7 +36,7 @@ Protocol for both (what the block, the pipeline specs and the counters rely on):
     token (2 x multiply-adds of every matmul, plus attention score/value products over the mean
     causal context; elementwise ops ignored) and the activation bytes per token it keeps for
     backward when ``dtype_bytes`` is the activation element size. Norms are counted by the block.
-    ``tapered_megatron.models.counters.count_model`` reads only these, and a test checks that the
+    The counters and the pipeline cost model read only these, and a test checks that the
     parameter count equals the module built on the meta device.
 
 Initialisation: every parameter that should be random declares ``param.init_std = std`` (normal)
@@ -40,14 +46,17 @@ the parallel layers do). The unit that owns the module calls
 the init is the same at any TP size and in the pipeline form. Parameters without those
 attributes keep their constructor value (constants such as norm gains or gate biases).
 
-Registry values are ``"module:Class"`` strings imported on first use, so an architecture whose
-file is missing fails only when it is built, with a message naming the file.
+Architectures outside the package are files or modules named in ``model.plugins`` (imported by
+:func:`load_plugins` before ``model.arch`` is resolved); see ``docs/ARCHITECTURE.md``.
 """
 
 from __future__ import annotations
 
 import importlib
-from dataclasses import dataclass
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass, fields, is_dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from torch import nn
@@ -99,57 +108,114 @@ class MLPSlot(BlockPart):
     """Base of MLP-slot modules ``F_l`` (the tapered site): ``[b, s, d] -> [b, s, d]``."""
 
 
-ARCHITECTURES: dict[str, tuple[str, str]] = {
-    "transformer": (
-        "tapered_megatron.models.attention:Attention",
-        "tapered_megatron.models.mlp:SwiGLU",
-    ),
-    "gated_attention": (
-        "tapered_megatron.models.attention:GatedAttention",
-        "tapered_megatron.models.mlp:SwiGLU",
-    ),
-    "titans": (
-        "tapered_megatron.models.titans:TitansMixer",
-        "tapered_megatron.models.mlp:SwiGLU",
-    ),
-    "hope_attention": (
-        "tapered_megatron.models.attention:Attention",
-        "tapered_megatron.models.hope:ContinuumMemory",
-    ),
-}
+@dataclass(frozen=True)
+class Architecture:
+    """Everything about one architecture (see the module docstring).
+
+    Attributes:
+        name: the ``model.arch`` value.
+        mixer: the token mixer class (a :class:`TokenMixer`).
+        mlp: the MLP-slot class (a :class:`MLPSlot`).
+        options: frozen dataclass of the architecture's own settings, or ``None``.
+        section: where those settings sit under ``model``: ``model.<section>.<field>``; ``""``
+            puts the fields directly in ``model`` (``model.gate``); ``None`` means ``name``.
+        validate: ``validate(cfg)`` for checks that need the whole config; raises
+            :class:`tapered_megatron.config.ConfigError` naming the key and the fix.
+        mixer_efficiency: the mixer's achieved fraction of attention's efficiency on the same
+            device (the pipeline cost model scales its mixer time by it).
+        compiles: whether ``train.compile`` (``torch.compile``) is supported.
+    """
+
+    name: str
+    mixer: type[TokenMixer]
+    mlp: type[MLPSlot]
+    options: type | None = None
+    section: str | None = None
+    validate: Callable[[Config], None] | None = None
+    mixer_efficiency: float = 1.0
+    compiles: bool = False
+
+    @property
+    def options_key(self) -> str | None:
+        """The ``model`` key of the options (``""``: flat in ``model``; ``None``: no options)."""
+        if self.options is None:
+            return None
+        return self.name if self.section is None else self.section
+
+    def option_names(self) -> tuple[str, ...]:
+        """The keys this architecture owns inside ``model``: its section, or its flat fields."""
+        key = self.options_key
+        if key is None:
+            return ()
+        return tuple(f.name for f in fields(self.options)) if key == "" else (key,)
+
+
+#: The registry: ``model.arch`` -> record. Filled by the architecture files as they are imported.
+ARCHITECTURES: dict[str, Architecture] = {}
 
 
 class ArchitectureError(RuntimeError):
-    """An architecture that cannot be built (unknown name or missing module)."""
+    """An architecture that cannot be found (unknown name or a plugin that does not load)."""
 
 
-def register_architecture(name: str, mixer: str, mlp: str) -> None:
-    """Add or replace an architecture: ``mixer`` and ``mlp`` are ``"module:Class"`` strings."""
-    ARCHITECTURES[name] = (mixer, mlp)
+def register_architecture(arch: Architecture) -> Architecture:
+    """Add (or replace) ``arch`` in the registry; returns it."""
+    if not (isinstance(arch.mixer, type) and issubclass(arch.mixer, TokenMixer)):
+        raise TypeError(f"architecture {arch.name!r}: mixer must be a TokenMixer subclass")
+    if not (isinstance(arch.mlp, type) and issubclass(arch.mlp, MLPSlot)):
+        raise TypeError(f"architecture {arch.name!r}: mlp must be an MLPSlot subclass")
+    if arch.options is not None and not is_dataclass(arch.options):
+        raise TypeError(f"architecture {arch.name!r}: options must be a dataclass")
+    ARCHITECTURES[arch.name] = arch
+    return arch
 
 
-def _load(path: str, arch: str) -> type:
-    module, _, cls = path.partition(":")
+def resolve_architecture(name: str) -> Architecture:
+    """The registered record of ``name``."""
     try:
-        mod = importlib.import_module(module)
-    except ModuleNotFoundError as e:
-        if e.name != module:
-            raise
+        return ARCHITECTURES[name]
+    except KeyError:
+        known = ", ".join(sorted(ARCHITECTURES))
         raise ArchitectureError(
-            f"model.arch={arch!r} needs {module.replace('.', '/')}.py (class {cls}), "
-            "which is not available in this installation"
+            f"model.arch: unknown architecture {name!r}; registered: {known} (architectures "
+            "from other files are added with model.plugins)"
         ) from None
-    try:
-        return getattr(mod, cls)
-    except AttributeError:
-        raise ArchitectureError(f"model.arch={arch!r}: {module} defines no class {cls}") from None
 
 
-def resolve_architecture(arch: str) -> tuple[type[TokenMixer], type[MLPSlot]]:
-    """The (token mixer class, MLP-slot class) of an architecture name."""
-    if arch not in ARCHITECTURES:
-        raise ArchitectureError(
-            f"model.arch: unknown architecture {arch!r}; registered: {sorted(ARCHITECTURES)}"
-        )
-    mixer, mlp = ARCHITECTURES[arch]
-    return _load(mixer, arch), _load(mlp, arch)
+def load_plugins(plugins: tuple[str, ...] | list[str]) -> None:
+    """Import each plugin: a module path (``my_pkg.my_arch``) or a ``.py`` file path.
+
+    Importing a plugin registers its architectures. A file is imported as a top-level module
+    named after the file, its folder put on ``sys.path`` (so spawned worker processes, which
+    inherit ``sys.path``, can import it again to unpickle configs).
+    """
+    for plugin in plugins:
+        path = Path(plugin)
+        if path.suffix == ".py":
+            if not path.is_file():
+                raise ArchitectureError(
+                    f"model.plugins: file {plugin} does not exist; give a .py path or a module"
+                )
+            folder, name = str(path.resolve().parent), path.stem
+            known = sys.modules.get(name)
+            if known is not None:
+                if Path(getattr(known, "__file__", "") or "").resolve() != path.resolve():
+                    raise ArchitectureError(
+                        f"model.plugins: {plugin} would import as module {name!r}, which is "
+                        f"already {known.__file__}; rename the file"
+                    )
+                continue
+            if folder not in sys.path:
+                sys.path.insert(0, folder)
+            module = name
+        else:
+            module = plugin
+        try:
+            importlib.import_module(module)
+        except ModuleNotFoundError as e:
+            if e.name != module:
+                raise
+            raise ArchitectureError(
+                f"model.plugins: no module named {module!r}; give an importable module or a "
+                ".py file path"
+            ) from None

@@ -1,8 +1,9 @@
 """Parameter, FLOP and activation counts of a configuration, read from the modules themselves.
 
-Each token mixer / MLP-slot class reports its own :class:`~tapered_megatron.models.base.Counts`
-(classmethod ``counts``); :func:`count_model` adds the norms, the embedding and the LM head +
-loss, per layer and in total. The pipeline balancer's cost model reads only this.
+Each unit of the unit table (:func:`tapered_megatron.models.units`) reports its own
+:class:`~tapered_megatron.models.base.Counts` from its module classes (token mixer, MLP slot,
+norms, embedding, head); :func:`count_model` arranges them per layer and in total. The pipeline
+cost model reads the same unit counts.
 
 Conventions: FLOPs are per token, forward = 2 x multiply-adds of every matmul plus attention
 score/value products over the mean causal context; backward = 2 x forward; elementwise ops are
@@ -16,7 +17,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
 
-from tapered_megatron.models.base import Counts, resolve_architecture
+from tapered_megatron.models.base import Counts
+from tapered_megatron.models.language_model import units
 
 if TYPE_CHECKING:
     from tapered_megatron.config import Config
@@ -99,21 +101,12 @@ class ModelCounts:
 
 
 def count_model(cfg: Config, dtype_bytes: int = 2) -> ModelCounts:
-    """Counts of ``cfg``'s model from the registered module classes and the taper plan."""
-    m = cfg.model
-    d, vocab = m.d_model, cfg.padded_vocab_size
-    mixer_cls, mlp_cls = resolve_architecture(m.arch)
-    norm = Counts(d, 0.0, float(d * dtype_bytes))  # gain; keeps its input for backward
+    """Counts of ``cfg``'s model: the sub-layer units of the unit table, each counted by its
+    own module classes."""
+    emb, *halves, head = (u.counts(dtype_bytes) for u in units(cfg, "sublayer"))
     layers = tuple(
-        LayerCounts(
-            layer=i,
-            d_ff=cfg.taper_plan.widths[i],
-            mixer=norm + mixer_cls.counts(cfg, i, dtype_bytes),
-            mlp=norm + mlp_cls.counts(cfg, i, dtype_bytes),
-        )
-        for i in range(m.layers)
+        LayerCounts(i, cfg.taper_plan.widths[i], mixer, mlp)
+        for i, (mixer, mlp) in enumerate(zip(halves[::2], halves[1::2]))
     )
-    embedding = Counts(vocab * d, 0.0, 0.0)
-    # head: final norm, projection (keeps its input) and fp32 softmax kept by the loss
-    head = norm + Counts(vocab * d, 2.0 * vocab * d, float(d * dtype_bytes + 4 * vocab))
-    return ModelCounts(m.arch, layers, embedding, head, dtype_bytes, float(d * dtype_bytes))
+    d = cfg.model.d_model
+    return ModelCounts(cfg.model.arch, layers, emb, head, dtype_bytes, float(d * dtype_bytes))

@@ -15,7 +15,7 @@ Choices the paper leaves open, and ours:
   the block's normalised input, and the slot returns ``u_K - u_0 = sum_i f_i(u_{i-1})`` (the block
   adds it to the residual stream). No extra norms inside the chain (none to budget).
 * Budget (the tapered site): level widths ``h_i`` split layer ``l``'s ``d_ff(l)`` as evenly as
-  possible in units of the taper plan's rounding unit (``taper.multiple * tp``; earlier levels get
+  possible in units of the taper plan's rounding unit (``taper.multiple``; earlier levels get
   the remainder), so ``sum_i h_i = d_ff(l)`` and the CMS has exactly ``3 d d_ff(l)`` parameters,
   the SwiGLU MLP it replaces; tapered and uniform stay budget-equal. With ``K = 1`` and period 0
   the slot *is* the SwiGLU MLP.
@@ -50,13 +50,45 @@ Choices the paper leaves open, and ours:
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tapered_megatron.models.base import Counts, MLPSlot
+from tapered_megatron.config import ConfigError, at_least
+from tapered_megatron.models.attention import Attention
+from tapered_megatron.models.base import Architecture, Counts, MLPSlot, register_architecture
 from tapered_megatron.models.mlp import SwiGLU
 from tapered_megatron.parallel.mappings import copy_to_tp_region, reduce_from_tp_region
+
+if TYPE_CHECKING:
+    from tapered_megatron.config import Config
+
+
+@dataclass(frozen=True)
+class HopeOptions:
+    """``model.hope``: hope_attention's Continuum Memory System (tlm-spec.md section 5.4)."""
+
+    levels: int = at_least(1, 3)  # K MLP levels in the chain
+    periods: tuple[int, ...] = at_least(0, (0, 64, 16))  # update period per level; 0 = never
+    lr: float = at_least(0.0, 0.01)  # inner-loop update rate scale; 0 disables the updates
+
+
+def _validate(cfg: Config) -> None:
+    """One period per level; the narrowest layer splits into that many rounding units."""
+    h, plan = cfg.model.hope, cfg.taper_plan
+    if len(h.periods) != h.levels:
+        raise ConfigError(
+            f"model.hope.periods: give one period per level ({h.levels}), got {list(h.periods)}"
+        )
+    if min(plan.widths) < h.levels * plan.unit:
+        raise ConfigError(
+            f"model.hope.levels: the narrowest layer (d_ff={min(plan.widths)}) cannot be split "
+            f"into {h.levels} CMS levels of at least one rounding unit ({plan.unit}); use fewer "
+            "levels, a wider model.d_ff or a smaller taper.multiple"
+        )
 
 
 def level_widths(d_ff: int, levels: int, unit: int) -> list[int]:
@@ -200,3 +232,10 @@ class ContinuumMemory(MLPSlot):
             u = u + o
             total = o if total is None else total + o
         return total
+
+
+register_architecture(
+    Architecture(
+        "hope_attention", Attention, ContinuumMemory, HopeOptions, "hope", validate=_validate
+    )
+)

@@ -1,11 +1,22 @@
-"""The language model, in two forms built from the same units.
+"""The language model and its pipeline units, listed once in the unit table.
+
+:func:`units` lists the pipeline units of a configuration: the :class:`Embedding`, one
+:class:`Block` per layer (granularity ``"layer"``) or, per layer, a block holding only the token
+mixer and one holding only the MLP slot (``"sublayer"``), and the :class:`Head`. Everything that
+needs the units maps over this one table:
 
 * :func:`build_model` -> :class:`LanguageModel` (one ``nn.Module``): ``forward(input_ids)`` gives
-  logits ``[b, s, padded_vocab]`` (this rank's vocabulary slice under TP).
-* :func:`pipeline_layer_specs` -> DeepSpeed ``LayerSpec`` list for ``PipelineModule``:
-  ``Embedding``, then one :class:`Block` per layer (``unit="layer"``) or a :class:`MixerUnit` and
-  an :class:`MLPUnit` per layer (``unit="sublayer"``), then :class:`Head` (final norm + LM head);
-  :func:`lm_loss` is the ``loss_fn``. Units pass one tensor: the residual stream.
+  logits ``[b, s, padded_vocab]`` (this rank's vocabulary slice under TP),
+  ``forward(input_ids, labels)`` the mean loss;
+* :func:`pipeline_layer_specs` -> DeepSpeed ``LayerSpec`` list for ``PipelineModule``, with
+  :func:`lm_loss` as ``loss_fn``; units pass one tensor, the residual stream;
+* the counters (:func:`tapered_megatron.models.count_model`), the pipeline cost model, balancer
+  and profiler (:mod:`tapered_megatron.pipeline`).
+
+One loss path: the head returns a :class:`HeadOutput` (final-normed hidden states and the head
+weight) and :func:`lm_loss` fuses the vocabulary projection into the cross-entropy, chunk by
+chunk, in the single model and on the pipeline's last stage alike, so no logits-sized tensor is
+kept in either.
 
 Each unit initialises its own parameters from ``(cfg.train.seed, canonical name)`` where the
 canonical name is the parameter's name in :class:`LanguageModel` (``layers.3.mlp.w13.weight``),
@@ -14,13 +25,15 @@ so both forms and every TP/PP layout start from the same full weights.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from tapered_megatron.models.base import resolve_architecture
+from tapered_megatron.models.base import Counts, resolve_architecture
 from tapered_megatron.models.layers import RMSNorm
 from tapered_megatron.parallel import (
     ColumnParallelLinear,
@@ -34,27 +47,10 @@ from tapered_megatron.parallel import (
 if TYPE_CHECKING:
     from deepspeed.pipe import LayerSpec
 
-    from tapered_megatron.config import Config
+    from tapered_megatron.config import Config, PipelineUnit
 
-
-class _Unit(nn.Module):
-    """A block or sub-block unit: optional activation checkpointing around ``_forward``.
-
-    The flag starts from ``cfg.parallel.activation_checkpointing``; the training loop may flip it
-    with :func:`set_activation_checkpointing`.
-    """
-
-    def __init__(self, cfg: Config) -> None:
-        super().__init__()
-        self.activation_checkpointing = cfg.parallel.activation_checkpointing
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.activation_checkpointing and self.training and torch.is_grad_enabled():
-            return checkpoint(self._forward, x, use_reentrant=False)
-        return self._forward(x)
-
-    def _forward(self, x: torch.Tensor) -> torch.Tensor:
-        raise NotImplementedError
+#: The two halves of a block, in order.
+HALVES = ("mixer", "mlp")
 
 
 class Embedding(nn.Module):
@@ -69,54 +65,79 @@ class Embedding(nn.Module):
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.embed(input_ids)
 
-
-class MixerUnit(_Unit):
-    """``z = h + mixer(mixer_norm(h))`` of global layer ``layer`` (pipeline sub-unit)."""
-
-    def __init__(self, cfg: Config, layer: int) -> None:
-        super().__init__(cfg)
-        mixer_cls, _ = resolve_architecture(cfg.model.arch)
-        self.layer = layer
-        self.mixer_norm = RMSNorm(cfg.model.d_model, cfg.model.norm_eps)
-        self.mixer = mixer_cls(cfg, layer)
-        init_parameters(self, cfg.train.seed, f"layers.{layer}.")
-
-    def _forward(self, h: torch.Tensor) -> torch.Tensor:
-        return h + self.mixer(self.mixer_norm(h))
+    @classmethod
+    def counts(cls, cfg: Config, dtype_bytes: int = 2) -> Counts:
+        """The embedding table; a gather (no FLOPs, nothing kept but the ids)."""
+        return Counts(cfg.padded_vocab_size * cfg.model.d_model, 0.0, 0.0)
 
 
-class MLPUnit(_Unit):
-    """``h = z + mlp(mlp_norm(z))`` of global layer ``layer`` (pipeline sub-unit)."""
+class Block(nn.Module):
+    """Layer ``layer``, or the halves of it one pipeline unit holds::
 
-    def __init__(self, cfg: Config, layer: int) -> None:
-        super().__init__(cfg)
-        _, mlp_cls = resolve_architecture(cfg.model.arch)
-        self.layer = layer
-        self.mlp_norm = RMSNorm(cfg.model.d_model, cfg.model.norm_eps)
-        self.mlp = mlp_cls(cfg, layer)
-        init_parameters(self, cfg.train.seed, f"layers.{layer}.")
+        z = h + mixer(mixer_norm(h))        # half "mixer"
+        h = z + mlp(mlp_norm(z))            # half "mlp"
 
-    def _forward(self, z: torch.Tensor) -> torch.Tensor:
-        return z + self.mlp(self.mlp_norm(z))
+    Parameter names are the same whichever halves are built (``mixer_norm``, ``mixer``,
+    ``mlp_norm``, ``mlp``), so a sub-layer unit's weights are the whole block's. Activation
+    checkpointing starts from ``cfg.parallel.activation_checkpointing``
+    (:func:`set_activation_checkpointing` flips it).
+    """
 
-
-class Block(_Unit):
-    """One layer: ``z = h + mixer(mixer_norm(h)); h = z + mlp(mlp_norm(z))``."""
-
-    def __init__(self, cfg: Config, layer: int) -> None:
-        super().__init__(cfg)
-        mixer_cls, mlp_cls = resolve_architecture(cfg.model.arch)
+    def __init__(self, cfg: Config, layer: int, halves: tuple[str, ...] = HALVES) -> None:
+        super().__init__()
+        arch = resolve_architecture(cfg.model.arch)
         m = cfg.model
-        self.layer = layer
-        self.mixer_norm = RMSNorm(m.d_model, m.norm_eps)
-        self.mixer = mixer_cls(cfg, layer)
-        self.mlp_norm = RMSNorm(m.d_model, m.norm_eps)
-        self.mlp = mlp_cls(cfg, layer)
+        self.layer, self.halves = layer, tuple(halves)
+        self.activation_checkpointing = cfg.parallel.activation_checkpointing
+        if "mixer" in halves:
+            self.mixer_norm = RMSNorm(m.d_model, m.norm_eps)
+            self.mixer = arch.mixer(cfg, layer)
+        if "mlp" in halves:
+            self.mlp_norm = RMSNorm(m.d_model, m.norm_eps)
+            self.mlp = arch.mlp(cfg, layer)
         init_parameters(self, cfg.train.seed, f"layers.{layer}.")
 
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        if self.activation_checkpointing and self.training and torch.is_grad_enabled():
+            return checkpoint(self._forward, h, use_reentrant=False)
+        return self._forward(h)
+
     def _forward(self, h: torch.Tensor) -> torch.Tensor:
-        z = h + self.mixer(self.mixer_norm(h))
-        return z + self.mlp(self.mlp_norm(z))
+        if "mixer" in self.halves:
+            h = h + self.mixer(self.mixer_norm(h))
+        if "mlp" in self.halves:
+            h = h + self.mlp(self.mlp_norm(h))
+        return h
+
+    @classmethod
+    def counts(
+        cls, cfg: Config, layer: int, halves: tuple[str, ...] = HALVES, dtype_bytes: int = 2
+    ) -> Counts:
+        """Each half's module counts plus its norm (a gain; keeps its input for backward)."""
+        arch = resolve_architecture(cfg.model.arch)
+        d = cfg.model.d_model
+        norm = Counts(d, 0.0, float(d * dtype_bytes))
+        modules = {"mixer": arch.mixer, "mlp": arch.mlp}
+        total = Counts(0, 0.0, 0.0)
+        for half in halves:
+            total = total + norm + modules[half].counts(cfg, layer, dtype_bytes)
+        return total
+
+
+class HeadOutput(NamedTuple):
+    """What the head hands to the loss: the vocabulary projection not yet applied.
+
+    ``hidden`` are the final-normed hidden states ``[..., d]`` inside the TP region, ``weight``
+    this rank's rows of the untied LM head ``[vocab/tp, d]``. :func:`lm_loss` fuses the two into
+    the cross-entropy; :meth:`logits` materialises ``[..., vocab/tp]`` when logits are wanted.
+    """
+
+    hidden: torch.Tensor
+    weight: torch.Tensor
+
+    def logits(self) -> torch.Tensor:
+        """This rank's logits ``hidden @ weight^T``."""
+        return F.linear(self.hidden, self.weight)
 
 
 class Head(nn.Module):
@@ -129,33 +150,98 @@ class Head(nn.Module):
         self.proj = ColumnParallelLinear(m.d_model, cfg.padded_vocab_size, std=m.init_std)
         init_parameters(self, cfg.train.seed, "head.")
 
-    def forward(self, h: torch.Tensor) -> torch.Tensor:
-        return self.proj(self.norm(h))
+    def forward(self, h: torch.Tensor) -> HeadOutput:
+        return HeadOutput(copy_to_tp_region(self.norm(h)), self.proj.weight)
 
-    def loss(self, h: torch.Tensor, labels: torch.Tensor | tuple) -> torch.Tensor:
-        """``lm_loss(self(h), labels)`` with the LM head fused into the cross-entropy and taken
-        in chunks, so no logits-sized tensor exists (see
-        ``vocab_parallel_linear_cross_entropy_mean``)."""
-        target, mask = labels if isinstance(labels, (tuple, list)) else (labels, None)
-        x = copy_to_tp_region(self.norm(h))
-        return vocab_parallel_linear_cross_entropy_mean(x, self.proj.weight, target, mask)
+    @classmethod
+    def counts(cls, cfg: Config, dtype_bytes: int = 2) -> Counts:
+        """Final norm and projection. The fused loss keeps the gradient of its input (``d`` per
+        token); its fp32 weight gradient and one chunk of logits are per micro-batch, not per
+        token (the pipeline cost model adds them)."""
+        d, vocab = cfg.model.d_model, cfg.padded_vocab_size
+        norm = Counts(d, 0.0, float(d * dtype_bytes))
+        return norm + Counts(vocab * d, 2.0 * vocab * d, float(d * dtype_bytes))
 
 
-def lm_loss(logits: torch.Tensor, labels: torch.Tensor | tuple) -> torch.Tensor:
-    """Mean next-token cross-entropy over (vocab-parallel) logits: the pipeline ``loss_fn``.
+def lm_loss(output: HeadOutput | torch.Tensor, labels: torch.Tensor | tuple) -> torch.Tensor:
+    """Mean next-token cross-entropy: the loss of the single model and of the pipeline's last
+    stage (its ``loss_fn``).
 
-    ``labels`` is ``[b, s]`` token ids, or ``(labels, loss_mask)`` with a 0/1 mask ``[b, s]``.
+    ``output`` is the head's :class:`HeadOutput`: the projection is fused into the vocab-parallel
+    cross-entropy and taken in chunks (``vocab_parallel_linear_cross_entropy_mean``), so no
+    logits-sized tensor exists. Logits ``[..., vocab/tp]`` are accepted as well (e.g.
+    ``lm_loss(model(ids), labels)``). ``labels`` is ``[b, s]`` token ids, or ``(labels,
+    loss_mask)`` with a 0/1 mask ``[b, s]``.
     """
     target, mask = labels if isinstance(labels, (tuple, list)) else (labels, None)
-    loss = vocab_parallel_cross_entropy(logits, target)
+    if isinstance(output, HeadOutput):
+        return vocab_parallel_linear_cross_entropy_mean(output.hidden, output.weight, target, mask)
+    loss = vocab_parallel_cross_entropy(output, target)
     if mask is None:
         return loss.mean()
     mask = mask.to(loss.dtype)
     return (loss * mask).sum() / mask.sum().clamp(min=1.0)
 
 
+@dataclass(frozen=True)
+class Unit:
+    """One entry of the unit table: a pipeline unit of ``cfg``.
+
+    Attributes:
+        name: ``embedding``, ``layer3`` (a whole block), ``layer3.mixer``, ``layer3.mlp`` or
+            ``head``.
+        kind: ``embedding``, ``layer``, ``mixer``, ``mlp`` or ``head``.
+        layer: the global layer index of a block unit (``None`` for the embedding and head).
+        module: the class built for it (:class:`Embedding`, :class:`Block` or :class:`Head`).
+        args: its constructor arguments after ``cfg``.
+    """
+
+    cfg: Config = field(repr=False, compare=False)
+    name: str
+    kind: str
+    layer: int | None
+    module: type[nn.Module]
+    args: tuple[Any, ...] = ()
+
+    def build(self) -> nn.Module:
+        """The unit's module, initialised (layout-invariant)."""
+        return self.module(self.cfg, *self.args)
+
+    def spec(self) -> LayerSpec:
+        """The unit as a DeepSpeed ``LayerSpec`` (built on the stage that owns it)."""
+        from deepspeed.pipe import LayerSpec
+
+        return LayerSpec(self.module, self.cfg, *self.args)
+
+    def counts(self, dtype_bytes: int = 2) -> Counts:
+        """Parameters, forward FLOPs per token and activation bytes per token (full model)."""
+        return self.module.counts(self.cfg, *self.args, dtype_bytes=dtype_bytes)
+
+    def input_bytes(self, dtype_bytes: int = 2) -> float:
+        """Bytes per token of the unit's input (what a checkpointed unit keeps)."""
+        return 0.0 if self.kind == "embedding" else float(self.cfg.model.d_model * dtype_bytes)
+
+
+def units(cfg: Config, granularity: PipelineUnit | None = None) -> list[Unit]:
+    """The pipeline units of ``cfg`` in order: embedding, blocks (``"layer"``) or block halves
+    (``"sublayer"``), head. ``granularity`` defaults to ``cfg.parallel.pipeline_unit``."""
+    g = granularity or cfg.parallel.pipeline_unit
+    if g not in ("layer", "sublayer"):
+        raise ValueError(f"pipeline unit must be 'layer' or 'sublayer', got {g!r}")
+    resolve_architecture(cfg.model.arch)  # fail here, before any stage builds
+    out = [Unit(cfg, "embedding", "embedding", None, Embedding)]
+    for i in range(cfg.model.layers):
+        if g == "layer":
+            out.append(Unit(cfg, f"layer{i}", "layer", i, Block, (i, HALVES)))
+        else:
+            out += [Unit(cfg, f"layer{i}.{h}", h, i, Block, (i, (h,))) for h in HALVES]
+    out.append(Unit(cfg, "head", "head", None, Head))
+    return out
+
+
 class LanguageModel(nn.Module):
-    """Embedding, ``cfg.model.layers`` blocks, final norm and LM head.
+    """Embedding, ``cfg.model.layers`` blocks, final norm and LM head (the units of
+    :func:`units` at granularity ``"layer"``).
 
     ``forward(input_ids)`` returns logits ``[b, s, cfg.padded_vocab_size]`` (under TP: this
     rank's contiguous vocabulary slice); ``forward(input_ids, labels)`` returns the mean loss.
@@ -164,9 +250,10 @@ class LanguageModel(nn.Module):
     def __init__(self, cfg: Config) -> None:
         super().__init__()
         self.cfg = cfg
-        self.embedding = Embedding(cfg)
-        self.layers = nn.ModuleList(Block(cfg, i) for i in range(cfg.model.layers))
-        self.head = Head(cfg)
+        embedding, *blocks, head = (u.build() for u in units(cfg, "layer"))
+        self.embedding = embedding
+        self.layers = nn.ModuleList(blocks)
+        self.head = head
 
     def forward(
         self, input_ids: torch.Tensor, labels: torch.Tensor | tuple | None = None
@@ -174,13 +261,14 @@ class LanguageModel(nn.Module):
         h = self.embedding(input_ids)
         for block in self.layers:
             h = block(h)
-        return self.head(h) if labels is None else self.head.loss(h, labels)
+        out = self.head(h)
+        return out.logits() if labels is None else lm_loss(out, labels)
 
 
 def set_activation_checkpointing(model: nn.Module, enabled: bool = True) -> nn.Module:
     """Recompute each block's (or pipeline unit's) activations in backward when ``enabled``."""
     for module in model.modules():
-        if isinstance(module, _Unit):
+        if isinstance(module, Block):
             module.activation_checkpointing = enabled
     return model
 
@@ -197,23 +285,7 @@ def build_model(cfg: Config, device: torch.device | str | None = None) -> Langua
         return LanguageModel(cfg)
 
 
-def pipeline_layer_specs(cfg: Config, unit: str | None = None) -> list[LayerSpec]:
-    """DeepSpeed ``LayerSpec`` list: embedding, blocks or sub-units, final norm + head.
-
-    ``unit`` defaults to ``cfg.parallel.pipeline_unit``. Pair with ``loss_fn=lm_loss``. Each
-    unit's activation checkpointing follows ``cfg.parallel.activation_checkpointing``.
-    """
-    from deepspeed.pipe import LayerSpec
-
-    unit = unit or cfg.parallel.pipeline_unit
-    if unit not in ("layer", "sublayer"):
-        raise ValueError(f"pipeline unit must be 'layer' or 'sublayer', got {unit!r}")
-    resolve_architecture(cfg.model.arch)  # fail early, before any stage builds
-    specs: list[LayerSpec] = [LayerSpec(Embedding, cfg)]
-    for i in range(cfg.model.layers):
-        if unit == "layer":
-            specs.append(LayerSpec(Block, cfg, i))
-        else:
-            specs += [LayerSpec(MixerUnit, cfg, i), LayerSpec(MLPUnit, cfg, i)]
-    specs.append(LayerSpec(Head, cfg))
-    return specs
+def pipeline_layer_specs(cfg: Config, unit: PipelineUnit | None = None) -> list[LayerSpec]:
+    """DeepSpeed ``LayerSpec`` list of :func:`units` (``unit`` defaults to
+    ``cfg.parallel.pipeline_unit``). Pair with ``loss_fn=lm_loss``."""
+    return [u.spec() for u in units(cfg, unit)]

@@ -68,13 +68,16 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tapered_megatron.models.base import Counts, TokenMixer
+from tapered_megatron.config import at_least
+from tapered_megatron.models.base import Architecture, Counts, TokenMixer, register_architecture
 from tapered_megatron.models.layers import RotaryEmbedding
+from tapered_megatron.models.mlp import SwiGLU
 from tapered_megatron.parallel import (
     ColumnParallelLinear,
     RowParallelLinear,
@@ -84,6 +87,18 @@ from tapered_megatron.parallel.layers import row_layout
 
 MAX_GRAD_NORM = 1.0  # per-token clip of the memory gradient (Frobenius, all layers)
 GATE_BIAS_INIT = {"theta": -2.0, "eta": 2.0, "alpha": -4.0}
+
+
+@dataclass(frozen=True)
+class TitansOptions:
+    """``model.titans``: the neural long-term memory (tlm-spec.md section 5.3)."""
+
+    variant: Literal["mag", "mal", "lmm"] = "mag"
+    memory_depth: int = at_least(2, 2)  # layers of the per-head memory MLP
+    memory_expansion: int = at_least(1, 2)  # memory MLP hidden width, as a multiple of head_dim
+    chunk_size: int = at_least(1, 16)  # tokens per chunk of the chunk-parallel update
+    conv_size: int = at_least(1, 4)  # short causal depthwise convolution on q, k, v
+    window: int = at_least(1, 64)  # sliding-window size of the attention branch (MAG / MAL)
 
 
 # --------------------------------------------------------------------------------------------
@@ -435,3 +450,14 @@ class TitansMixer(TokenMixer):
         else:
             o = mem
         return self.out(o.reshape(bsz, seq, -1))
+
+
+register_architecture(
+    Architecture(
+        "titans",
+        TitansMixer,
+        SwiGLU,
+        options=TitansOptions,
+        mixer_efficiency=0.6,  # chunked memory scan: small batched matmuls and a Python loop
+    )
+)

@@ -111,11 +111,6 @@ class Balance:
         return "\n".join(lines)
 
 
-def _layer_of(name: str) -> str:
-    """Group key of a unit for Megatron's count: 'layer3.mixer' and 'layer3.mlp' -> 'layer3'."""
-    return name.split(".")[0]
-
-
 def baseline_parts(method: str, costs: Sequence[costlib.UnitCost], pp: int) -> list[int]:
     """Boundaries of a baseline method, computed the way DeepSpeed / Megatron-LM compute them."""
     from deepspeed.runtime import utils as ds_utils
@@ -126,9 +121,9 @@ def baseline_parts(method: str, costs: Sequence[costlib.UnitCost], pp: int) -> l
     if method == "parameters":
         return [int(x) for x in ds_utils.partition_balanced([c.params for c in costs], pp)]
     if method == "megatron":
-        groups: list[int] = []  # first unit index of each Megatron "layer"
-        for i, c in enumerate(costs):
-            if i == 0 or _layer_of(c.name) != _layer_of(costs[i - 1].name):
+        groups: list[int] = []  # first unit index of each Megatron "layer" (a block's halves
+        for i, c in enumerate(costs):  # share one; the embedding and the head are one each)
+            if i == 0 or c.layer is None or c.layer != costs[i - 1].layer:
                 groups.append(i)
         bounds = ds_utils.partition_uniform(num_items=len(groups), num_parts=pp)
         return [groups[b] if b < len(groups) else n for b in bounds]
@@ -217,21 +212,26 @@ def analyse(
     dp: int = 1,
     zero_stage: int = 1,
     checkpointing: bool | None = None,
+    tp: int | None = None,
+    micro_batch_size: int | None = None,
     profiled: bool = False,
     methods: Sequence[str] = METHODS,
 ) -> Balance:
     """Unit costs of ``cfg`` and the partitions of ``methods`` at pipeline size ``pp``.
 
-    ``gpu_mem`` is the per-device cap in GiB (default: the device's memory); ``profiled`` uses
-    per-unit times measured on this machine (cached) instead of the analytic FLOP model.
+    The trainer (through :class:`~tapered_megatron.pipeline.module.BalancedPipelineModule`) and
+    the planner both call this, so they choose the same stages for the same run. ``gpu_mem`` is
+    the per-device cap in GiB (default: the device's memory); ``checkpointing``, ``tp`` and
+    ``micro_batch_size`` default to the config's; ``profiled`` uses per-unit times measured on
+    this machine (cached) instead of the analytic FLOP model.
     """
     dev = device if isinstance(device, costlib.Device) else costlib.resolve_device(device)
     m = micro_batches if micro_batches is not None else default_micro_batches(cfg, pp, dp)
     shape = costlib.RunShape(
-        micro_batch_size=cfg.train.micro_batch_size,
+        micro_batch_size=micro_batch_size or cfg.train.micro_batch_size,
         seq_len=cfg.model.seq_len,
         micro_batches=m,
-        tp=cfg.parallel.tp,
+        tp=tp or cfg.parallel.tp,
         dp=dp,
         zero_stage=zero_stage,
         precision=dev.precision,

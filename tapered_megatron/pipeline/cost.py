@@ -1,19 +1,23 @@
-"""Cost and memory model of pipeline units, read from the model counters (no second FLOP formula).
+"""Cost and memory model of pipeline units: the one cost model of the balancer and the planner.
 
-A *unit* is one entry of :func:`tapered_megatron.models.pipeline_layer_specs`: the embedding, one
-block (``unit="layer"``) or one token mixer / one MLP slot (``unit="sublayer"``), and the final
-norm + LM head + loss. Parameters, forward FLOPs per token and activation bytes per token come
-from ``tapered_megatron.models.counters.count_model`` only; backward is 2x forward (the counters'
-convention), so a unit's training time for one micro-batch of ``b`` sequences of ``s`` tokens is::
+A *unit* is one entry of the unit table :func:`tapered_megatron.models.units`: the embedding,
+one block (``unit="layer"``) or one block half (token mixer or MLP slot, ``unit="sublayer"``),
+and the final norm + LM head + loss. Parameters, forward FLOPs per token and activation bytes per
+token are each unit's own counts (the counters' numbers); backward is 2x forward, so a unit's
+training time for one micro-batch of ``b`` sequences of ``s`` tokens is::
 
-    time = (3 + r) * (flops_fwd_per_token * b * s / (tp * peak * efficiency[kind]) + launch)
+    time = (3 + r) * (flops_fwd_per_token * b * s / (tp * peak * efficiency) + launch)
+           + (2 + r) * all_reduces[kind] * ring(b * s * d_model * element, tp)
 
 with ``r = 1`` when the unit is recomputed under activation checkpointing. ``efficiency`` is the
 achieved fraction of the device's dense peak per unit kind (mixer / MLP / block / head /
-embedding; documented defaults per device, the CPU ones calibrated here), ``launch`` a small
-fixed per-pass overhead. Alternatively the per-unit times (and the bytes autograd really saves)
-are *profiled* on the actual device (:mod:`tapered_megatron.pipeline.profile`), cached on disk
-keyed by config and device; both feed the same solver.
+embedding; documented defaults per device, the CPU ones calibrated here), scaled for mixers by
+the architecture record's ``mixer_efficiency``; ``launch`` is a small fixed per-pass overhead.
+The last term is tensor-parallel communication: ring all-reduces of the residual stream (one per
+sub-layer per pass) over NVLink inside a node, the network beyond. Alternatively the per-unit
+compute times (and the bytes autograd really saves) are *profiled* on the actual device
+(:mod:`tapered_megatron.pipeline.profile`), cached on disk keyed by config and device; both feed
+the same solver.
 
 Memory of stage ``j`` under 1F1B with ``M`` micro-batches (stage ``j`` of ``P`` keeps
 ``min(P - j, M)`` micro-batches of activations alive)::
@@ -25,13 +29,13 @@ Memory of stage ``j`` under 1F1B with ``M`` micro-batches (stage ``j`` of ``P`` 
   bf16 = 2 (weights) + 2 (grads) + 12 (optimizer), plus a 4-byte fp32 gradient-accumulation
   buffer when DeepSpeed's BF16_Optimizer is used (pipeline runs); fp32 = 4 + 4 + 8 (no master).
   ZeRO-1 divides the optimizer term by ``dp``, ZeRO-2 also the gradients, ZeRO-3 everything.
-* activations: the counters' bytes per token x ``b * s``; tensor parallelism shards everything
+* activations: the counted bytes per token x ``b * s``; tensor parallelism shards everything
   but the unit's input and its norm's input (replicated without sequence parallelism). With
   checkpointing a block/sub-block keeps only its input per micro-batch in flight.
 * transient: while one unit runs backward, its activation gradients (about the size of what it
   saved; under checkpointing its recomputed activations) live next to everything in flight.
-  The head additionally holds its logits in DeepSpeed's pipe buffer until the micro-batch's
-  backward, and the fp32 loss backward has three vocab-wide fp32 tensors alive at once.
+  The head's fused loss keeps its fp32 weight gradient per micro-batch in flight and works
+  through one chunk of fp32 logits at a time; no logits-sized tensor exists.
 """
 
 from __future__ import annotations
@@ -50,12 +54,6 @@ GPU_EFFICIENCY = {
     "mlp": 0.65,
     "layer": 0.58,
     "head": 0.65,
-}
-MIXER_EFFICIENCY_SCALE = {
-    "transformer": 1.0,
-    "gated_attention": 0.95,
-    "titans": 0.6,
-    "hope_attention": 1.0,
 }
 
 
@@ -158,9 +156,11 @@ class UnitCost:
 
     name: str
     kind: str  # embedding | layer | mixer | mlp | head
+    layer: int | None  # global layer of a block unit (None: embedding, head)
     params: int  # full, un-sharded count
     flops_fwd: float  # forward FLOPs per token (full, un-sharded)
-    time: float  # forward + backward (+ recompute) of one micro-batch
+    time: float  # forward + backward (+ recompute) of one micro-batch, TP communication included
+    tp_comm: float  # the part of ``time`` spent in tensor-parallel all-reduces
     static: float  # weights + grads + optimizer state
     act: float  # saved activations of one micro-batch in flight
     peak: float  # transient working set (checkpointed recompute)
@@ -189,47 +189,15 @@ def activation_scale(precision: str) -> int:
     return 2 if precision == "bf16" else 4
 
 
-@dataclass(frozen=True)
-class UnitCount:
-    """A pipeline unit as the counters describe it (full model, per token)."""
-
-    name: str
-    kind: str  # embedding | layer | mixer | mlp | head
-    params: int
-    flops_fwd: float
-    act_bytes: float  # kept for backward, no checkpointing
-    input_bytes: float  # the unit's input (what a checkpointed unit keeps)
+def ring_all_reduce(nbytes: float, n: int, bw: float) -> float:
+    """Ring all-reduce time of ``nbytes`` over ``n`` ranks with per-rank bandwidth ``bw``."""
+    return 0.0 if n <= 1 else 2.0 * (n - 1) / n * nbytes / bw
 
 
-def counter_units(cfg: Any, unit: str, dtype_bytes: int) -> list[UnitCount]:
-    """One record per entry of ``pipeline_layer_specs(cfg, unit)``, from ``count_model`` only."""
-    from tapered_megatron.models.counters import count_model
-
-    c = count_model(cfg, dtype_bytes=dtype_bytes)
-    inp = c.ckpt_act_bytes
-    out = [
-        UnitCount(
-            "embedding",
-            "embedding",
-            c.embedding.params,
-            c.embedding.flops,
-            c.embedding.act_bytes,
-            0.0,
-        )
-    ]
-    for lc in c.layers:
-        if unit == "layer":
-            t = lc.total
-            out.append(UnitCount(f"layer{lc.layer}", "layer", t.params, t.flops, t.act_bytes, inp))
-        elif unit == "sublayer":
-            for kind, x in (("mixer", lc.mixer), ("mlp", lc.mlp)):
-                out.append(
-                    UnitCount(f"layer{lc.layer}.{kind}", kind, x.params, x.flops, x.act_bytes, inp)
-                )
-        else:
-            raise ValueError(f"pipeline unit must be 'layer' or 'sublayer', got {unit!r}")
-    out.append(UnitCount("head", "head", c.head.params, c.head.flops, c.head.act_bytes, inp))
-    return out
+#: Tensor-parallel all-reduces of the residual stream per unit per pass (forward, backward and
+#: recompute): one per row-parallel output (mixer, MLP) or vocab-parallel reduction (embedding,
+#: the head's input gradient).
+TP_ALL_REDUCES = {"embedding": 1, "layer": 2, "mixer": 1, "mlp": 1, "head": 1}
 
 
 def model_params(cfg: Any) -> int:
@@ -240,57 +208,71 @@ def model_params(cfg: Any) -> int:
 
 
 def unit_costs(
-    units: Sequence[UnitCount],
+    cfg: Any,
     shape: RunShape,
     device: Device,
-    arch: str,
-    vocab: int,
+    unit: str | None = None,
     measured_times: Sequence[float] | None = None,
+    measured_act: Sequence[float] | None = None,
 ) -> list[UnitCost]:
-    """Turn counter records into solver inputs (time, static memory, activations, transient).
+    """Solver inputs (time, static memory, activations, transient) of every entry of the unit
+    table ``units(cfg, unit)``: the one cost model of the balancer and the planner.
 
-    ``measured_times`` (profiled fwd+bwd seconds per unit for ``shape``) replaces the analytic
-    time when given.
+    ``measured_times`` (profiled fwd+bwd seconds per unit for ``shape``) replace the analytic
+    compute time and ``measured_act`` (saved bytes per token) the counted activations.
     """
+    from tapered_megatron.models import resolve_architecture, units
+    from tapered_megatron.parallel.cross_entropy import CHUNK_BYTES
+
+    arch = resolve_architecture(cfg.model.arch)
     bpp = bytes_per_param(shape.precision, shape.zero_stage, shape.dp, shape.pipeline)
     tok = shape.tokens
     elem = activation_scale(shape.precision)
+    recompute_kinds = ("layer", "mixer", "mlp")
+    tp_bw = device.intra_bw if shape.tp <= device.gpus_per_node else device.inter_bw
+    tp_ar = ring_all_reduce(tok * cfg.model.d_model * elem, shape.tp, tp_bw)
+    vocab_local = cfg.padded_vocab_size / shape.tp
     out = []
-    for i, u in enumerate(units):
+    for i, u in enumerate(units(cfg, unit)):
+        c = u.counts(elem)
+        act_bytes = c.act_bytes if measured_act is None else float(measured_act[i])
+        input_bytes = u.input_bytes(elem)
         eff = device.efficiency[u.kind]
         if u.kind in ("mixer", "layer"):
-            eff *= MIXER_EFFICIENCY_SCALE.get(arch, 1.0) ** (1.0 if u.kind == "mixer" else 0.5)
-        recompute = shape.checkpointing and u.kind in ("layer", "mixer", "mlp")
+            eff *= arch.mixer_efficiency ** (1.0 if u.kind == "mixer" else 0.5)
+        recompute = shape.checkpointing and u.kind in recompute_kinds
         passes = 4 if recompute else 3
         if measured_times is not None:
             t = float(measured_times[i])
         else:
-            t = passes * u.flops_fwd * tok / (shape.tp * device.peak_flops * eff)
+            t = passes * c.flops * tok / (shape.tp * device.peak_flops * eff)
             t += passes * device.launch_s
+        comm = TP_ALL_REDUCES[u.kind] * (passes - 1) * tp_ar
         # Without sequence parallelism the unit's input (and its norm's input) are replicated
         # on every TP rank; everything inside the mixer / MLP / head is sharded.
         subunits = 2 if u.kind == "layer" else 1
-        resid = min(2 * subunits * u.input_bytes, u.act_bytes) * tok
-        full = resid + (u.act_bytes * tok - resid) / shape.tp
+        resid = min(2 * subunits * input_bytes, act_bytes) * tok
+        full = resid + (act_bytes * tok - resid) / shape.tp
         # While a unit runs backward, gradients of its activations (about the size of what it
         # saved) are alive next to everything held for the micro-batches in flight; a
         # checkpointed unit first re-creates its activations. Either way: one unit's worth.
-        act = u.input_bytes * tok if recompute else full
+        act = input_bytes * tok if recompute else full
         peak = full
         if u.kind == "head":
-            # DeepSpeed's last stage keeps its output (the logits) in the pipe buffer until that
-            # micro-batch's backward; the fp32 loss backward then has three more vocab-wide
-            # fp32 tensors alive (grad of the log-probs, the exp temporary, grad of the logits).
-            act += vocab * elem * tok / shape.tp
-            peak = 3 * 4.0 * vocab * tok / shape.tp
+            # The fused loss keeps its fp32 weight gradient until the micro-batch's backward
+            # and works through one chunk of fp32 logits (at most CHUNK_BYTES) at a time.
+            act += 4.0 * vocab_local * cfg.model.d_model
+            peak = min(float(CHUNK_BYTES), 4.0 * vocab_local * tok)
         out.append(
             UnitCost(
                 name=u.name,
                 kind=u.kind,
-                params=int(u.params),
-                flops_fwd=float(u.flops_fwd),
-                time=t,
-                static=u.params / shape.tp * bpp,
+                layer=u.layer,
+                params=int(c.params),
+                flops_fwd=float(c.flops),
+                time=t + comm,
+                tp_comm=comm,
+                static=c.params / shape.tp * bpp,
                 act=act,
                 peak=peak,
             )
@@ -302,16 +284,13 @@ def model_unit_costs(
     cfg: Any, shape: RunShape, device: Device, unit: str = "layer", profiled: bool = False
 ) -> list[UnitCost]:
     """Unit costs of ``cfg`` for ``shape`` on ``device`` (analytic, or profiled here and cached)."""
-    units = counter_units(cfg, unit, activation_scale(shape.precision))
-    measured = None
-    if profiled:
-        from tapered_megatron.pipeline.profile import profile_units
+    if not profiled:
+        return unit_costs(cfg, shape, device, unit)
+    from tapered_megatron.pipeline.profile import profile_units
 
-        prof = profile_units(cfg, unit, shape.micro_batch_size, shape.checkpointing)
-        measured = prof["time"]
-        if not shape.checkpointing:  # measured saved bytes replace the counted ones
-            units = [replace(u, act_bytes=a) for u, a in zip(units, prof["act_bytes"])]
-    return unit_costs(units, shape, device, cfg.model.arch, cfg.padded_vocab_size, measured)
+    prof = profile_units(cfg, unit, shape.micro_batch_size, shape.checkpointing)
+    act = None if shape.checkpointing else prof["act_bytes"]  # measured saved bytes win
+    return unit_costs(cfg, shape, device, unit, prof["time"], act)
 
 
 def inflight(stages: int, micro_batches: int) -> list[int]:

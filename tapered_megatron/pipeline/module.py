@@ -86,14 +86,15 @@ class BalancedPipelineModule(PipelineModule):
         partition_kwargs: dict[str, Any] | None = None,
         **kwargs: Any,
     ) -> BalancedPipelineModule:
-        """Specs from ``pipeline_layer_specs(cfg, unit)``, boundaries from our balancer.
+        """Specs and boundaries from one unit table: ``pipeline_layer_specs(cfg, unit)`` and
+        our balancer over the same units.
 
         ``method`` defaults to ``cfg.parallel.partition``, ``unit`` to
         ``cfg.parallel.pipeline_unit``; the number of stages comes from ``topology`` (or
         ``num_stages``, else ``cfg.parallel.pp``). ``partition_kwargs`` go to
         :func:`tapered_megatron.pipeline.balance.analyse` (``device``, ``gpu_mem``, ``dp``, ...).
         Other keyword arguments go to ``PipelineModule`` (``loss_fn`` defaults to
-        :func:`tapered_megatron.models.lm_loss`).
+        :func:`tapered_megatron.models.lm_loss`, the fused LM-head loss of the single model).
         """
         from tapered_megatron.models import lm_loss, pipeline_layer_specs
         from tapered_megatron.pipeline.balance import ALIASES, analyse
@@ -106,10 +107,6 @@ class BalancedPipelineModule(PipelineModule):
             kwargs.setdefault("num_stages", pp)
         m = ALIASES.get(method or cfg.parallel.partition, method or cfg.parallel.partition)
         res = analyse(cfg, pp, micro_batches, unit=u, methods=(m,), **(partition_kwargs or {}))
-        if len(res.costs) != len(specs):
-            raise RuntimeError(
-                f"cost model has {len(res.costs)} units but pipeline_layer_specs gave {len(specs)}"
-            )
         kwargs.setdefault("loss_fn", lm_loss)
         return cls(specs, res.methods[m].parts, table=res.table(m), **kwargs)
 

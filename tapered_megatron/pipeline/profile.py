@@ -1,7 +1,7 @@
 """Per-unit times measured on this device, cached on disk; and this CPU's matmul peak.
 
-:func:`profile_units` builds every entry of ``pipeline_layer_specs(cfg, unit)`` once (TP = 1, one
-process), runs forward + backward of one micro-batch through it (the head includes ``lm_loss``),
+:func:`profile_units` builds every entry of the unit table ``units(cfg, unit)`` once (TP = 1, one
+process), runs forward + backward of one micro-batch through it (the head with its fused loss),
 keeps the median of a few repetitions after two warm-up calls, and counts the bytes autograd
 saves for backward (the unit's real activation memory). On the CPU the clock is the thread's CPU
 time (``time.thread_time``): on a shared machine wall time measures the neighbours. Results are
@@ -122,26 +122,29 @@ def _saved_bytes(module: torch.nn.Module, x: torch.Tensor, loss: Any) -> float:
 def measure_units(
     cfg: Any, unit: str, micro_batch_size: int, checkpointing: bool, reps: int = 7
 ) -> dict[str, list[float]]:
-    """Per pipeline unit, for one micro-batch: forward + backward seconds (``time``) and the
-    activation bytes per token autograd keeps (``act_bytes``). Not cached."""
-    from tapered_megatron.models import lm_loss, pipeline_layer_specs, set_activation_checkpointing
+    """Per entry of the unit table, for one micro-batch: forward + backward seconds (``time``)
+    and the activation bytes per token autograd keeps (``act_bytes``). Not cached."""
+    from tapered_megatron.models import lm_loss, set_activation_checkpointing, units
 
     torch.manual_seed(0)
     b, s, d = micro_batch_size, cfg.model.seq_len, cfg.model.d_model
     ids = torch.randint(0, cfg.model.vocab_size, (b, s))
+
+    def square_mean(y: torch.Tensor) -> torch.Tensor:
+        return y.float().square().mean()
+
+    def hidden() -> torch.Tensor:
+        return torch.randn(b, s, d, requires_grad=True)
+
     runs = []
-    for spec in pipeline_layer_specs(cfg, unit=unit):
-        module = spec.build()
-        set_activation_checkpointing(module, checkpointing)
-        module.train()
-        name = spec.typename.__name__
-        if name == "Embedding":
-            make, loss = (lambda: ids), (lambda y: y.float().square().mean())
+    for u in units(cfg, unit):
+        module = set_activation_checkpointing(u.build(), checkpointing).train()
+        if u.kind == "embedding":
+            runs.append((module, lambda: ids, square_mean))
+        elif u.kind == "head":
+            runs.append((module, hidden, lambda y: lm_loss(y, ids)))
         else:
-            make = lambda: torch.randn(b, s, d, requires_grad=True)  # noqa: E731
-            loss = (lambda y: lm_loss(y, ids)) if name == "Head" else (
-                lambda y: y.float().square().mean())  # fmt: skip
-        runs.append((module, make, loss))
+            runs.append((module, hidden, square_mean))
     # Repetitions in the outer loop: a burst of background load hits every unit alike, so the
     # relative costs (what the balancer needs) stay right even on a shared machine.
     times: list[list[float]] = [[] for _ in runs]
@@ -162,7 +165,7 @@ def profile_units(
     """Cached :func:`measure_units` (see the module docstring for the cache key)."""
     cfg1 = cfg.with_overrides(["--parallel.tp", "1", "--parallel.pp", "1"])
     payload = {
-        "what": "units-v3",
+        "what": "units-v4",
         "model": cfg1.to_dict()["model"],
         "widths": list(cfg1.taper_plan.widths),
         "unit": unit,

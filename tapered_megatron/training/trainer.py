@@ -14,6 +14,7 @@ import math
 import os
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +23,7 @@ import torch
 import torch.distributed as dist
 from deepspeed.accelerator import get_accelerator
 from deepspeed.runtime.utils import is_model_parallel_parameter
+from deepspeed.utils.timer import BACKWARD_MICRO_TIMER, FORWARD_MICRO_TIMER
 
 from tapered_megatron import parallel
 from tapered_megatron.config import Config
@@ -44,7 +46,7 @@ class Trainer:
         self.dp_rank = parallel.get_data_parallel_rank()
         self.dp_group = parallel.get_data_parallel_group()
         self.pipeline = layout.pp > 1
-        self._stage_ms = 0.0
+        self._loss_ms = 0.0  # pipeline: time in the loss, which DeepSpeed's timers leave out
 
         self.train_ds, self.valid_ds = self._build_data()
         self.engine = self._build_engine()
@@ -136,12 +138,6 @@ class Trainer:
         engine, *_ = deepspeed.initialize(**kwargs)
         if cfg.train.compile:
             engine.compile()
-        if self.pipeline:
-            self._time_pipeline_compute(engine)
-        # Only fp32 ZeRO-0 leaves the gradient norm uncomputed (DeepSpeed clips without storing it).
-        self._fp32_stage0 = engine.zero_optimization_stage() == 0 and not (
-            engine.fp16_enabled() or engine.bfloat16_enabled()
-        )
         return engine
 
     def _pipeline_module(self) -> Any:
@@ -154,84 +150,69 @@ class Trainer:
             self.cfg,
             topology=parallel.get_topology(),
             micro_batches=lay.grad_accum,
-            loss_fn=lm_loss,
+            loss_fn=self._timed_loss,
             partition_kwargs={"dp": lay.dp, "zero_stage": stage},
         )
 
-    def _time_pipeline_compute(self, engine: Any) -> None:
-        """Accumulate this stage's forward + backward compute time (per-stage logs)."""
-        from deepspeed.runtime.pipe import schedule
-
+    def _timed_loss(self, output: Any, labels: Any) -> torch.Tensor:
+        """The pipeline's loss (:func:`lm_loss`, the single model's), timed: it runs outside
+        DeepSpeed's forward timer, yet it is most of the last stage's head work."""
         acc = get_accelerator()
-        table = dict(type(engine)._INSTRUCTION_MAP)
+        acc.synchronize()
+        t = time.perf_counter()
+        loss = lm_loss(output, labels)
+        acc.synchronize()
+        self._loss_ms += 1000 * (time.perf_counter() - t)
+        return loss
 
-        def timed(fn: Any) -> Any:
-            def run(eng: Any, *a: Any, **kw: Any) -> Any:
-                acc.synchronize()
-                t = time.perf_counter()
-                out = fn(eng, *a, **kw)
-                acc.synchronize()
-                self._stage_ms += 1000 * (time.perf_counter() - t)
-                return out
-
-            return run
-
-        for instr in (schedule.ForwardPass, schedule.BackwardPass):
-            table[instr] = timed(table[instr])
-        engine._INSTRUCTION_MAP = table
+    def _stage_compute_ms(self) -> float:
+        """This pipeline stage's forward + loss + backward milliseconds since the last call, from
+        DeepSpeed's micro-step timers (``wall_clock_breakdown``, set for every PP run)."""
+        timers = self.engine.timers
+        ms = sum(timers(n).elapsed(reset=True) for n in (FORWARD_MICRO_TIMER, BACKWARD_MICRO_TIMER))
+        ms, self._loss_ms = ms + self._loss_ms, 0.0
+        return ms
 
     # ------------------------------------------------------------------ loop
-    def _grad_norm(self) -> float | None:
-        """Global gradient norm of the step just taken (DeepSpeed's, or computed for ZeRO-0)."""
-        gn = self.engine.get_global_grad_norm()
-        if gn is not None:
-            return float(gn)
-        return None
-
-    def _stage0_grad_norm(self) -> float:
-        sq = torch.zeros((), dtype=torch.float64, device=self.device)
-        tp_rank = parallel.get_tensor_model_parallel_rank()
-        for p in self.engine.module.parameters():
-            if p.grad is not None and (tp_rank == 0 or is_model_parallel_parameter(p)):
-                sq += p.grad.detach().double().pow(2).sum()
-        if parallel.get_tensor_model_parallel_world_size() > 1:
-            dist.all_reduce(sq, group=parallel.get_tensor_model_parallel_group())
-        return math.sqrt(sq.item())
-
     def _train_step(self, batches: Iterator[tuple], want_norm: bool) -> tuple[float, float | None]:
+        """One global batch; returns the mean loss and (when ``want_norm``) the gradient norm."""
         eng = self.engine
         if self.pipeline:
             loss = float(eng.train_batch(batches))
-            return loss, self._grad_norm()
+            return loss, grad_norm(eng) if want_norm else None
         total = torch.zeros((), dtype=torch.float64, device=self.device)
         norm = None
+        before_step = want_norm and not computes_grad_norm(eng)
         for k in range(self.layout.grad_accum):
             x, y = next(batches)
             loss = eng(x, y)  # the model's loss: LM head fused into the cross-entropy
             eng.backward(loss)
-            last = k == self.layout.grad_accum - 1
-            if last and want_norm and self._fp32_stage0:
-                norm = self._stage0_grad_norm()
+            if before_step and k == self.layout.grad_accum - 1:
+                norm = grad_norm(eng)
             eng.step()
             total += loss.detach().double()
+        if want_norm and not before_step:
+            norm = grad_norm(eng)
         total /= self.layout.grad_accum
         if self.layout.dp > 1:
             dist.all_reduce(total, group=self.dp_group)
             total /= self.layout.dp
-        return total.item(), norm if norm is not None else self._grad_norm()
+        return total.item(), norm
 
     def _validate(self) -> float:
         lay = self.layout
         n = self.cfg.eval.iters * lay.global_batch_size
         batches = self._batches(self.valid_ds, n, 0)
-        return validation_loss(
+        loss = validation_loss(
             self.engine, batches, self.cfg.eval.iters, lay.grad_accum, self.dp_group
         )
+        if self.pipeline:
+            self._stage_compute_ms()  # evaluation is not training compute
+        return loss
 
     def fit(self) -> list[float]:
         """Train to ``train.iters``; return the per-iteration training losses of this run."""
         cfg, lay = self.cfg, self.layout
-        tr = cfg.train
         self.logger.widths_figure()
         self.log(
             f"layout: world {lay.world_size} = dp {lay.dp} x tp {lay.tp} x pp {lay.pp} | "
@@ -239,46 +220,38 @@ class Trainer:
             f"x accumulation {lay.grad_accum} | zero stage {self.engine.zero_optimization_stage()}"
         )
         self.log(cfg.taper_plan.table())
-        batches = self._batches(self.train_ds, tr.iters * lay.global_batch_size, self.consumed)
-        tokens_per_iter = lay.global_batch_size * cfg.model.seq_len
+        cadence = Cadence.of(cfg, can_eval=self.valid_ds is not None)
+        batches = self._batches(self.train_ds, cadence.iters * lay.global_batch_size, self.consumed)
         metrics = _MetricsFile(cfg.logging.metrics_file if self.rank == 0 else "")
+        window = _Window(lay.global_batch_size * cfg.model.seq_len)
         losses: list[float] = []
-        acc_loss, acc_iters, acc_time, self._stage_ms = 0.0, 0, 0.0, 0.0
-        while self.iteration < tr.iters:
+        if self.pipeline:
+            self._stage_compute_ms()  # start the per-stage clock here
+        while self.iteration < cadence.iters:
             it = self.iteration + 1
-            log_now = it % cfg.logging.interval == 0 or it == tr.iters
             lr = self.engine.get_lr()[0]
             t = time.perf_counter()
-            loss, gnorm = self._train_step(batches, log_now or bool(cfg.logging.metrics_file))
+            want_norm = cadence.log(it) or bool(cfg.logging.metrics_file)  # same on all ranks
+            loss, gnorm = self._train_step(batches, want_norm)
             step_s = time.perf_counter() - t
-            acc_time += step_s
             if not losses:
                 self.log(f"first step done {time.time() - self.t0:.1f} s after process start")
             self.iteration, self.consumed = it, self.consumed + lay.global_batch_size
             losses.append(loss)
-            acc_loss, acc_iters = acc_loss + loss, acc_iters + 1
+            window.add(loss, step_s)
             record = {"iteration": it, "loss": loss, "lr": lr, "grad_norm": gnorm}
             record.update(step_s=step_s, wall=time.time())
-            if log_now:
-                self.logger.train(
-                    it,
-                    acc_loss / acc_iters,
-                    lr,
-                    gnorm,
-                    tokens_per_iter * acc_iters,
-                    acc_time,
-                    self._gather_stage_ms(acc_iters) if self.pipeline else None,
-                )
-                acc_loss, acc_iters, acc_time, self._stage_ms = 0.0, 0, 0.0, 0.0
-            if self.valid_ds is not None and (it % cfg.eval.interval == 0 or it == tr.iters):
+            if cadence.log(it):
+                stages = self._gather_stage_ms(window.iters) if self.pipeline else None
+                self.logger.train(it, window.mean_loss, lr, gnorm, *window.take(), stages)
+            if cadence.evaluate(it):
                 record["val_loss"] = self._validate()
                 self.logger.val(it, record["val_loss"])
             metrics.write(record)
-            stop = tr.exit_interval > 0 and it % tr.exit_interval == 0
-            if (tr.save_interval > 0 and it % tr.save_interval == 0) or it == tr.iters or stop:
+            if cadence.save(it):
                 self.log(f"saved checkpoint {checkpoint.save(self.engine, cfg, it, self.consumed)}")
-            if stop and it < tr.iters:
-                self.log(f"train.exit_interval={tr.exit_interval}: stopping at iteration {it}")
+            if cadence.stop(it):
+                self.log(f"train.exit_interval={cadence.exit_every}: stopping at iteration {it}")
                 break
         self.logger.close()
         metrics.close()
@@ -287,9 +260,9 @@ class Trainer:
     def _gather_stage_ms(self, iters: int) -> list[float]:
         """Per-stage compute ms per iteration (max over the ranks of each stage)."""
         world = self.layout.world_size
+        ms = self._stage_compute_ms() / max(iters, 1)
         mine = torch.tensor(
-            [float(parallel.get_pipeline_model_parallel_rank()), self._stage_ms / max(iters, 1)],
-            dtype=torch.float64,
+            [float(parallel.get_pipeline_model_parallel_rank()), ms], dtype=torch.float64
         )
         out = [torch.zeros(2, dtype=torch.float64) for _ in range(world)]
         if get_accelerator().device_name() != "cpu":
@@ -301,6 +274,97 @@ class Trainer:
             s, ms = int(t[0].item()), t[1].item()
             per[s] = max(per[s], ms)
         return per
+
+
+@dataclass(frozen=True)
+class Cadence:
+    """When the loop logs, evaluates, saves and stops (iterations count from 1)."""
+
+    iters: int
+    log_every: int
+    eval_every: int  # 0: never
+    save_every: int  # 0: only at the end
+    exit_every: int  # 0: never
+
+    @classmethod
+    def of(cls, cfg: Config, can_eval: bool = True) -> Cadence:
+        """The cadence of ``cfg`` (no evaluation when there is no validation data)."""
+        tr = cfg.train
+        ev = cfg.eval.interval if can_eval else 0
+        return cls(tr.iters, cfg.logging.interval, ev, tr.save_interval, tr.exit_interval)
+
+    def _at(self, every: int, it: int) -> bool:
+        return every > 0 and it % every == 0
+
+    def log(self, it: int) -> bool:
+        """Log a line after iteration ``it``: every ``logging.interval`` and at the end."""
+        return self._at(self.log_every, it) or it == self.iters
+
+    def evaluate(self, it: int) -> bool:
+        """Evaluate: every ``eval.interval`` and at the end (never when it is 0)."""
+        return self.eval_every > 0 and (self._at(self.eval_every, it) or it == self.iters)
+
+    def stop(self, it: int) -> bool:
+        """Stop early (after saving): at multiples of ``train.exit_interval`` before the end."""
+        return self._at(self.exit_every, it) and it < self.iters
+
+    def save(self, it: int) -> bool:
+        """Checkpoint: every ``train.save_interval``, at the end and before an early stop."""
+        return self._at(self.save_every, it) or it == self.iters or self._at(self.exit_every, it)
+
+
+class _Window:
+    """Loss, time and tokens accumulated over one logging interval."""
+
+    def __init__(self, tokens_per_iter: int) -> None:
+        self.tokens_per_iter = tokens_per_iter
+        self.iters, self.loss, self.seconds = 0, 0.0, 0.0
+
+    def add(self, loss: float, seconds: float) -> None:
+        self.iters += 1
+        self.loss += loss
+        self.seconds += seconds
+
+    @property
+    def mean_loss(self) -> float:
+        return self.loss / max(self.iters, 1)
+
+    def take(self) -> tuple[int, float]:
+        """(tokens, seconds) of the interval; starts the next one."""
+        out = (self.tokens_per_iter * self.iters, self.seconds)
+        self.iters, self.loss, self.seconds = 0, 0.0, 0.0
+        return out
+
+
+def computes_grad_norm(engine: Any) -> bool:
+    """Whether DeepSpeed computes the global gradient norm inside ``step()``: every ZeRO stage
+    and 16-bit optimizer does, except fp32 ZeRO-0 (which clips without keeping the norm)."""
+    fp32 = not (engine.fp16_enabled() or engine.bfloat16_enabled())
+    return not (fp32 and engine.zero_optimization_stage() == 0)
+
+
+def grad_norm(engine: Any) -> float | None:
+    """The global 2-norm of the current optimizer step's gradients, for every ZeRO stage.
+
+    Where :func:`computes_grad_norm`, DeepSpeed's own value (read it after ``step()``).
+    Otherwise (fp32 ZeRO-0) it is computed from the parameters' gradients, so read it after the
+    last backward and before ``step()`` clears them: tensor-parallel shards summed over the TP
+    group, replicated parameters counted once. ``None`` when there is nothing to read.
+    """
+    if computes_grad_norm(engine):
+        gn = engine.get_global_grad_norm()
+        return None if gn is None else float(gn)
+    grads = [p for p in engine.module.parameters() if p.grad is not None]
+    if not grads:
+        return None
+    sq = torch.zeros((), dtype=torch.float64, device=grads[0].grad.device)
+    tp_rank = parallel.get_tensor_model_parallel_rank()
+    for p in grads:
+        if tp_rank == 0 or is_model_parallel_parameter(p):
+            sq += p.grad.detach().double().pow(2).sum()
+    if parallel.get_tensor_model_parallel_world_size() > 1:
+        dist.all_reduce(sq, group=parallel.get_tensor_model_parallel_group())
+    return math.sqrt(sq.item())
 
 
 class _MetricsFile:
