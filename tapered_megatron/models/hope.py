@@ -60,6 +60,7 @@ from torch import nn
 from tapered_megatron.config import ConfigError, at_least
 from tapered_megatron.models.attention import Attention
 from tapered_megatron.models.base import Architecture, Counts, MLPSlot, register_architecture
+from tapered_megatron.models.layers import silu_grad
 from tapered_megatron.models.mlp import SwiGLU
 from tapered_megatron.parallel.mappings import copy_to_tp_region, reduce_from_tp_region
 
@@ -101,11 +102,6 @@ def level_widths(d_ff: int, levels: int, unit: int) -> list[int]:
         )
     base, extra = divmod(n, levels)
     return [(base + (1 if i < extra else 0)) * unit for i in range(levels)]
-
-
-def _silu_grad(z: torch.Tensor) -> torch.Tensor:
-    s = torch.sigmoid(z)
-    return s * (1 + z * (1 - s))
 
 
 class CMSLevel(SwiGLU):
@@ -157,7 +153,7 @@ class CMSLevel(SwiGLU):
             da = e @ w2
             if xs:
                 da = da - eta * ((e @ ep.transpose(1, 2)) @ ap)
-            dgv = torch.cat([da * v * _silu_grad(g), da * F.silu(g)], dim=-1)
+            dgv = torch.cat([da * v * silu_grad(g), da * F.silu(g)], dim=-1)
             # per-token clip of the gradient norm (||d x^T|| = ||d|| ||x||), scale 1/sqrt(d)
             sq = reduce_from_tp_region(
                 a.pow(2).sum(-1) * e.pow(2).sum(-1) + dgv.pow(2).sum(-1) * x.pow(2).sum(-1)

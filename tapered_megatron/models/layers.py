@@ -1,4 +1,5 @@
-"""Building blocks shared by the architectures: RMSNorm and rotary position embedding."""
+"""Building blocks shared by the architectures: RMSNorm, rotary position embedding, SiLU's
+derivative (for the hand-written backward passes of the memory modules)."""
 
 from __future__ import annotations
 
@@ -44,6 +45,12 @@ class RMSNorm(nn.Module):
         if torch.compiler.is_compiling():
             return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
         return _RMSNormFn.apply(x, self.weight, self.eps)
+
+
+def silu_grad(z: torch.Tensor) -> torch.Tensor:
+    """``d silu(z) / dz = sigmoid(z) (1 + z (1 - sigmoid(z)))``."""
+    s = torch.sigmoid(z)
+    return s * (1 + z * (1 - s))
 
 
 def rope_tables(head_dim: int, seq_len: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:

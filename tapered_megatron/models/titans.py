@@ -76,7 +76,7 @@ from torch import nn
 
 from tapered_megatron.config import at_least
 from tapered_megatron.models.base import Architecture, Counts, TokenMixer, register_architecture
-from tapered_megatron.models.layers import RotaryEmbedding
+from tapered_megatron.models.layers import RotaryEmbedding, silu_grad
 from tapered_megatron.models.mlp import SwiGLU
 from tapered_megatron.parallel import (
     ColumnParallelLinear,
@@ -105,11 +105,6 @@ class TitansOptions:
 # the memory rule
 
 
-def _silu_grad(z: torch.Tensor) -> torch.Tensor:
-    s = torch.sigmoid(z)
-    return s * (1 + z * (1 - s))
-
-
 def _mlp_forward_backward(
     weights: list[torch.Tensor], k: torch.Tensor, v: torch.Tensor
 ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
@@ -131,7 +126,7 @@ def _mlp_forward_backward(
     delta = 2.0 * (x - v)
     deltas = [delta]
     for i in range(len(weights) - 1, 0, -1):
-        delta = (delta @ weights[i]) * _silu_grad(pre[i - 1])
+        delta = (delta @ weights[i]) * silu_grad(pre[i - 1])
         deltas.append(delta)
     deltas.reverse()
     return acts, deltas
