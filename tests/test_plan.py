@@ -8,15 +8,21 @@ import sys
 
 import pytest
 
-from tapered_megatron.config import load_config
+from tapered_megatron.config import PRESET_DIR, load_config
 from tapered_megatron.pipeline import cost as costlib
+from tapered_megatron.pipeline.balance import partition
 from tapered_megatron.plan import (
+    Candidate,
     ds_config,
     enumerate_candidates,
+    evaluate,
     fill_slurm,
     meta_param_count,
+    overrides,
     plan,
 )
+
+SCALED = sorted(p.stem for p in PRESET_DIR.glob("*.yaml") if p.stem.endswith(("_1.3b", "_7b")))
 
 
 def test_meta_param_count_equals_counters() -> None:
@@ -38,6 +44,7 @@ def test_enumeration_respects_deepspeed_rules() -> None:
     assert cands
     for c in cands:
         assert c.tp * c.pp * c.dp == 64 and c.tp <= 8 and cfg.model.heads % c.tp == 0
+        assert cfg.taper.multiple % c.tp == 0
         assert c.pp == 1 or c.zero <= 1  # DeepSpeed: pipeline only with ZeRO 0/1
         assert c.micro_batch_size * c.grad_accum * c.dp == cfg.train.global_batch_size
 
@@ -86,3 +93,30 @@ def test_cluster_ds_configs_are_valid(name: str) -> None:
     assert ds["zero_optimization"]["stage"] in (0, 1, 2, 3)
     sbatch = (root / "scripts" / f"slurm_{name}.sbatch").read_text()
     assert "{{" not in sbatch and f"ds_configs/{name}.json" in sbatch
+
+
+@pytest.mark.parametrize("preset", SCALED)
+def test_planner_and_balancer_choose_the_same_stages(preset) -> None:
+    """A run launched with the planner's overrides gets the planner's stage boundaries from the
+    trainer's balancer (same device and memory cap): one cost model, TP communication included.
+    PP 4 and 8 on 64 GPUs, whole layers and sub-layers, with and without checkpointing."""
+    cfg = load_config(preset)
+    dev = costlib.get_device("h100")
+    cap = 0.9 * 80 * costlib.GiB
+    tp = cfg.parallel.tp
+    checked = 0
+    for pp in (4, 8):
+        dp = 64 // (tp * pp)
+        for ckpt, unit in ((False, "layer"), (True, "sublayer")):
+            gas = cfg.train.global_batch_size // dp
+            cand = evaluate(cfg, Candidate(tp, pp, dp, 1, 1, gas, ckpt, unit), dev, cap)
+            if isinstance(cand, str):  # does not fit: nothing to compare
+                continue
+            run = cfg.with_overrides(overrides(cfg, cand))
+            parts = partition(
+                run, pp, run.parallel.partition, gas, device=dev, gpu_mem=cap / costlib.GiB,
+                dp=dp, zero_stage=cand.zero,
+            )  # fmt: skip
+            assert tuple(parts) == cand.parts, (pp, ckpt, unit)
+            checked += 1
+    assert checked >= 3

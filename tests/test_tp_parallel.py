@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tapered_megatron.config import load_config
+from tapered_megatron.config import ConfigError, load_config
 from tapered_megatron.models import build_model, lm_loss
 from tapered_megatron.parallel import (
     col_layout,
@@ -121,3 +121,74 @@ def test_tp2_matches_tp1_logits_and_every_gradient():
         loss, grad = (torch.from_numpy(rank_out["ce"][k]) for k in ("loss", "grad"))
         torch.testing.assert_close(loss, ref_loss.detach(), atol=1e-6, rtol=0)
         torch.testing.assert_close(grad, logits.grad.chunk(2, dim=-1)[rank], atol=1e-6, rtol=0)
+
+
+# ------------------------------------------------------------------ layout-invariant shape
+SHAPE = [
+    "--model.d_model", "64", "--model.layers", "2", "--model.heads", "4", "--model.d_ff", "176",
+    "--model.vocab_size", "200", "--model.seq_len", "16", "--model.make_vocab_size_divisible_by",
+    "16", "--taper.multiple", "16",
+]  # fmt: skip
+ARCH_CASES = {
+    "transformer": [],
+    "gated_attention": ["--model.arch", "gated_attention"],
+    "titans": ["--model.arch", "titans", "--model.titans.chunk_size", "4"],
+    "hope_attention": ["--model.arch", "hope_attention", "--model.hope.periods", "0", "8", "4"],
+}
+
+
+def _full_weights(tp: int) -> dict:
+    """Every architecture's full weights as built at TP ``tp`` (gathered over the TP group)."""
+    out = {}
+    for arch, extra in ARCH_CASES.items():
+        cfg = load_config("quickstart", [*SHAPE, *extra, "--parallel.tp", str(tp)])
+        for name, p in build_model(cfg).named_parameters():
+            layout = getattr(p, "tp_layout", None)
+            if tp > 1 and layout is not None:
+                parts = [torch.empty_like(p) for _ in range(tp)]
+                dist.all_gather(
+                    parts, p.detach().contiguous(), group=get_tensor_model_parallel_group()
+                )
+                full = unshard(parts, layout)
+            else:
+                full = p.detach()
+            out[f"{arch}:{name}"] = full.numpy()
+    return out
+
+
+def _shape_worker(rank: int, world: int) -> dict | None:
+    init_model_parallel(tp=world, pp=1)
+    weights = _full_weights(world)
+    return weights if rank == 0 else None
+
+
+@pytest.mark.distributed
+def test_same_config_builds_identical_full_weights_at_tp_1_2_4():
+    """The model is a function of the model config alone: at TP 1, 2 and 4 the same widths, the
+    same padded vocabulary and the same values (issue 13)."""
+    ref = _full_weights(1)
+    for tp in (2, 4):
+        got = run_workers(_shape_worker, tp)[0]
+        assert got.keys() == ref.keys()
+        for key, value in ref.items():
+            assert got[key].shape == value.shape, key
+            assert (got[key] == value).all(), key
+
+
+@pytest.mark.parametrize(
+    "overrides, key",
+    [
+        (["--parallel.tp", "4"], "model.heads"),
+        (["--parallel.tp", "2", "--taper.multiple", "9"], "taper.multiple"),
+        (
+            ["--parallel.tp", "2", "--model.make_vocab_size_divisible_by", "63"],
+            "model.make_vocab_size_divisible_by",
+        ),
+    ],
+)
+def test_tp_that_does_not_divide_the_model_is_rejected(overrides, key):
+    """Rejected when the config is loaded (no process group), naming the key and the fix."""
+    with pytest.raises(ConfigError) as e:
+        load_config("quickstart", overrides)
+    msg = str(e.value)
+    assert f"must divide {key}" in msg and f"--{key}" in msg and "\n" not in msg
