@@ -92,16 +92,19 @@ class _Run:
     def __init__(self, cfg, unit: str, parts, zero: int) -> None:
         import deepspeed
         import torch
-        from deepspeed.runtime.pipe import schedule
 
         from tapered_megatron.models import lm_loss, pipeline_layer_specs
+        from tapered_megatron.pipeline.clock import StageClock
         from tapered_megatron.pipeline.module import BalancedPipelineModule
 
         torch.manual_seed(cfg.train.seed)
+        # thread CPU time: the compute this stage did, not time spent waiting for a core
+        self.clock = StageClock(time.thread_time, synchronize=False)
         self.module = BalancedPipelineModule(
-            pipeline_layer_specs(cfg, unit=unit), list(parts), num_stages=2, loss_fn=lm_loss,
-            table=f"[bench] unit={unit} parts={list(parts)}",
+            pipeline_layer_specs(cfg, unit=unit), list(parts), num_stages=2,
+            loss_fn=self.clock.timed(lm_loss), table=f"[bench] unit={unit} parts={list(parts)}",
         )  # fmt: skip
+        self.clock.attach(self.module)
         opt = torch.optim.AdamW(self.module.parameters(), lr=1e-3, weight_decay=0.0)
         ds = {
             "train_micro_batch_size_per_gpu": MICRO_BATCH,
@@ -112,39 +115,22 @@ class _Run:
             "wall_clock_breakdown": False,
         }
         self.engine, _, _, _ = deepspeed.initialize(model=self.module, optimizer=opt, config=ds)
-        self.busy = 0.0
-        self.instr: list[float] = []  # this step's forward/backward durations, in order
-        imap = dict(self.engine._INSTRUCTION_MAP)
-        for kind in (schedule.ForwardPass, schedule.BackwardPass):
-            imap[kind] = self._timed(imap[kind])
-        self.engine._INSTRUCTION_MAP = imap  # instance attribute: shadows the class table
         self.walls: list[float] = []
         self.busys: list[float] = []
         self.instrs: list[list[float]] = []
         self.losses: list[float] = []
 
-    def _timed(self, fn):
-        # thread CPU time: the compute this stage did, not time spent waiting for a core
-        def wrapper(engine, *a, **k):
-            t0 = time.thread_time()
-            fn(engine, *a, **k)
-            dt = time.thread_time() - t0
-            self.busy += dt
-            self.instr.append(dt)
-
-        return wrapper
-
     def step(self, batches) -> None:
         import torch
 
-        self.busy = 0.0
-        self.instr = []
+        first = len(self.clock.passes)
         torch.distributed.barrier()
         t0 = time.perf_counter()
         loss = self.engine.train_batch(iter(batches))
         self.walls.append(time.perf_counter() - t0)
-        self.busys.append(self.busy)
-        self.instrs.append(self.instr)
+        instr = [seconds for _, seconds in self.clock.passes[first:]]  # in execution order
+        self.busys.append(sum(instr))
+        self.instrs.append(instr)
         self.losses.append(float(loss))
 
 

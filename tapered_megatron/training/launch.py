@@ -198,8 +198,6 @@ def resolve(cfg: Config, ds_config: dict[str, Any], world_size: int) -> tuple[di
             'set "enabled": "auto" (fp32 on CPU) or false'
         )
     ds.setdefault("steps_per_print", 10**9)
-    if pp > 1:  # per-stage compute times (pipe/stageK_ms) come from DeepSpeed's micro-step timers
-        ds["wall_clock_breakdown"] = True
     layout = Layout(world_size, tp, pp, dp, mbs, gbs, gas)
     return ds, layout
 

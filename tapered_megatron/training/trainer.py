@@ -23,12 +23,12 @@ import torch
 import torch.distributed as dist
 from deepspeed.accelerator import get_accelerator
 from deepspeed.runtime.utils import is_model_parallel_parameter
-from deepspeed.utils.timer import BACKWARD_MICRO_TIMER, FORWARD_MICRO_TIMER
 
 from tapered_megatron import parallel
 from tapered_megatron.config import Config
 from tapered_megatron.eval import validation_loss
 from tapered_megatron.models import build_model, count_model, lm_loss
+from tapered_megatron.pipeline.clock import StageClock
 from tapered_megatron.training import checkpoint, optim
 from tapered_megatron.training.launch import Layout
 from tapered_megatron.training.logger import TrainLogger
@@ -46,7 +46,7 @@ class Trainer:
         self.dp_rank = parallel.get_data_parallel_rank()
         self.dp_group = parallel.get_data_parallel_group()
         self.pipeline = layout.pp > 1
-        self._loss_ms = 0.0  # pipeline: time in the loss, which DeepSpeed's timers leave out
+        self.clock = StageClock() if self.pipeline else None  # per-stage compute time
 
         self.train_ds, self.valid_ds = self._build_data()
         self.engine = self._build_engine()
@@ -138,6 +138,8 @@ class Trainer:
         engine, *_ = deepspeed.initialize(**kwargs)
         if cfg.train.compile:
             engine.compile()
+        if self.clock is not None:
+            self.clock.attach(engine.module)
         return engine
 
     def _pipeline_module(self) -> Any:
@@ -150,28 +152,9 @@ class Trainer:
             self.cfg,
             topology=parallel.get_topology(),
             micro_batches=lay.grad_accum,
-            loss_fn=self._timed_loss,
+            loss_fn=self.clock.timed(lm_loss),  # the single model's loss, fused LM head
             partition_kwargs={"dp": lay.dp, "zero_stage": stage},
         )
-
-    def _timed_loss(self, output: Any, labels: Any) -> torch.Tensor:
-        """The pipeline's loss (:func:`lm_loss`, the single model's), timed: it runs outside
-        DeepSpeed's forward timer, yet it is most of the last stage's head work."""
-        acc = get_accelerator()
-        acc.synchronize()
-        t = time.perf_counter()
-        loss = lm_loss(output, labels)
-        acc.synchronize()
-        self._loss_ms += 1000 * (time.perf_counter() - t)
-        return loss
-
-    def _stage_compute_ms(self) -> float:
-        """This pipeline stage's forward + loss + backward milliseconds since the last call, from
-        DeepSpeed's micro-step timers (``wall_clock_breakdown``, set for every PP run)."""
-        timers = self.engine.timers
-        ms = sum(timers(n).elapsed(reset=True) for n in (FORWARD_MICRO_TIMER, BACKWARD_MICRO_TIMER))
-        ms, self._loss_ms = ms + self._loss_ms, 0.0
-        return ms
 
     # ------------------------------------------------------------------ loop
     def _train_step(self, batches: Iterator[tuple], want_norm: bool) -> tuple[float, float | None]:
@@ -206,8 +189,6 @@ class Trainer:
         loss = validation_loss(
             self.engine, batches, self.cfg.eval.iters, lay.grad_accum, self.dp_group
         )
-        if self.pipeline:
-            self._stage_compute_ms()  # evaluation is not training compute
         return loss
 
     def fit(self) -> list[float]:
@@ -225,8 +206,6 @@ class Trainer:
         metrics = _MetricsFile(cfg.logging.metrics_file if self.rank == 0 else "")
         window = _Window(lay.global_batch_size * cfg.model.seq_len)
         losses: list[float] = []
-        if self.pipeline:
-            self._stage_compute_ms()  # start the per-stage clock here
         while self.iteration < cadence.iters:
             it = self.iteration + 1
             lr = self.engine.get_lr()[0]
@@ -260,7 +239,7 @@ class Trainer:
     def _gather_stage_ms(self, iters: int) -> list[float]:
         """Per-stage compute ms per iteration (max over the ranks of each stage)."""
         world = self.layout.world_size
-        ms = self._stage_compute_ms() / max(iters, 1)
+        ms = self.clock.take() / max(iters, 1)
         mine = torch.tensor(
             [float(parallel.get_pipeline_model_parallel_rank()), ms], dtype=torch.float64
         )
