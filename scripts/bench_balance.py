@@ -7,7 +7,8 @@
 ``measure`` trains one strongly tapered small model (cosine 1.75/0.25, large vocabulary) with
 DeepSpeed's pipeline engine (1F1B, 2 stages, our ``BalancedPipelineModule``) once per partition
 method, in one invocation, on the same batches, and reports per method: step time (median),
-per-stage busy time (forward + backward instructions, measured inside the engine) next to the
+per-stage busy time (forward + loss + backward per pass, thread CPU time from
+``tapered_megatron.pipeline.clock.StageClock`` hooks) next to the
 cost model's prediction (profiled per-unit times, and the analytic FLOP model), and the losses.
 It also runs the balancer's sub-layer split and checks its losses equal the whole-layer split's.
 ``memory`` starts fresh process pairs per configuration and compares each stage's peak resident
