@@ -1,0 +1,182 @@
+"""Reproduce the Tapered Language Models paper's experiments in one resumable command.
+
+    python scripts/reproduce_tlm.py                        # cpu scale, 3 seeds, all experiments
+    python scripts/reproduce_tlm.py --smoke --out /tmp/tlm # every path in a few minutes
+    python scripts/reproduce_tlm.py --scale 440m --launcher "deepspeed --num_gpus 8" \\
+        --data-path /data/pile_text_document --tokenizer-model /data/tok.model
+
+Experiments (tlm-spec.md section 3): (a) ``controlled`` uniform vs wider-early/middle/late thirds,
+(b) ``sweep`` cosine/linear/sigmoid x five ratio pairs, (c) ``archs`` four architectures x
+{uniform, cosine 1.5/0.5, reverse}, with (d) validation curves of all of them, (e) ``alignment``
+(rho_block / rho_mlp of the uniform and tapered Transformer) and (f) zero-shot scores of the
+(c) models. Each run is an ordinary ``pretrain/main.py`` job under ``--launcher``; finished runs
+and evaluations are skipped, so the command can be killed and rerun. At the end it copies each
+run's metrics to ``docs/results/runs/<run>/metrics.json`` and writes ``docs/RESULTS.md`` and the
+plots under ``docs/results/`` from those files alone.
+
+On a machine without a GPU, scales ``440m`` and up print the launch plan and its cost (GPU-hours
+from the planner) and write the tables' structure instead of running.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import shlex
+import sys
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from tapered_megatron.eval import experiments as ex
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """Command line of the driver."""
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--data-path", default="", help="token-file prefix (default: sample corpus)")
+    ap.add_argument("--tokenizer-model", default="", help="tokenizer of --data-path")
+    ap.add_argument("--scale", default="cpu", choices=sorted(ex.SCALES))
+    ap.add_argument("--seeds", type=int, default=3, help="seeds per configuration (default 3)")
+    ap.add_argument("--out", default="runs/tlm", help="where runs live (default runs/tlm)")
+    ap.add_argument(
+        "--only",
+        default=",".join(ex.EXPERIMENTS),
+        help="comma-separated subset of " + ",".join(ex.EXPERIMENTS),
+    )
+    ap.add_argument("--smoke", action="store_true", help="1 seed, tiny shapes, a few iterations")
+    ap.add_argument(
+        "--launcher",
+        default="python",
+        help='launcher prefix of each run (default "python"; e.g. "deepspeed --num_gpus 8")',
+    )
+    ap.add_argument(
+        "--jobs",
+        type=int,
+        default=0,
+        help="runs trained at once (default: 2 for the cpu scale with a plain python launcher "
+        "on >= 2 cores, each with cores/2 threads; else 1)",
+    )
+    ap.add_argument(
+        "--results-dir",
+        default=str(ex.REPO / "docs"),
+        help="where RESULTS.md and results/ are written (default: the repo's docs/)",
+    )
+    ap.add_argument(
+        "--no-report", action="store_true", help="train and evaluate only; write no RESULTS.md"
+    )
+    return ap.parse_args(argv)
+
+
+def _fail(msg: str) -> int:
+    print(f"error: {msg}", file=sys.stderr)
+    return 2
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run (or plan) the experiments; return the exit code."""
+    a = parse_args(argv)
+    only = [x.strip() for x in a.only.split(",") if x.strip()]
+    bad = [x for x in only if x not in ex.EXPERIMENTS]
+    if bad or not only:
+        return _fail(f"--only {a.only!r}: choose from {','.join(ex.EXPERIMENTS)}")
+    if a.seeds < 1:
+        return _fail(f"--seeds {a.seeds}: need at least 1")
+    if bool(a.data_path) != bool(a.tokenizer_model):
+        return _fail("--data-path and --tokenizer-model go together; give both or neither")
+    seeds = 1 if a.smoke else a.seeds
+    scale = ex.SCALES[a.scale]
+    out = Path(a.out).resolve()
+    vocab = 0
+    if a.tokenizer_model:
+        if not Path(a.tokenizer_model).is_file():
+            return _fail(f"--tokenizer-model {a.tokenizer_model}: no such file")
+        from tapered_megatron.data import load_tokenizer
+
+        vocab = load_tokenizer(a.tokenizer_model).vocab_size
+    launcher = shlex.split(a.launcher)
+    if launcher and Path(launcher[-1]).name.startswith("python") and len(launcher) == 1:
+        launcher = [sys.executable]
+    cores = os.cpu_count() or 1
+    plain = len(launcher) == 1 and "python" in Path(launcher[0]).name
+    jobs = a.jobs or (2 if scale.name == "cpu" and plain and cores >= 2 else 1)
+    settings = ex.Settings(
+        out=out,
+        scale=scale,
+        launcher=launcher,
+        data_path=a.data_path,
+        tokenizer_model=a.tokenizer_model,
+        vocab_size=vocab,
+        smoke=a.smoke,
+        threads=max(1, cores // jobs) if plain and scale.name == "cpu" else 0,
+    )
+    runs = ex.plan_runs(only, seeds)
+    results = Path(a.results_dir)
+    if scale.gpu and not _has_gpu():
+        from tapered_megatron.eval import report
+
+        print(report.launch_plan(settings, runs, only))
+        if not a.no_report:
+            report.write_plan_results(settings, runs, only, results, command=_command(argv))
+        return 0
+
+    out.mkdir(parents=True, exist_ok=True)
+    logf = open(out / "driver.log", "a")  # noqa: SIM115 - the driver's whole life
+
+    def log(msg: str) -> None:
+        line = f"{datetime.now().strftime('%H:%M:%S')} {msg}"
+        print(line, flush=True)
+        logf.write(line + "\n")
+        logf.flush()
+
+    t0 = time.time()
+    log(f"reproduce_tlm: {_command(argv)} | {len(runs)} runs, {jobs} at a time | out {out}")
+    failed = ex.train_all(settings, runs, jobs, log)
+    missing = ex.evaluate_all(settings, runs, only, log)
+    if failed:
+        log(f"{failed} run(s) failed; rerun the same command to retry them")
+    if not a.no_report:
+        from tapered_megatron.eval import report
+
+        report.collect(settings, runs, results / "results" / "runs")
+        meta = {
+            "command": _command(argv),
+            "wall_s": time.time() - t0,
+            "machine": _machine(),
+            "date": datetime.now(timezone.utc).strftime("%Y-%m-%d"),
+            "scale": scale.name,
+            "seeds": seeds,
+            "smoke": a.smoke,
+            "missing_tools": sorted(missing),
+        }
+        path = report.write_results(results, only, meta)
+        log(f"wrote {path}")
+    log(f"finished in {time.time() - t0:.0f} s")
+    return 1 if failed else 0
+
+
+def _command(argv: list[str] | None) -> str:
+    args = sys.argv[1:] if argv is None else argv
+    return shlex.join(["python", "scripts/reproduce_tlm.py", *args])
+
+
+def _machine() -> str:
+    import torch
+
+    return (
+        f"{os.cpu_count()}-core {platform.machine()} {platform.system()}, torch {torch.__version__}"
+        + (f", {torch.cuda.get_device_name(0)}" if torch.cuda.is_available() else "")
+    )
+
+
+def _has_gpu() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
