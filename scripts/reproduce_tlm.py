@@ -21,6 +21,7 @@ from the planner) and write the tables' structure instead of running.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import platform
 import shlex
@@ -62,8 +63,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     ap.add_argument(
         "--results-dir",
-        default=str(ex.REPO / "docs"),
-        help="where RESULTS.md and results/ are written (default: the repo's docs/)",
+        default="",
+        help="where RESULTS.md and results/ are written (default: the repo's docs/ for the "
+        "default cpu run on the sample corpus, else <out>/report)",
     )
     ap.add_argument(
         "--no-report", action="store_true", help="train and evaluate only; write no RESULTS.md"
@@ -114,13 +116,27 @@ def main(argv: list[str] | None = None) -> int:
         threads=max(1, cores // jobs) if plain and scale.name == "cpu" else 0,
     )
     runs = ex.plan_runs(only, seeds)
-    results = Path(a.results_dir)
+    default_run = scale.name == "cpu" and not a.smoke and not a.data_path
+    results = Path(a.results_dir or (ex.REPO / "docs" if default_run else out / "report"))
+    meta = {
+        "command": _command(argv),
+        "machine": _machine(),
+        "date": datetime.now(timezone.utc).strftime("%Y-%m-%d"),
+        "scale": scale.name,
+        "seeds": seeds,
+        "smoke": a.smoke,
+        "only": only,
+        "runs_planned": len(runs),
+        "missing_tools": [],
+    }
     if scale.gpu and not _has_gpu():
         from tapered_megatron.eval import report
 
-        print(report.launch_plan(settings, runs, only))
+        plan = report.launch_plan(settings, runs)
+        print(plan)
         if not a.no_report:
-            report.write_plan_results(settings, runs, only, results, command=_command(argv))
+            meta.update(wall_s=0.0, plan=plan, note="no GPU here: launch plan only, nothing ran")
+            print(f"wrote {report.write_results(results, meta)}")
         return 0
 
     out.mkdir(parents=True, exist_ok=True)
@@ -141,19 +157,9 @@ def main(argv: list[str] | None = None) -> int:
     if not a.no_report:
         from tapered_megatron.eval import report
 
-        report.collect(settings, runs, results / "results" / "runs")
-        meta = {
-            "command": _command(argv),
-            "wall_s": time.time() - t0,
-            "machine": _machine(),
-            "date": datetime.now(timezone.utc).strftime("%Y-%m-%d"),
-            "scale": scale.name,
-            "seeds": seeds,
-            "smoke": a.smoke,
-            "missing_tools": sorted(missing),
-        }
-        path = report.write_results(results, only, meta)
-        log(f"wrote {path}")
+        report.sync_records(settings, runs, results / "results" / "runs")
+        meta.update(wall_s=_total_wall(out, time.time() - t0), missing_tools=sorted(missing))
+        log(f"wrote {report.write_results(results, meta)}")
     log(f"finished in {time.time() - t0:.0f} s")
     return 1 if failed else 0
 
@@ -161,6 +167,15 @@ def main(argv: list[str] | None = None) -> int:
 def _command(argv: list[str] | None) -> str:
     args = sys.argv[1:] if argv is None else argv
     return shlex.join(["python", "scripts/reproduce_tlm.py", *args])
+
+
+def _total_wall(out: Path, this_s: float) -> float:
+    """Wall seconds of every invocation on ``out`` so far (this one included)."""
+    f = out / "driver_wall.json"
+    past = json.loads(f.read_text()) if f.exists() else []
+    past.append(round(this_s, 1))
+    f.write_text(json.dumps(past))
+    return round(sum(past), 1)
 
 
 def _machine() -> str:
