@@ -136,6 +136,7 @@ def main(argv: list[str] | None = None) -> int:
         print(plan)
         if not a.no_report:
             meta.update(wall_s=0.0, plan=plan, note="no GPU here: launch plan only, nothing ran")
+            meta["widths"] = report.planned_widths(settings, runs)
             print(f"wrote {report.write_results(results, meta)}")
         return 0
 

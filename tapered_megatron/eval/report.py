@@ -228,27 +228,36 @@ def _table(header: list[str], rows: list[list[str]]) -> list[str]:
 
 def _compare_cells(v: ex.Variant, by: dict, base_key: str) -> list[str]:
     st = ppl_stat(by.get(v.key))
+    seeds = ", ".join(f"{x:.2f}" for _, x in sorted(st.values.items())) or "—"
     if v.key == base_key or st.n == 0:
-        return [pm(st), ", ".join(f"{x:.2f}" for _, x in sorted(st.values.items())), "—", "—"]
+        return [pm(st), seeds, "—", "—"]
     p = Paired(st, ppl_stat(by.get(base_key)))
-    seeds = ", ".join(f"{x:.2f}" for _, x in sorted(st.values.items()))
     return [pm(st), seeds, signed_pm(p.diffs), p.exceeds]
 
 
 COMPARE = ["ours: val ppl (mean ± std)", "per seed", "Δ vs uniform (paired)", "beyond seed spread"]
 
 
-def _widths(by: dict, v: ex.Variant) -> str:
+def _widths(by: dict, v: ex.Variant, planned: dict[str, list[int]]) -> str:
     runs = by.get(v.key)
-    return "/".join(str(w) for w in next(iter(runs.values()))["widths"]) if runs else "—"
+    widths = next(iter(runs.values()))["widths"] if runs else planned.get(v.key)
+    if not widths:
+        return "—"
+    groups: list[list[int]] = []
+    for w in widths:
+        if groups and groups[-1][0] == w:
+            groups[-1][1] += 1
+        else:
+            groups.append([w, 1])
+    return "/".join(f"{w}" if n == 1 else f"{w}×{n}" for w, n in groups)
 
 
-def table_controlled(by: dict, scale: str) -> list[str]:
-    """(a): uniform vs wider-early/middle/late."""
+def table_controlled(by: dict, scale: str, planned: dict[str, list[int]]) -> list[str]:
+    """(a): uniform vs wider-early/middle/late (``planned``: widths by variant when not run)."""
     rows = []
     for v in ex.experiment_variants("controlled"):
         name = v.label.split(" ")[0]
-        rows.append([v.label, _widths(by, v), f"{PAPER_CONTROLLED[name]:.2f}"])
+        rows.append([v.label, _widths(by, v, planned), f"{PAPER_CONTROLLED[name]:.2f}"])
         rows[-1] += _compare_cells(v, by, ex.UNIFORM.key)
     head = ["configuration", f"d_ff per layer ({scale})", "paper 440M ppl"]
     return _table(head + COMPARE, rows)
@@ -641,7 +650,7 @@ def render(records: list[dict[str, Any]], meta: dict[str, Any]) -> str:
         f"scale (440M / 760M); ours are at the `{scale}` scale.",
         "",
         f"- Command: `{meta['command']}`",
-        f"- Wall time: {meta['wall_s'] / 60:.1f} min; machine: {meta['machine']}; "
+        f"- Wall time: {meta['wall_s'] / 60:.1f} min (all invocations); machine: {meta['machine']}; "
         f"date: {meta['date']}",
         f"- Runs: {len(records)} finished of {meta['runs_planned']} planned "
         f"({meta['seeds']} seed(s) per configuration)"
@@ -677,7 +686,7 @@ def render(records: list[dict[str, Any]], meta: dict[str, Any]) -> str:
         (
             "controlled",
             "(a) Controlled experiment: which third gets the width",
-            table_controlled(by, scale) if "controlled" in only else None,
+            table_controlled(by, scale, meta.get("widths", {})) if "controlled" in only else None,
         ),
         ("sweep", "(b) Schedule sweep", table_sweep(by) if "sweep" in only else None),
         ("archs", "(c) Four architectures", table_archs(by) if "archs" in only else None),
@@ -758,6 +767,19 @@ def sync_records(settings: ex.Settings, runs: list[ex.Run], dest: Path) -> int:
 
 
 # ----------------------------------------------------------------------------- GPU scales
+def planned_widths(settings: ex.Settings, runs: list[ex.Run]) -> dict[str, list[int]]:
+    """Per-layer d_ff of every planned variant, from its preset (for tables of runs not run)."""
+    from tapered_megatron.config import load_config
+
+    out = {}
+    for v in {r.variant for r in runs}:
+        cfg = load_config(
+            settings.scale.presets[v.arch], [*settings.scale.overrides, *v.overrides()]
+        )
+        out[v.key] = list(cfg.taper_plan.widths)
+    return dict(sorted(out.items()))
+
+
 def _gpus(launcher: list[str]) -> int:
     for flag in ("--num_gpus", "--nproc_per_node", "-np", "-n"):
         if flag in launcher[:-1]:
@@ -768,7 +790,7 @@ def _gpus(launcher: list[str]) -> int:
 def launch_plan(settings: ex.Settings, runs: list[ex.Run], device: str = "h100") -> str:
     """The commands of every run and their cost in GPU-hours (planner step-time estimate)."""
     from tapered_megatron import plan as planner
-    from tapered_megatron.config import load_config
+    from tapered_megatron.config import ConfigError, load_config
     from tapered_megatron.pipeline import cost as costlib
 
     gpus = _gpus(settings.launcher)
@@ -779,7 +801,11 @@ def launch_plan(settings: ex.Settings, runs: list[ex.Run], device: str = "h100")
     total = 0.0
     for a in sorted({r.variant.arch for r in runs}, key=ex.ARCHS.index):
         cfg = load_config(settings.scale.presets[a])
-        ranked, _ = planner.plan(cfg, gpus, dev, cap)
+        try:
+            ranked, _ = planner.plan(cfg, gpus, dev, cap)
+        except ConfigError as e:  # a layout the planner tried is not a valid config
+            lines.append(f"  {a} ({cfg.name}): the planner failed ({e})")
+            continue
         if not ranked:
             lines.append(f"  {a}: nothing fits on {gpus} GPUs; use more GPUs")
             continue
