@@ -650,8 +650,8 @@ def render(records: list[dict[str, Any]], meta: dict[str, Any]) -> str:
         f"scale (440M / 760M); ours are at the `{scale}` scale.",
         "",
         f"- Command: `{meta['command']}`",
-        f"- Wall time: {meta['wall_s'] / 60:.1f} min (all invocations); machine: {meta['machine']}; "
-        f"date: {meta['date']}",
+        f"- Wall time: {meta['wall_s'] / 60:.1f} min (all invocations); "
+        f"machine: {meta['machine']}; date: {meta['date']}",
         f"- Runs: {len(records)} finished of {meta['runs_planned']} planned "
         f"({meta['seeds']} seed(s) per configuration)"
         + (
