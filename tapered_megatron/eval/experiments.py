@@ -137,7 +137,7 @@ SMOKE_OVERRIDES = (
     "--model.heads",
     "2",
     "--model.d_ff",
-    "64",
+    "96",
     "--model.seq_len",
     "64",
     "--train.iters",
