@@ -21,6 +21,8 @@ from the planner) and write the tables' structure instead of running.
 from __future__ import annotations
 
 import argparse
+import fcntl
+import importlib.util
 import json
 import os
 import platform
@@ -69,6 +71,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     ap.add_argument(
         "--no-report", action="store_true", help="train and evaluate only; write no RESULTS.md"
+    )
+    ap.add_argument(
+        "--report-only",
+        action="store_true",
+        help="write RESULTS.md from the runs finished so far; train and evaluate nothing "
+        "(safe while another invocation is running)",
     )
     return ap.parse_args(argv)
 
@@ -127,6 +135,7 @@ def main(argv: list[str] | None = None) -> int:
         "smoke": a.smoke,
         "only": only,
         "runs_planned": len(runs),
+        "jobs": jobs,
         "missing_tools": [],
     }
     if scale.gpu and not _has_gpu():
@@ -141,6 +150,15 @@ def main(argv: list[str] | None = None) -> int:
         return 0
 
     out.mkdir(parents=True, exist_ok=True)
+    if a.report_only:
+        return _report_only(settings, runs, results, meta)
+    lock = open(out / ".driver.lock", "w")  # noqa: SIM115 - held for the driver's whole life
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return _fail(
+            f"another reproduce_tlm.py is running on {out}; wait for it or use --report-only"
+        )
     logf = open(out / "driver.log", "a")  # noqa: SIM115 - the driver's whole life
 
     def log(msg: str) -> None:
@@ -150,7 +168,8 @@ def main(argv: list[str] | None = None) -> int:
         logf.flush()
 
     t0 = time.time()
-    log(f"reproduce_tlm: {_command(argv)} | {len(runs)} runs, {jobs} at a time | out {out}")
+    (out / "command.json").write_text(json.dumps({"command": meta["command"]}))
+    log(f"reproduce_tlm: {meta['command']} | {len(runs)} runs, {jobs} at a time | out {out}")
     failed = ex.train_all(settings, runs, jobs, log)
     missing = ex.evaluate_all(settings, runs, only, log)
     if failed:
@@ -163,6 +182,32 @@ def main(argv: list[str] | None = None) -> int:
         log(f"wrote {report.write_results(results, meta)}")
     log(f"finished in {time.time() - t0:.0f} s")
     return 1 if failed else 0
+
+
+def _report_only(settings: ex.Settings, runs: list, results: Path, meta: dict) -> int:
+    """RESULTS.md from the finished runs, with the last training invocation's command."""
+    from tapered_megatron.eval import report
+
+    n = report.sync_records(settings, runs, results / "results" / "runs")
+    cmd = settings.out / "command.json"
+    if cmd.exists():
+        meta["command"] = json.loads(cmd.read_text())["command"]
+    walls = settings.out / "driver_wall.json"
+    meta["wall_s"] = sum(json.loads(walls.read_text())) if walls.exists() else 0.0
+    if n < len(runs):
+        meta["wall_s"] = 0.0  # shown as "in progress"
+    meta["missing_tools"] = sorted(
+        phase
+        for phase in ex.evaluation_phases(meta["only"])
+        if importlib.util.find_spec(f"tapered_megatron.eval.{phase}") is None
+    )
+    if n < len(runs):
+        meta["note"] = (
+            f"written with --report-only while {n} of {len(runs)} runs had finished; "
+            "the tables fill in as the remaining runs finish"
+        )
+    print(f"wrote {report.write_results(results, meta)}")
+    return 0
 
 
 def _command(argv: list[str] | None) -> str:

@@ -650,10 +650,21 @@ def render(records: list[dict[str, Any]], meta: dict[str, Any]) -> str:
         f"scale (440M / 760M); ours are at the `{scale}` scale.",
         "",
         f"- Command: `{meta['command']}`",
-        f"- Wall time: {meta['wall_s'] / 60:.1f} min (all invocations); "
-        f"machine: {meta['machine']}; date: {meta['date']}",
+        "- Wall time: "
+        + (
+            f"{meta['wall_s'] / 60:.1f} min (all invocations)"
+            if meta["wall_s"]
+            else ("none (plan only)" if meta.get("plan") else "in progress")
+        )
+        + f"; machine: {meta['machine']}; date: {meta['date']}",
         f"- Runs: {len(records)} finished of {meta['runs_planned']} planned "
         f"({meta['seeds']} seed(s) per configuration)"
+        + (
+            f"; {sum(r['wall_s'] for r in records) / len(records):.0f} s wall per training run "
+            f"on average ({meta.get('jobs', 1)} at a time)"
+            if records
+            else ""
+        )
         + (
             f"; evaluation tools missing: {', '.join(meta['missing_tools'])}"
             if meta["missing_tools"]
