@@ -191,16 +191,25 @@ class Settings:
     smoke: bool = False
     threads: int = 0  # OMP_NUM_THREADS per job; 0: leave the environment alone
 
-    def eval_data_prefix(self) -> str:
-        """The token-file prefix evaluation reads: ``data_path`` or the prepared sample corpus."""
+    def eval_data(self) -> tuple[str, str]:
+        """``(tokenizer_model, token-file prefix)`` evaluation reads: the user's data or the
+        prepared sample corpus (whose tokenizer a run's config does not name)."""
         if self.data_path:
-            return self.data_path
+            return self.tokenizer_model, self.data_path
         from tapered_megatron import data
         from tapered_megatron.config import load_config
 
         over = [*self.scale.overrides, *(SMOKE_OVERRIDES if self.smoke else ())]
         vocab = load_config(self.scale.presets["transformer"], over).model.vocab_size
-        return data.prepare_sample_corpus(self.out / "cache", vocab)[1]
+        return data.prepare_sample_corpus(self.out / "cache", vocab)
+
+    def job_env(self) -> dict[str, str]:
+        """Environment of a job: this checkout first on PYTHONPATH, the thread count pinned."""
+        env = dict(os.environ)
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH", "")]))
+        if self.threads:
+            env["OMP_NUM_THREADS"] = env["MKL_NUM_THREADS"] = str(self.threads)
+        return env
 
     def run_dir(self, run: Run) -> Path:
         """Where ``run`` keeps its files."""
@@ -253,7 +262,7 @@ def is_done(settings: Settings, run: Run) -> bool:
     return (settings.run_dir(run) / "done").exists()
 
 
-def _job_part(cmd: list[str]) -> list[str]:
+def job_part(cmd: list[str]) -> list[str]:
     """``cmd`` without its launcher prefix (everything from ``pretrain/main.py`` on)."""
     return cmd[next(i for i, x in enumerate(cmd) if x.endswith("main.py")) :]
 
@@ -266,7 +275,7 @@ def _check_command(d: Path, cmd: list[str]) -> None:
     f = d / "cmd.json"
     if f.exists():
         old = json.loads(f.read_text())["command"]
-        if _job_part(old) != _job_part(cmd):
+        if job_part(old) != job_part(cmd):
             raise SystemExit(
                 f"error: {d} was started with another command ({shlex.join(old)}); "
                 "use a fresh --out or delete that run directory"
@@ -284,10 +293,7 @@ def train_run(settings: Settings, run: Run, log: Callable[[str], None]) -> bool:
     _check_command(d, cmd)
     if not any((d / "checkpoints").glob("global_step*")):
         (d / "metrics.jsonl").unlink(missing_ok=True)  # a fresh start: no stale records
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH", "")]))
-    if settings.threads:
-        env["OMP_NUM_THREADS"] = env["MKL_NUM_THREADS"] = str(settings.threads)
+    env = settings.job_env()
     t0 = time.time()
     log(f"start {run.name}")
     with open(d / "train.log", "a") as f:
@@ -339,21 +345,19 @@ def evaluate_run(settings: Settings, run: Run, phase: str, log: Callable[[str], 
     if phase == "alignment":
         target = d / "alignment.json"
         args = ["-m", "tapered_megatron.eval.alignment", "--checkpoint", ckpt]
-        args += ["--data-path", settings.eval_data_prefix(), "--tokens"]
+        args += ["--data-path", settings.eval_data()[1], "--tokens"]
         args += [str(256 if settings.smoke else settings.scale.alignment_tokens), "--json"]
     elif phase == "zeroshot":
         target = d / "zeroshot" / "zeroshot.json"
         args = ["-m", "tapered_megatron.eval.zeroshot", "--checkpoint", ckpt]
+        args += ["--tokenizer-model", settings.eval_data()[0]]
         limit = 8 if settings.smoke else settings.scale.zeroshot_limit
         args += (["--limit", str(limit)] if limit else []) + ["--output", str(d / "zeroshot")]
     else:
         raise ValueError(f"unknown evaluation phase {phase!r}")
     if target.exists():
         return "skipped"
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH", "")]))
-    if settings.threads:
-        env["OMP_NUM_THREADS"] = str(settings.threads)
+    env = settings.job_env()
     p = subprocess.run([sys.executable, *args], capture_output=True, text=True, env=env, cwd=str(d))
     out = p.stdout + p.stderr
     (d / f"{phase}.log").write_text(out)

@@ -140,7 +140,7 @@ def run_record(settings: ex.Settings, run: ex.Run) -> dict[str, Any]:
     from tapered_megatron.config import load_config
 
     d = settings.run_dir(run)
-    job = ex._job_part(json.loads((d / "cmd.json").read_text())["command"])
+    job = ex.job_part(json.loads((d / "cmd.json").read_text())["command"])
     over = [a for a in job[1:] if a not in ("--resume", "auto")]
     preset = over[over.index("--config") + 1]
     del over[over.index("--config") : over.index("--config") + 2]
