@@ -223,12 +223,12 @@ def test_committed_results_are_recomputed_from_saved_metrics() -> None:
     if not (DOCS / "RESULTS.md").exists():
         pytest.skip("docs/RESULTS.md not generated yet")
     assert check_results(DOCS) > 0
-    meta = json.loads((DOCS / "results" / "meta.json").read_text())
     for rec in report.load_records(DOCS / "results" / "runs"):
-        # every model trained past its fast drop: the last 2 evaluations moved < 10% of the first 2
+        # every model trained past its fast drop: the last evaluation interval moved the loss by
+        # less than 15% of what the first one did
         curve = [c[2] for c in rec["val_curve"]]
-        if not meta["smoke"] and len(curve) >= 4:
-            assert abs(curve[-1] - curve[-2]) < 0.1 * abs(curve[0] - curve[1]), rec["run"]
+        assert len(curve) >= 4, rec["run"]
+        assert abs(curve[-1] - curve[-2]) < 0.15 * abs(curve[0] - curve[1]), rec["run"]
 
 
 # ----------------------------------------------------------------------------- real driver runs

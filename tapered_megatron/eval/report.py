@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import math
 import shutil
+import statistics
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -235,7 +236,18 @@ def _compare_cells(v: ex.Variant, by: dict, base_key: str) -> list[str]:
     return [pm(st), seeds, signed_pm(p.diffs), p.exceeds]
 
 
-COMPARE = ["ours: val ppl (mean ± std)", "per seed", "Δ vs uniform (paired)", "beyond seed spread"]
+def compare_header(scale: str) -> list[str]:
+    """Headers of the four comparison columns."""
+    return [f"ours ({scale}): val ppl", "per seed", "Δ vs uniform (paired)", "beyond seed spread"]
+
+
+def late_drop_ratio(rec: dict[str, Any]) -> float | None:
+    """How much the last evaluation interval moved the validation loss, as a fraction of the
+    first interval's drop (small: the run is past its fast phase). None with < 3 points."""
+    c = [p[2] for p in rec["val_curve"]]
+    if len(c) < 3 or c[0] == c[1]:
+        return None
+    return abs(c[-1] - c[-2]) / abs(c[0] - c[1])
 
 
 def _widths(by: dict, v: ex.Variant, planned: dict[str, list[int]]) -> str:
@@ -260,10 +272,10 @@ def table_controlled(by: dict, scale: str, planned: dict[str, list[int]]) -> lis
         rows.append([v.label, _widths(by, v, planned), f"{PAPER_CONTROLLED[name]:.2f}"])
         rows[-1] += _compare_cells(v, by, ex.UNIFORM.key)
     head = ["configuration", f"d_ff per layer ({scale})", "paper 440M ppl"]
-    return _table(head + COMPARE, rows)
+    return _table(head + compare_header(scale), rows)
 
 
-def table_sweep(by: dict) -> list[str]:
+def table_sweep(by: dict, scale: str) -> list[str]:
     """(b): schedule x ratio pair."""
     rows = [["uniform", "—", "16.28", *_compare_cells(ex.UNIFORM, by, ex.UNIFORM.key)]]
     for r in ex.SWEEP_RATIOS:
@@ -271,16 +283,16 @@ def table_sweep(by: dict) -> list[str]:
             v = ex.Variant("transformer", s, r)
             rows.append([s, f"{r[0]:g}/{r[1]:g}", f"{PAPER_SWEEP[r][i]:.2f}"])
             rows[-1] += _compare_cells(v, by, ex.UNIFORM.key)
-    return _table(["schedule", "ratio", "paper 440M ppl", *COMPARE], rows)
+    return _table(["schedule", "ratio", "paper 440M ppl", *compare_header(scale)], rows)
 
 
-def table_archs(by: dict) -> list[str]:
+def table_archs(by: dict, scale: str) -> list[str]:
     """(c): four architectures x {uniform, cosine 1.5/0.5, reverse}."""
     rows = []
     for v in ex.experiment_variants("archs"):
         base = ex.Variant(v.arch).key
         rows.append([v.arch, v.label, *_compare_cells(v, by, base)])
-    return _table(["architecture", "configuration", *COMPARE], rows)
+    return _table(["architecture", "configuration", *compare_header(scale)], rows)
 
 
 def _rho(by: dict, v: ex.Variant, key: str) -> list[Stat]:
@@ -684,6 +696,13 @@ def render(records: list[dict[str, Any]], meta: dict[str, Any]) -> str:
             f"training tokens per run, peak LR {r0['lr']:g} (cosine decay); validation perplexity "
             f"over the same {r0['eval_tokens']:,} held-out tokens for every run.",
         ]
+        ratios = [x for x in map(late_drop_ratio, records) if x is not None]
+        if ratios:
+            lines.append(
+                f"- Convergence: the last evaluation interval moved the validation loss by at most "
+                f"{100 * max(ratios):.0f}% (median {100 * statistics.median(ratios):.0f}%) of what "
+                "the first interval did, over all runs (curves in (d))."
+            )
     lines += [
         "",
         "Statistics: mean ± sample std over seeds; Δ = the configuration minus uniform for the "
@@ -699,8 +718,8 @@ def render(records: list[dict[str, Any]], meta: dict[str, Any]) -> str:
             "(a) Controlled experiment: which third gets the width",
             table_controlled(by, scale, meta.get("widths", {})) if "controlled" in only else None,
         ),
-        ("sweep", "(b) Schedule sweep", table_sweep(by) if "sweep" in only else None),
-        ("archs", "(c) Four architectures", table_archs(by) if "archs" in only else None),
+        ("sweep", "(b) Schedule sweep", table_sweep(by, scale) if "sweep" in only else None),
+        ("archs", "(c) Four architectures", table_archs(by, scale) if "archs" in only else None),
     ]
     for key, title, table in sections:
         if table is None:
