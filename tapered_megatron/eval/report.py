@@ -364,16 +364,17 @@ def _plt() -> Any:
     return plt
 
 
-def _bars(ax: Any, labels: list[str], stats: list[Stat], ylabel: str) -> None:
-    xs = range(len(labels))
-    ax.bar(xs, [s.mean if s.n else 0 for s in stats], yerr=[s.std for s in stats], capsize=3)
-    ax.set_xticks(list(xs), labels, rotation=30, ha="right", fontsize=8)
+def _dots(ax: Any, labels: list[str], stats: list[Stat], ylabel: str) -> None:
+    """Mean ± std per label as points with error bars (no bar baseline to exaggerate gaps)."""
+    xs = list(range(len(labels)))
+    ok = [(x, s) for x, s in zip(xs, stats, strict=True) if s.n]
+    ax.errorbar(
+        [x for x, _ in ok], [s.mean for _, s in ok], [s.std for _, s in ok], fmt="o", capsize=3
+    )
+    ax.set_xticks(xs, labels, rotation=30, ha="right", fontsize=8)
+    ax.set_xlim(-0.5, len(xs) - 0.5)
     ax.set_ylabel(ylabel)
-    vals = [s.mean for s in stats if s.n]
-    if vals:
-        lo, hi = min(vals), max(vals)
-        pad = max(hi - lo, 1e-6)
-        ax.set_ylim(lo - pad, hi + pad)
+    ax.grid(axis="y", alpha=0.3)
 
 
 def plot_all(by: dict, keys: list[str], dest: Path) -> list[str]:
@@ -391,7 +392,7 @@ def plot_all(by: dict, keys: list[str], dest: Path) -> list[str]:
     if "controlled" in keys:
         vs = ex.experiment_variants("controlled")
         fig, ax = plt.subplots(figsize=(5, 3.5))
-        _bars(
+        _dots(
             ax,
             [v.label.split(" ")[0] for v in vs],
             [ppl_stat(by.get(v.key)) for v in vs],
@@ -424,26 +425,17 @@ def plot_all(by: dict, keys: list[str], dest: Path) -> list[str]:
         ax.legend(fontsize=8)
         save(fig, "sweep")
     if "archs" in keys:
-        fig, ax = plt.subplots(figsize=(6, 3.8))
-        width = 0.27
-        for j, kind in enumerate(("uniform", "cosine", "reverse")):
-            st = []
-            for a in ex.ARCHS:
-                vs = [v for v in ex.experiment_variants("archs") if v.arch == a]
-                st.append(ppl_stat(by.get(vs[j].key)))
-            ax.bar(
-                [i + (j - 1) * width for i in range(len(ex.ARCHS))],
-                [s.mean if s.n else 0 for s in st],
-                width,
-                yerr=[s.std for s in st],
-                capsize=2,
-                label=kind if kind != "cosine" else "cosine 1.5/0.5",
+        fig, axes = plt.subplots(1, len(ex.ARCHS), figsize=(10, 3.6))
+        for ax, a in zip(axes, ex.ARCHS, strict=True):
+            vs = [v for v in ex.experiment_variants("archs") if v.arch == a]
+            _dots(
+                ax,
+                ["uniform", "cosine 1.5/0.5", "reverse"],
+                [ppl_stat(by.get(v.key)) for v in vs],
+                "val ppl",
             )
-        ax.set_xticks(range(len(ex.ARCHS)), ex.ARCHS, fontsize=8)
-        ax.set_yscale("log")
-        ax.set_ylabel("val ppl (log)")
-        ax.set_title("(c) architectures")
-        ax.legend(fontsize=8)
+            ax.set_title(a, fontsize=9)
+        fig.suptitle("(c) architectures (mean ± std over seeds)")
         save(fig, "archs")
     if "curves" in keys:
         groups = [e for e in ("controlled", "sweep", "archs") if e in keys]
@@ -494,7 +486,7 @@ def plot_all(by: dict, keys: list[str], dest: Path) -> list[str]:
     if "zeroshot" in keys:
         fig, ax = plt.subplots(figsize=(6, 3.8))
         vs = ex.experiment_variants("archs")
-        _bars(
+        _dots(
             ax,
             [f"{v.arch} {v.label}" for v in vs],
             [zs_stat(by.get(v.key)) for v in vs],
@@ -651,7 +643,7 @@ def reading(by: dict, records: list[dict[str, Any]], only: list[str]) -> list[st
 def render(records: list[dict[str, Any]], meta: dict[str, Any]) -> str:
     """The whole RESULTS.md text from saved run records and the driver's metadata."""
     only = meta["only"]
-    scale = meta["scale"]
+    scale = meta["scale"] + (" smoke" if meta["smoke"] else "")
     by = _by_variant(records)
     lines = [
         "# Reproducing Tapered Language Models",
