@@ -304,6 +304,18 @@ def test_killed_driver_reruns_only_what_is_left(tmp_path: Path) -> None:
     assert _table_lines(out / "report" / "RESULTS.md") == tables
 
 
+def test_rerun_from_another_checkout_or_launcher_is_accepted(tmp_path: Path) -> None:
+    s = ex.Settings(tmp_path, ex.SCALES["cpu"], ["python"])
+    run = ex.Run(ex.UNIFORM, 1)
+    cmd = s.command(run)
+    d = s.run_dir(run)
+    moved = ["deepspeed", "--num_gpus", "1", "/elsewhere/pretrain/main.py", *ex.job_part(cmd)[1:]]
+    ex._check_command(d, moved)
+    ex._check_command(d, cmd)  # same job arguments: accepted
+    with pytest.raises(SystemExit, match="another command"):
+        ex._check_command(d, [*cmd[:-2], "--train.iters", "5", "--resume", "auto"])
+
+
 def test_a_run_dir_of_another_command_is_refused(tmp_path: Path) -> None:
     d = tmp_path / "runs" / "transformer-uniform-s1"
     d.mkdir(parents=True)

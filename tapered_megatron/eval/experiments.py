@@ -270,12 +270,13 @@ def job_part(cmd: list[str]) -> list[str]:
 def _check_command(d: Path, cmd: list[str]) -> None:
     """Record ``cmd`` in ``d/cmd.json``; refuse a directory started with another job.
 
-    The launcher prefix may change between reruns (another host, another launcher).
+    The launcher prefix and the checkout (the path of ``main.py``) may change between reruns
+    (another host, another launcher, the merged main branch); the job's arguments may not.
     """
     f = d / "cmd.json"
     if f.exists():
         old = json.loads(f.read_text())["command"]
-        if job_part(old) != job_part(cmd):
+        if job_part(old)[1:] != job_part(cmd)[1:]:
             raise SystemExit(
                 f"error: {d} was started with another command ({shlex.join(old)}); "
                 "use a fresh --out or delete that run directory"
