@@ -25,7 +25,7 @@ def test_every_preset_loads_and_plans(name):
     cfg = load_config(name)
     plan = cfg.taper_plan
     assert plan.layers == cfg.model.layers and plan.deviation == 0
-    assert cfg.model.arch in name or name == "quickstart"
+    assert cfg.model.arch in name or name in ("quickstart", "tlm_cpu")  # tlm_cpu: all archs
 
 
 def test_overrides_apply_with_types():

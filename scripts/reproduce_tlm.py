@@ -1,0 +1,243 @@
+"""Reproduce the Tapered Language Models paper's experiments in one resumable command.
+
+    python scripts/reproduce_tlm.py                        # cpu scale, 3 seeds, all experiments
+    python scripts/reproduce_tlm.py --smoke --out /tmp/tlm # every path in a few minutes
+    python scripts/reproduce_tlm.py --scale 440m --launcher "deepspeed --num_gpus 8" \\
+        --data-path /data/pile_text_document --tokenizer-model /data/tok.model
+
+Experiments (tlm-spec.md section 3): (a) ``controlled`` uniform vs wider-early/middle/late thirds,
+(b) ``sweep`` cosine/linear/sigmoid x five ratio pairs, (c) ``archs`` four architectures x
+{uniform, cosine 1.5/0.5, reverse}, with (d) validation curves of all of them, (e) ``alignment``
+(rho_block / rho_mlp of the uniform and tapered Transformer) and (f) zero-shot scores of the
+(c) models. Each run is an ordinary ``pretrain/main.py`` job under ``--launcher``; finished runs
+and evaluations are skipped, so the command can be killed and rerun. At the end it copies each
+run's metrics to ``docs/results/runs/<run>/metrics.json`` and writes ``docs/RESULTS.md`` and the
+plots under ``docs/results/`` from those files alone.
+
+On a machine without a GPU, scales ``440m`` and up print the launch plan and its cost (GPU-hours
+from the planner) and write the tables' structure instead of running.
+"""
+
+from __future__ import annotations
+
+import argparse
+import fcntl
+import importlib.util
+import json
+import os
+import platform
+import shlex
+import sys
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from tapered_megatron.eval import experiments as ex
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """Command line of the driver."""
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--data-path", default="", help="token-file prefix (default: sample corpus)")
+    ap.add_argument("--tokenizer-model", default="", help="tokenizer of --data-path")
+    ap.add_argument("--scale", default="cpu", choices=sorted(ex.SCALES))
+    ap.add_argument("--seeds", type=int, default=3, help="seeds per configuration (default 3)")
+    ap.add_argument("--out", default="runs/tlm", help="where runs live (default runs/tlm)")
+    ap.add_argument(
+        "--only",
+        default=",".join(ex.EXPERIMENTS),
+        help="comma-separated subset of " + ",".join(ex.EXPERIMENTS),
+    )
+    ap.add_argument("--smoke", action="store_true", help="1 seed, tiny shapes, a few iterations")
+    ap.add_argument(
+        "--launcher",
+        default="python",
+        help='launcher prefix of each run (default "python"; e.g. "deepspeed --num_gpus 8")',
+    )
+    ap.add_argument(
+        "--jobs",
+        type=int,
+        default=0,
+        help="runs trained at once (default: 2 for the cpu scale with a plain python launcher "
+        "on >= 2 cores, each with cores/2 threads; else 1)",
+    )
+    ap.add_argument(
+        "--results-dir",
+        default="",
+        help="where RESULTS.md and results/ are written (default: the repo's docs/ for the "
+        "default cpu run on the sample corpus, else <out>/report)",
+    )
+    ap.add_argument(
+        "--no-report", action="store_true", help="train and evaluate only; write no RESULTS.md"
+    )
+    ap.add_argument(
+        "--report-only",
+        action="store_true",
+        help="write RESULTS.md from the runs finished so far; train and evaluate nothing "
+        "(safe while another invocation is running)",
+    )
+    return ap.parse_args(argv)
+
+
+def _fail(msg: str) -> int:
+    print(f"error: {msg}", file=sys.stderr)
+    return 2
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run (or plan) the experiments; return the exit code."""
+    a = parse_args(argv)
+    only = [x.strip() for x in a.only.split(",") if x.strip()]
+    bad = [x for x in only if x not in ex.EXPERIMENTS]
+    if bad or not only:
+        return _fail(f"--only {a.only!r}: choose from {','.join(ex.EXPERIMENTS)}")
+    if a.seeds < 1:
+        return _fail(f"--seeds {a.seeds}: need at least 1")
+    if bool(a.data_path) != bool(a.tokenizer_model):
+        return _fail("--data-path and --tokenizer-model go together; give both or neither")
+    seeds = 1 if a.smoke else a.seeds
+    scale = ex.SCALES[a.scale]
+    out = Path(a.out).resolve()
+    vocab = 0
+    if a.tokenizer_model:
+        if not Path(a.tokenizer_model).is_file():
+            return _fail(f"--tokenizer-model {a.tokenizer_model}: no such file")
+        from tapered_megatron.data import load_tokenizer
+
+        vocab = load_tokenizer(a.tokenizer_model).vocab_size
+    launcher = shlex.split(a.launcher)
+    if launcher and Path(launcher[-1]).name.startswith("python") and len(launcher) == 1:
+        launcher = [sys.executable]
+    cores = os.cpu_count() or 1
+    plain = len(launcher) == 1 and "python" in Path(launcher[0]).name
+    jobs = a.jobs or (2 if scale.name == "cpu" and plain and cores >= 2 else 1)
+    settings = ex.Settings(
+        out=out,
+        scale=scale,
+        launcher=launcher,
+        data_path=a.data_path,
+        tokenizer_model=a.tokenizer_model,
+        vocab_size=vocab,
+        smoke=a.smoke,
+        threads=max(1, cores // jobs) if plain and scale.name == "cpu" else 0,
+    )
+    runs = ex.plan_runs(only, seeds)
+    default_run = scale.name == "cpu" and not a.smoke and not a.data_path
+    results = Path(a.results_dir or (ex.REPO / "docs" if default_run else out / "report"))
+    meta = {
+        "command": _command(argv),
+        "machine": _machine(),
+        "date": datetime.now(timezone.utc).strftime("%Y-%m-%d"),
+        "scale": scale.name,
+        "seeds": seeds,
+        "smoke": a.smoke,
+        "only": only,
+        "runs_planned": len(runs),
+        "jobs": jobs,
+        "missing_tools": [],
+    }
+    if scale.gpu and not _has_gpu():
+        from tapered_megatron.eval import report
+
+        plan = report.launch_plan(settings, runs)
+        print(plan)
+        if not a.no_report:
+            meta.update(wall_s=0.0, plan=plan, note="no GPU here: launch plan only, nothing ran")
+            meta["widths"] = report.planned_widths(settings, runs)
+            print(f"wrote {report.write_results(results, meta)}")
+        return 0
+
+    out.mkdir(parents=True, exist_ok=True)
+    if a.report_only:
+        return _report_only(settings, runs, results, meta)
+    lock = open(out / ".driver.lock", "w")  # noqa: SIM115 - held for the driver's whole life
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return _fail(
+            f"another reproduce_tlm.py is running on {out}; wait for it or use --report-only"
+        )
+    logf = open(out / "driver.log", "a")  # noqa: SIM115 - the driver's whole life
+
+    def log(msg: str) -> None:
+        line = f"{datetime.now().strftime('%H:%M:%S')} {msg}"
+        print(line, flush=True)
+        logf.write(line + "\n")
+        logf.flush()
+
+    t0 = time.time()
+    (out / "command.json").write_text(json.dumps({"command": meta["command"]}))
+    log(f"reproduce_tlm: {meta['command']} | {len(runs)} runs, {jobs} at a time | out {out}")
+    failed = ex.train_all(settings, runs, jobs, log)
+    missing = ex.evaluate_all(settings, runs, only, log)
+    if failed:
+        log(f"{failed} run(s) failed; rerun the same command to retry them")
+    if not a.no_report:
+        from tapered_megatron.eval import report
+
+        report.sync_records(settings, runs, results / "results" / "runs")
+        meta.update(wall_s=_total_wall(out, time.time() - t0), missing_tools=sorted(missing))
+        log(f"wrote {report.write_results(results, meta)}")
+    log(f"finished in {time.time() - t0:.0f} s")
+    return 1 if failed else 0
+
+
+def _report_only(settings: ex.Settings, runs: list, results: Path, meta: dict) -> int:
+    """RESULTS.md from the finished runs, with the last training invocation's command."""
+    from tapered_megatron.eval import report
+
+    n = report.sync_records(settings, runs, results / "results" / "runs")
+    cmd = settings.out / "command.json"
+    if cmd.exists():
+        meta["command"] = json.loads(cmd.read_text())["command"]
+    walls = settings.out / "driver_wall.json"
+    meta["wall_s"] = sum(json.loads(walls.read_text())) if walls.exists() else 0.0
+    if n < len(runs):
+        meta["wall_s"] = 0.0  # shown as "in progress"
+    meta["missing_tools"] = sorted(
+        phase
+        for phase in ex.evaluation_phases(meta["only"])
+        if importlib.util.find_spec(f"tapered_megatron.eval.{phase}") is None
+    )
+    if n < len(runs):
+        meta["note"] = (
+            f"written with --report-only while {n} of {len(runs)} runs had finished; "
+            "the tables fill in as the remaining runs finish"
+        )
+    print(f"wrote {report.write_results(results, meta)}")
+    return 0
+
+
+def _command(argv: list[str] | None) -> str:
+    args = sys.argv[1:] if argv is None else argv
+    return shlex.join(["python", "scripts/reproduce_tlm.py", *args])
+
+
+def _total_wall(out: Path, this_s: float) -> float:
+    """Wall seconds of every invocation on ``out`` so far (this one included)."""
+    f = out / "driver_wall.json"
+    past = json.loads(f.read_text()) if f.exists() else []
+    past.append(round(this_s, 1))
+    f.write_text(json.dumps(past))
+    return round(sum(past), 1)
+
+
+def _machine() -> str:
+    import torch
+
+    return (
+        f"{os.cpu_count()}-core {platform.machine()} {platform.system()}, torch {torch.__version__}"
+        + (f", {torch.cuda.get_device_name(0)}" if torch.cuda.is_available() else "")
+    )
+
+
+def _has_gpu() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

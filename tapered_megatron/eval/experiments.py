@@ -1,0 +1,421 @@
+"""The paper's experiments as a matrix of ordinary ``pretrain/main.py`` runs, and their driver.
+
+Used by ``scripts/reproduce_tlm.py``. Every run is one configuration x one seed; a configuration
+shared by several experiments (the uniform Transformer, cosine 1.5/0.5) is trained once. Each
+run lives in ``<out>/runs/<run>/``::
+
+    cmd.json        the launched command line (a rerun with another command is refused)
+    metrics.jsonl   one JSON line per iteration (``--logging.metrics_file``), ``val_loss`` on
+                    evaluation iterations
+    checkpoints/    ``train.save_dir`` (the final checkpoint is what evaluation loads)
+    train.log       the job's output
+    done            written after the job exits 0 with a final ``val_loss``: the run is skipped
+    alignment.json  / zeroshot/zeroshot.json: evaluation results, skipped when present
+
+A killed run restarts with ``--resume auto`` (newest complete checkpoint, else a fresh start).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[2]
+ARCHS = ("transformer", "gated_attention", "titans", "hope_attention")
+EXPERIMENTS = ("controlled", "sweep", "archs", "alignment")
+SWEEP_SCHEDULES = ("cosine", "linear", "sigmoid")
+SWEEP_RATIOS = ((1.25, 0.75), (1.375, 0.625), (1.5, 0.5), (1.625, 0.375), (1.75, 0.25))
+# The controlled experiment's thirds: 1.5 x the base width in one third, 0.75 in the other two.
+STEP_THIRDS = {
+    "wider-early": (1.5, 0.75, 0.75),
+    "wider-middle": (0.75, 1.5, 0.75),
+    "wider-late": (0.75, 0.75, 1.5),
+}
+DEFAULT_TAPER = ("cosine", (1.5, 0.5))
+
+
+@dataclass(frozen=True)
+class Variant:
+    """One model configuration (without the seed)."""
+
+    arch: str = "transformer"
+    schedule: str = "uniform"
+    ratio: tuple[float, ...] = ()
+    reverse: bool = False
+
+    @property
+    def key(self) -> str:
+        """Stable, file-name-safe identifier, e.g. ``transformer-cosine-1.5-0.5-rev``."""
+        parts = [self.arch, self.schedule, *(f"{r:g}" for r in self.ratio)]
+        return "-".join(parts) + ("-rev" if self.reverse else "")
+
+    @property
+    def label(self) -> str:
+        """Human-readable label for tables, e.g. ``cosine 1.5/0.5 (reverse)``."""
+        if self.schedule == "uniform":
+            return "uniform"
+        if self.schedule == "step":
+            for name, mult in STEP_THIRDS.items():
+                if mult == self.ratio:
+                    return f"{name} [{'/'.join(f'{r:g}' for r in mult)}]"
+        text = f"{self.schedule} {'/'.join(f'{r:g}' for r in self.ratio)}"
+        return text + (" (reverse)" if self.reverse else "")
+
+    def overrides(self) -> list[str]:
+        """Config overrides that select this variant."""
+        out = ["--model.arch", self.arch, "--taper.schedule", self.schedule]
+        if self.schedule == "step":
+            out += ["--taper.step_multipliers", *(f"{r:g}" for r in self.ratio)]
+        elif self.schedule != "uniform":
+            out += ["--taper.ratio", *(f"{r:g}" for r in self.ratio)]
+        if self.reverse:
+            out += ["--taper.reverse", "true"]
+        return out
+
+
+UNIFORM = Variant()
+
+
+def experiment_variants(name: str) -> list[Variant]:
+    """The configurations one experiment compares (its first entry is the uniform baseline)."""
+    if name == "controlled":
+        return [UNIFORM, *(Variant("transformer", "step", m) for m in STEP_THIRDS.values())]
+    if name == "sweep":
+        return [UNIFORM] + [
+            Variant("transformer", s, r) for r in SWEEP_RATIOS for s in SWEEP_SCHEDULES
+        ]
+    if name == "archs":
+        sched, ratio = DEFAULT_TAPER
+        return [
+            v
+            for a in ARCHS
+            for v in (Variant(a), Variant(a, sched, ratio), Variant(a, sched, ratio, True))
+        ]
+    if name == "alignment":
+        sched, ratio = DEFAULT_TAPER
+        return [UNIFORM, Variant("transformer", sched, ratio)]
+    raise ValueError(f"unknown experiment {name!r}; choose from {', '.join(EXPERIMENTS)}")
+
+
+@dataclass(frozen=True)
+class Scale:
+    """How big the runs are: a preset per architecture plus overrides, and evaluation sizes."""
+
+    name: str
+    presets: dict[str, str]
+    overrides: tuple[str, ...] = ()
+    alignment_tokens: int = 16384
+    zeroshot_limit: int = 0  # 0: every example of each task
+    gpu: bool = False  # needs an accelerator (the plan is printed instead where none is)
+
+
+def _preset_scale(name: str, tag: str) -> Scale:
+    return Scale(name, {a: f"{a}_{tag}" for a in ARCHS}, (), 262144, 0, True)
+
+
+SCALES = {
+    # tlm_cpu.yaml: a ~1.3M-parameter model (d_model 128, 6 layers, vocab 2048), 320 x 1024 tokens.
+    "cpu": Scale("cpu", {a: "tlm_cpu" for a in ARCHS}, (), 16384, 200),
+    "440m": _preset_scale("440m", "440m"),
+    "760m": _preset_scale("760m", "760m"),
+    "1.3b": _preset_scale("1.3b", "1.3b"),
+}
+SMOKE_OVERRIDES = (
+    "--model.d_model",
+    "32",
+    "--model.layers",
+    "3",
+    "--model.heads",
+    "2",
+    "--model.d_ff",
+    "96",
+    "--model.seq_len",
+    "64",
+    "--train.iters",
+    "4",
+    "--train.micro_batch_size",
+    "2",
+    "--train.warmup_iters",
+    "1",
+    "--eval.interval",
+    "2",
+    "--eval.iters",
+    "2",
+    "--logging.interval",
+    "2",
+)
+
+
+@dataclass(frozen=True)
+class Run:
+    """One training job: a variant and a seed."""
+
+    variant: Variant
+    seed: int
+
+    @property
+    def name(self) -> str:
+        """Directory name under ``<out>/runs``."""
+        return f"{self.variant.key}-s{self.seed}"
+
+
+def plan_runs(experiments: Iterable[str], seeds: int) -> list[Run]:
+    """Deduplicated runs of ``experiments``, seed-major (all of seed 1 first) for early tables."""
+    variants: list[Variant] = []
+    for e in experiments:
+        for v in experiment_variants(e):
+            if v not in variants:
+                variants.append(v)
+    return [Run(v, s) for s in range(1, seeds + 1) for v in variants]
+
+
+@dataclass
+class Settings:
+    """Everything a run's command line depends on."""
+
+    out: Path
+    scale: Scale
+    launcher: list[str]
+    data_path: str = ""
+    tokenizer_model: str = ""
+    vocab_size: int = 0
+    smoke: bool = False
+    threads: int = 0  # OMP_NUM_THREADS per job; 0: leave the environment alone
+
+    def eval_data(self) -> tuple[str, str]:
+        """``(tokenizer_model, token-file prefix)`` evaluation reads: the user's data or the
+        prepared sample corpus (whose tokenizer a run's config does not name)."""
+        if self.data_path:
+            return self.tokenizer_model, self.data_path
+        from tapered_megatron import data
+        from tapered_megatron.config import load_config
+
+        over = [*self.scale.overrides, *(SMOKE_OVERRIDES if self.smoke else ())]
+        vocab = load_config(self.scale.presets["transformer"], over).model.vocab_size
+        return data.prepare_sample_corpus(self.out / "cache", vocab)
+
+    def job_env(self) -> dict[str, str]:
+        """Environment of a job: this checkout first on PYTHONPATH, the thread count pinned."""
+        env = dict(os.environ)
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH", "")]))
+        if self.threads:
+            env["OMP_NUM_THREADS"] = env["MKL_NUM_THREADS"] = str(self.threads)
+        return env
+
+    def run_dir(self, run: Run) -> Path:
+        """Where ``run`` keeps its files."""
+        return self.out / "runs" / run.name
+
+    def command(self, run: Run) -> list[str]:
+        """The ``pretrain/main.py`` command line of ``run`` (launcher prefix included)."""
+        d = self.run_dir(run)
+        args = [
+            str(REPO / "pretrain" / "main.py"),
+            "--config",
+            self.scale.presets[run.variant.arch],
+            *self.scale.overrides,
+            *(SMOKE_OVERRIDES if self.smoke else ()),
+            *run.variant.overrides(),
+            "--train.seed",
+            str(1233 + run.seed),
+            "--train.save_dir",
+            str(d / "checkpoints"),
+            "--train.keep_last",
+            "1",
+            "--logging.metrics_file",
+            str(d / "metrics.jsonl"),
+            "--data.cache_dir",
+            str(self.out / "cache"),
+        ]
+        if self.data_path:
+            args += ["--data.path", self.data_path, "--data.tokenizer_model", self.tokenizer_model]
+        if self.vocab_size:
+            args += ["--model.vocab_size", str(self.vocab_size)]
+        return [*self.launcher, *args, "--resume", "auto"]
+
+
+def read_metrics(path: Path) -> list[dict[str, Any]]:
+    """Records of a metrics JSONL, one per iteration (a resumed run's later record wins)."""
+    by_it: dict[int, dict[str, Any]] = {}
+    if path.exists():
+        for line in path.read_text().splitlines():
+            if line.strip():
+                try:
+                    rec = json.loads(line)
+                except json.JSONDecodeError:  # a line cut by a kill
+                    continue
+                by_it[int(rec["iteration"])] = rec
+    return [by_it[k] for k in sorted(by_it)]
+
+
+def is_done(settings: Settings, run: Run) -> bool:
+    """Whether ``run`` finished (its ``done`` marker exists)."""
+    return (settings.run_dir(run) / "done").exists()
+
+
+def job_part(cmd: list[str]) -> list[str]:
+    """``cmd`` without its launcher prefix (everything from ``pretrain/main.py`` on)."""
+    return cmd[next(i for i, x in enumerate(cmd) if x.endswith("main.py")) :]
+
+
+def _check_command(d: Path, cmd: list[str]) -> None:
+    """Record ``cmd`` in ``d/cmd.json``; refuse a directory started with another job.
+
+    The launcher prefix and the checkout (the path of ``main.py``) may change between reruns
+    (another host, another launcher, the merged main branch); the job's arguments may not.
+    """
+    f = d / "cmd.json"
+    if f.exists():
+        old = json.loads(f.read_text())["command"]
+        if job_part(old)[1:] != job_part(cmd)[1:]:
+            raise SystemExit(
+                f"error: {d} was started with another command ({shlex.join(old)}); "
+                "use a fresh --out or delete that run directory"
+            )
+    d.mkdir(parents=True, exist_ok=True)
+    f.write_text(json.dumps({"command": cmd}, indent=1))
+
+
+def train_run(settings: Settings, run: Run, log: Callable[[str], None]) -> bool:
+    """Train ``run`` unless done; return whether it finished now or before."""
+    d = settings.run_dir(run)
+    if is_done(settings, run):
+        return True
+    cmd = settings.command(run)
+    _check_command(d, cmd)
+    if not any((d / "checkpoints").glob("global_step*")):
+        (d / "metrics.jsonl").unlink(missing_ok=True)  # a fresh start: no stale records
+    env = settings.job_env()
+    t0 = time.time()
+    log(f"start {run.name}")
+    with open(d / "train.log", "a") as f:
+        rc = subprocess.call(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, cwd=str(d))
+    recs = read_metrics(d / "metrics.jsonl")
+    final = [r for r in recs if "val_loss" in r]
+    if rc != 0 or not final:
+        log(f"FAILED {run.name} (exit {rc}); see {d / 'train.log'}")
+        return False
+    wall = time.time() - t0
+    (d / "done").write_text(json.dumps({"val_loss": final[-1]["val_loss"], "wall_s": wall}))
+    log(f"done {run.name} in {wall:.0f} s: val loss {final[-1]['val_loss']:.4f}")
+    return True
+
+
+def train_all(settings: Settings, runs: list[Run], jobs: int, log: Callable[[str], None]) -> int:
+    """Train every unfinished run, ``jobs`` at a time; return the number that failed."""
+    todo = [r for r in runs if not is_done(settings, r)]
+    log(f"training: {len(runs) - len(todo)} of {len(runs)} runs already done, {len(todo)} to go")
+    with ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
+        ok = list(pool.map(lambda r: train_run(settings, r, log), todo))
+    return ok.count(False)
+
+
+def last_json_line(text: str) -> dict[str, Any]:
+    """The last line of ``text`` that parses as a JSON object."""
+    for line in reversed(text.strip().splitlines()):
+        line = line.strip()
+        if line.startswith("{"):
+            try:
+                return json.loads(line)
+            except json.JSONDecodeError:
+                continue
+    raise ValueError("no JSON line in the tool's output")
+
+
+def _tool_missing(output: str) -> bool:
+    return "No module named" in output or "ImportError" in output
+
+
+def evaluate_run(settings: Settings, run: Run, phase: str, log: Callable[[str], None]) -> str:
+    """Run one evaluation ``phase`` (``alignment`` | ``zeroshot``) on a trained run.
+
+    Returns ``"ok"``, ``"skipped"`` (result already there), ``"missing"`` (the tool's module is
+    not installed) or ``"failed"``.
+    """
+    d = settings.run_dir(run)
+    ckpt = str(d / "checkpoints")
+    if phase == "alignment":
+        target = d / "alignment.json"
+        args = ["-m", "tapered_megatron.eval.alignment", "--checkpoint", ckpt]
+        args += ["--data-path", settings.eval_data()[1], "--tokens"]
+        args += [str(256 if settings.smoke else settings.scale.alignment_tokens), "--json"]
+    elif phase == "zeroshot":
+        target = d / "zeroshot" / "zeroshot.json"
+        args = ["-m", "tapered_megatron.eval.zeroshot", "--checkpoint", ckpt]
+        args += ["--tokenizer-model", settings.eval_data()[0]]
+        limit = 8 if settings.smoke else settings.scale.zeroshot_limit
+        args += (["--limit", str(limit)] if limit else []) + ["--output", str(d / "zeroshot")]
+    else:
+        raise ValueError(f"unknown evaluation phase {phase!r}")
+    if target.exists():
+        return "skipped"
+    env = settings.job_env()
+    p = subprocess.run([sys.executable, *args], capture_output=True, text=True, env=env, cwd=str(d))
+    out = p.stdout + p.stderr
+    (d / f"{phase}.log").write_text(out)
+    if p.returncode != 0:
+        if _tool_missing(out):
+            return "missing"
+        log(f"FAILED {phase} on {run.name} (exit {p.returncode}); see {d / f'{phase}.log'}")
+        return "failed"
+    if phase == "alignment":
+        try:
+            result = last_json_line(p.stdout)
+        except ValueError:
+            log(f"FAILED {phase} on {run.name}: no JSON line; see {d / f'{phase}.log'}")
+            return "failed"
+        tmp = target.with_suffix(".tmp")
+        tmp.write_text(json.dumps(result))
+        tmp.replace(target)
+    elif not target.exists():
+        log(f"FAILED {phase} on {run.name}: {target} not written")
+        return "failed"
+    return "ok"
+
+
+def evaluation_phases(experiments: Iterable[str]) -> dict[str, list[Variant]]:
+    """Which variants each evaluation phase covers: (e) alignment, (f) zero-shot of (c)."""
+    phases: dict[str, list[Variant]] = {}
+    if "alignment" in experiments:
+        phases["alignment"] = experiment_variants("alignment")
+    if "archs" in experiments:
+        phases["zeroshot"] = experiment_variants("archs")
+    return phases
+
+
+def evaluate_all(
+    settings: Settings, runs: list[Run], experiments: Iterable[str], log: Callable[[str], None]
+) -> set[str]:
+    """Run the evaluation phases on every finished run; return the phases whose tool is missing.
+
+    A missing tool (its module is not installed) is reported once and its phase left out.
+    """
+    missing: set[str] = set()
+    for phase, variants in evaluation_phases(experiments).items():
+        todo = [r for r in runs if r.variant in variants and is_done(settings, r)]
+        counts = {"ok": 0, "skipped": 0, "failed": 0}
+        for run in todo:
+            status = evaluate_run(settings, run, phase, log)
+            if status == "missing":
+                log(
+                    f"{phase}: tapered_megatron.eval.{phase} is not installed (No module named "
+                    f"...); its table is left out. Rerun this command once it is."
+                )
+                missing.add(phase)
+                break
+            counts[status] += 1
+        else:
+            log(
+                f"{phase}: {counts['ok']} evaluated, {counts['skipped']} already done, "
+                f"{counts['failed']} failed"
+            )
+    return missing
