@@ -126,9 +126,8 @@ def parse_chunk(
             except json.JSONDecodeError as e:
                 errors.append((i, f"invalid JSON ({e.msg} at column {e.colno})"))
                 continue
-        else:
-            nbytes += sum(len(v.encode()) for k, v in obj.items() if k in keys and isinstance(
-                v, str)) if isinstance(obj, dict) else 0  # fmt: skip
+        elif isinstance(obj, dict):  # parsed whole: count the text of the keys
+            nbytes += sum(len(obj[k].encode()) for k in keys if isinstance(obj.get(k), str))
         if not isinstance(obj, dict):
             errors.append((i, f"expected a JSON object, got {type(obj).__name__}"))
             continue
@@ -217,8 +216,8 @@ def _jobs(sources: list[Source], keys: Sequence[str], start: tuple) -> Iterator[
         prev = next(chunks, None)
         while prev is not None:
             nxt = next(chunks, None)
-            step = _Step(i, prev.cursor, prev.first + prev.records, nxt is None, prev.kind,
-                         prev.disk_bytes)  # fmt: skip
+            end = prev.first + prev.records
+            step = _Step(i, prev.cursor, end, nxt is None, prev.kind, prev.disk_bytes)
             yield step, (src.path, prev.first, prev.kind, prev.payload)
             prev = nxt
 
@@ -368,13 +367,13 @@ def tokenize_files(
         desc="tokenize",
         smoothing=0.1,
     )
-    next_log = (max(summary.documents.values()) // log_interval + 1) * log_interval if (
-        log_interval) else 0  # fmt: skip
+    next_log = (max(summary.documents.values()) // max(log_interval, 1) + 1) * log_interval
     last_ckpt = time.monotonic()
 
     def checkpoint(step: _Step) -> None:
-        pos = (step.source + 1, 0, None) if step.last else (step.source, step.cursor,
-                                                            step.next_record)  # fmt: skip
+        pos = (step.source, step.cursor, step.next_record)
+        if step.last:
+            pos = (step.source + 1, 0, None)
         summary.seconds = time.perf_counter() - t0
         state = {
             "version": STATE_VERSION,

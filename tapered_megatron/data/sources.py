@@ -275,12 +275,12 @@ def _json_array_chunks(src: Source, cursor: int, first: int) -> Iterator[Chunk]:
                 size += end - pos
             index, pos = index + 1, end
             if size >= BATCH_BYTES or len(objs) >= BATCH_LINES:
-                yield Chunk("obj", objs, first + index - len(objs) - cursor, len(objs), index,
-                            raw.tell() - disk)  # fmt: skip
+                number = first + index - len(objs) - cursor
+                yield Chunk("obj", objs, number, len(objs), index, raw.tell() - disk)
                 objs, size, disk = [], 0, raw.tell()
         if objs:
-            yield Chunk("obj", objs, first + index - len(objs) - cursor, len(objs), index,
-                        src.size - disk)  # fmt: skip
+            number = first + index - len(objs) - cursor
+            yield Chunk("obj", objs, number, len(objs), index, src.size - disk)
 
 
 # -- columnar formats ------------------------------------------------------------------------
@@ -294,7 +294,8 @@ def _check_schema(src: Source, schema, keys: Sequence[str]) -> None:
                 f"{src.path}: no column {k!r} (columns: {schema.names[:8]}); pick with --json-keys"
             )
         t = schema.field(i).type
-        if not (pa.types.is_string(t) or pa.types.is_large_string(t) or pa.types.is_string_view(t)):
+        is_view = getattr(pa.types, "is_string_view", lambda _: False)  # pyarrow >= 16
+        if not (pa.types.is_string(t) or pa.types.is_large_string(t) or is_view(t)):
             raise InputError(f"{src.path}: column {k!r} holds {t}, not strings")
 
 
@@ -345,7 +346,9 @@ def _parquet_chunks(src: Source, keys: Sequence[str], cursor: int, first: int) -
     def batches():
         rows_per_batch = 64
         for g in range(start, len(groups)):
-            disk_per_row = groups[g].total_compressed_size / max(groups[g].num_rows, 1)
+            group = groups[g]
+            on_disk = sum(group.column(c).total_compressed_size for c in range(group.num_columns))
+            disk_per_row = on_disk / max(group.num_rows, 1)
             seen_rows = seen_bytes = 0
             for b in pf.iter_batches(rows_per_batch, [g], list(keys), use_threads=False):
                 yield b, round(disk_per_row * b.num_rows)
