@@ -12,7 +12,7 @@ setup(
         # A range, never a CPU pin: GPU clusters install their own CUDA build first.
         "torch>=2.4",
         "deepspeed>=0.15",
-        "sentencepiece>=0.2",
+        "sentencepiece>=0.2.2",  # encode(out_type="numpy")
         "numpy>=1.24",
         "mpi4py>=3.1",
         "tensorboardX>=2.6",

@@ -7,7 +7,7 @@ the ``datasets`` package is not needed). :func:`read_chunks` streams a source as
 ``BATCH_BYTES`` of text, each carrying the cursor just after it, and can start at any such
 cursor, so an interrupted run restarts exactly where its last checkpoint was. Nothing is read
 whole: text is decompressed as a stream, JSON arrays are parsed object by object, Parquet row
-groups are read in record batches from a buffered stream, Arrow files are memory-mapped.
+groups are read in record batches from a buffered stream, Arrow files batch by batch.
 """
 
 from __future__ import annotations
@@ -301,8 +301,8 @@ def _check_schema(src: Source, schema, keys: Sequence[str]) -> None:
 
 def _column_chunks(batches: Iterator, keys: Sequence[str], cursor: int, first: int, row: int):
     """Regroup record batches ``(batch, disk bytes)``, the first at row ``row``, into chunks of
-    about ``BATCH_BYTES`` from row ``cursor`` on. Arrays are copied compactly (a pickled slice
-    would carry its whole buffer)."""
+    about ``BATCH_BYTES`` from row ``cursor`` on (big batches are cut). Arrays are copied
+    compactly (a pickled slice would carry its whole buffer)."""
     import pyarrow as pa
     import pyarrow.compute as pc
 
@@ -315,13 +315,19 @@ def _column_chunks(batches: Iterator, keys: Sequence[str], cursor: int, first: i
         if row < cursor:
             batch, row = batch.slice(cursor - row), cursor
         cols = [batch.column(k) for k in keys]
-        pending.append(cols)
-        size += sum(pc.sum(pc.binary_length(c)).as_py() or 0 for c in cols)
-        disk += batch_disk * batch.num_rows // max(n, 1)
-        row += batch.num_rows
-        if size >= BATCH_BYTES or sum(len(p[0]) for p in pending) >= BATCH_LINES:
-            yield _columns_chunk(pa, pending, keys, row, first, disk)
-            pending, size, disk = [], 0, 0
+        lengths = [pc.binary_length(c) for c in cols]
+        batch_bytes = sum(pc.sum(x).as_py() or 0 for x in lengths)
+        step = max(1, batch.num_rows * BATCH_BYTES // max(batch_bytes, 1))
+        for start in range(0, batch.num_rows, step):
+            piece = [c.slice(start, step) for c in cols]
+            rows = len(piece[0])
+            pending.append(piece)
+            size += batch_bytes * rows // max(batch.num_rows, 1)
+            disk += batch_disk * rows // max(n, 1)
+            row += rows
+            if size >= BATCH_BYTES or sum(len(p[0]) for p in pending) >= BATCH_LINES:
+                yield _columns_chunk(pa, pending, keys, row, first, disk)
+                pending, size, disk = [], 0, 0
     if pending:
         yield _columns_chunk(pa, pending, keys, row, first, disk)
 
@@ -364,12 +370,13 @@ def _parquet_chunks(src: Source, keys: Sequence[str], cursor: int, first: int) -
 def _arrow_chunks(src: Source, keys: Sequence[str], cursor: int, first: int) -> Iterator[Chunk]:
     import pyarrow as pa
 
-    with pa.memory_map(src.path) as mm:
+    with pa.OSFile(src.path) as f:  # read, not mapped: resident memory stays one batch
         try:
-            reader = pa.ipc.open_stream(mm)
+            reader = pa.ipc.open_stream(f)
             it = iter(reader)
         except pa.ArrowInvalid:  # the random-access file format rather than a stream
-            reader = pa.ipc.open_file(mm)
+            f.seek(0)
+            reader = pa.ipc.open_file(f)
             it = (reader.get_batch(i) for i in range(reader.num_record_batches))
         _check_schema(src, reader.schema, keys)
 
