@@ -368,3 +368,18 @@ def test_sample_exact_tokens_and_disjoint_rest(tmp_path, docs, tok_model):
          "--output-prefix", "y"], capture_output=True, text=True,
     )  # fmt: skip
     assert bad.returncode == 2 and "a token count is a positive whole number" in bad.stderr
+
+
+@pytest.mark.slow
+def test_memory_bounded_whatever_the_input_size(tmp_path):
+    """Peak memory of tokenize.py (main + 2 workers) on 0.05 and 0.2 GB of mixed formats."""
+    r = subprocess.run(
+        [sys.executable, str(REPO / "scripts/bench_tokenize.py"), "--skip-throughput",
+         "--workers", "2", "--memory-gb", "0.05", "0.2", "--tmp", str(tmp_path)],
+        capture_output=True, text=True, check=True,
+    )  # fmt: skip
+    small, big = [json.loads(x) for x in r.stdout.splitlines() if '"tokenize_memory"' in x]
+    assert big["gb_text"] > 3.5 * small["gb_text"]
+    assert big["peak_hwm_sum_mib"] < 1024, big
+    assert big["peak_hwm_sum_mib"] < 1.25 * small["peak_hwm_sum_mib"], (small, big)
+    assert os.listdir(tmp_path) == []  # the generated corpus is deleted
