@@ -119,9 +119,34 @@ def test_json_array_streams_object_by_object(tmp_path, docs, tok_model, monkeypa
     src.write_text(json.dumps([{"text": t, "n": 1.5} for t in docs[:30]], indent=2))
     tokenize_files([str(src)], str(tmp_path / "o"), tok_model)
     assert_tokens(tmp_path / "o_text_document", docs[:30], tok_model, eod=False)
-    src.write_text('[\n {"text": "a"},\n {"text": "b",,}\n]')
-    with pytest.raises(InputError, match=r"a\.json: line 3: invalid JSON"):
-        tokenize_files([str(src)], str(tmp_path / "o"), tok_model)
+    for bad, where in [
+        ('[\n {"text": "a"},\n {"text": "b",,}\n]', "line 3: invalid JSON"),
+        ('[{"text": "a"},\n\n {"text": "b"},]', "line 3: invalid JSON"),
+        ('[{"text": "a"}\n {"text": "b"}]', "line 2: invalid JSON .expected ','"),
+        ('[{"text": "a"},', "line 1: invalid JSON .the array is not closed"),
+    ]:
+        src.write_text(bad)
+        with pytest.raises(InputError, match=rf"a\.json: {where}"):
+            tokenize_files([str(src)], str(tmp_path / "o"), tok_model)
+    src.write_text("[]")
+    assert tokenize_files([str(src)], str(tmp_path / "o"), tok_model).documents["text"] == 0
+
+
+def test_chunks_restart_at_every_cursor(tmp_path, docs, monkeypatch):
+    """Reading from a chunk's cursor gives the rest of the source, numbered as before."""
+    from tapered_megatron.data.preprocess import parse_chunk
+
+    monkeypatch.setattr(sources_mod, "BATCH_BYTES", 40_000)
+    inputs, _ = make_mix(tmp_path, docs)
+    for src in sources_mod.expand_inputs(inputs):
+        chunks = list(sources_mod.read_chunks(src, ["text"]))
+        assert len(chunks) > 1 or src.size < 60_000, src
+        texts = [parse_chunk(c.kind, c.payload, ["text"])[0]["text"] for c in chunks]
+        for k, c in enumerate(chunks[:-1]):
+            rest = list(sources_mod.read_chunks(src, ["text"], c.cursor, c.first + c.records))
+            assert rest[0].first == chunks[k + 1].first, (src.path, k)
+            got = [t for r in rest for t in parse_chunk(r.kind, r.payload, ["text"])[0]["text"]]
+            assert got == [t for part in texts[k + 1 :] for t in part], (src.path, k)
 
 
 def test_bad_columnar_inputs(tmp_path, tok_model):

@@ -148,13 +148,14 @@ _TOKENIZER = None
 _SETTINGS: dict = {}
 
 
-def _init_worker(model_path: str, keys: Sequence[str], append_eod: bool, dtype: str) -> None:
+def _init_worker(model_path: str, keys: Sequence[str], append_eod: bool) -> None:
     global _TOKENIZER, _SETTINGS
     if mp.parent_process() is not None:  # pool worker: default SIGTERM so terminate() ends it
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
     if _TOKENIZER is None or _TOKENIZER.model_path != model_path:  # forked: inherited already
         _TOKENIZER = load_tokenizer(model_path)
-    _SETTINGS = {"keys": list(keys), "append_eod": append_eod, "dtype": np.dtype(dtype)}
+    dtype = np.dtype(token_dtype(_TOKENIZER.vocab_size))
+    _SETTINGS = {"keys": list(keys), "append_eod": append_eod, "dtype": dtype}
 
 
 def _encode(texts: list[str], dtype: np.dtype, eod: int | None) -> tuple[np.ndarray, ...]:
@@ -210,6 +211,12 @@ class _Step(NamedTuple):
     kind: str
     disk_bytes: int
 
+    def after(self) -> tuple:
+        """The position to restart from after this chunk: (source, cursor, record number)."""
+        if self.last:
+            return (self.source + 1, 0, None)
+        return (self.source, self.cursor, self.next_record)
+
 
 def _jobs(sources: list[Source], keys: Sequence[str], start: tuple) -> Iterator[tuple]:
     first_source, cursor, record = start
@@ -225,22 +232,21 @@ def _jobs(sources: list[Source], keys: Sequence[str], start: tuple) -> Iterator[
             prev = nxt
 
 
-def _ordered_results(jobs: Iterator[tuple], workers: int, init_args: tuple) -> Iterator[tuple]:
-    _init_worker(*init_args)  # before forking, so workers inherit the loaded tokenizer
-    if workers <= 1:
+def _ordered_results(jobs: Iterator[tuple], pool, workers: int) -> Iterator[tuple]:
+    """``(step, result)`` in job order; at most 4 chunks per worker in flight."""
+    if pool is None:
         for step, batch in jobs:
             yield step, encode_batch(batch)
         return
-    with mp.get_context().Pool(workers, _init_worker, init_args) as pool:
-        pending: collections.deque = collections.deque()
-        for step, batch in jobs:
-            pending.append((step, pool.apply_async(encode_batch, (batch,))))
-            if len(pending) >= 4 * workers:
-                step, res = pending.popleft()
-                yield step, res.get()
-        while pending:
+    pending: collections.deque = collections.deque()
+    for step, batch in jobs:
+        pending.append((step, pool.apply_async(encode_batch, (batch,))))
+        if len(pending) >= 4 * workers:
             step, res = pending.popleft()
             yield step, res.get()
+    while pending:
+        step, res = pending.popleft()
+        yield step, res.get()
 
 
 def output_prefix_for(output_prefix: str, key: str, level: str = "document") -> str:
@@ -288,13 +294,59 @@ def _load_state(path: str, fingerprint: dict) -> dict | None:
     return state
 
 
-def _save_state(path: str, state: dict) -> None:
-    tmp = path + ".tmp"
-    with open(tmp, "w", encoding="utf-8") as f:
-        json.dump(state, f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+class _Outputs:
+    """The writers of one run and its checkpoint file: open (fresh or at the checkpoint),
+    checkpoint, finalize, or discard."""
+
+    def __init__(
+        self, output_prefix: str, keys: list[str], dtype: np.dtype, state: dict | None, fp: dict
+    ):
+        self.path = state_path(output_prefix)
+        self.fingerprint = fp
+        self.prefixes = {k: output_prefix_for(output_prefix, k) for k in keys}
+        self.writers: dict[str, IndexedDatasetWriter] = {}
+        try:
+            for k, prefix in self.prefixes.items():
+                at = state["writers"][k] if state else None
+                self.writers[k] = IndexedDatasetWriter(prefix, dtype, tag=PARTIAL, resume=at)
+        except BaseException:
+            self.discard(keep=True)
+            raise
+        if not state and os.path.exists(self.path):
+            note = "an interrupted run's checkpoint; starting over (--resume continues it)"
+            print(f"{self.path}: {note}", file=sys.stderr)
+            os.remove(self.path)  # a stale checkpoint must never pair with the new files
+
+    def checkpoint(self, position: tuple, disk_bytes: int, summary: TokenizeSummary) -> None:
+        """Flush the writers, then replace the checkpoint file atomically."""
+        state = {
+            "version": STATE_VERSION,
+            "fingerprint": self.fingerprint,
+            "position": position,
+            "disk_bytes": disk_bytes,
+            "writers": {k: w.checkpoint() for k, w in self.writers.items()},
+            "summary": asdict(summary),
+        }
+        tmp = self.path + ".tmp"
+        with open(tmp, "w", encoding="utf-8") as f:
+            json.dump(state, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, self.path)
+
+    def finalize(self) -> list[str]:
+        for w in self.writers.values():
+            w.finalize()
+        if os.path.exists(self.path):
+            os.remove(self.path)
+        return list(self.prefixes.values())
+
+    def discard(self, keep: bool) -> None:
+        """Close the writers; keep the partial files and checkpoint (``keep``) or remove them."""
+        for w in self.writers.values():
+            w.close() if keep else w.abort()
+        if not keep and os.path.exists(self.path):
+            os.remove(self.path)
 
 
 def tokenize_files(
@@ -321,12 +373,11 @@ def tokenize_files(
     """
     t0 = time.perf_counter()
     sources = expand_inputs(inputs)
-    tok = load_tokenizer(tokenizer_model)
-    dtype = np.dtype(token_dtype(tok.vocab_size))
     keys = list(json_keys)
+    init = (tokenizer_model, keys, append_eod)
+    _init_worker(*init)  # before forking: the workers inherit the loaded tokenizer
     fingerprint = _fingerprint(sources, tokenizer_model, keys, append_eod)
-    ckpt = state_path(output_prefix)
-    state = _load_state(ckpt, fingerprint) if resume else None
+    state = _load_state(state_path(output_prefix), fingerprint) if resume else None
     summary = TokenizeSummary(
         documents=dict.fromkeys(keys, 0),
         tokens=dict.fromkeys(keys, 0),
@@ -336,117 +387,105 @@ def tokenize_files(
     position, disk_done = (0, 0, None), 0
     if state:
         for f in fields(TokenizeSummary):
-            if f.name in state["summary"]:
-                setattr(summary, f.name, state["summary"][f.name])
+            setattr(summary, f.name, state["summary"].get(f.name, getattr(summary, f.name)))
         position, disk_done = tuple(state["position"]), state["disk_bytes"]
         summary.resumed_from_source = position[0]
         t0 -= summary.seconds
-    ends = list(itertools.accumulate(s.size for s in sources))  # disk bytes after each source
-    writers: dict[str, IndexedDatasetWriter] = {}
+        done = max(summary.documents.values())
+        where = f"input {position[0] + 1} of {len(sources)}"
+        print(f"resuming at {where} ({done:,} documents done)", file=sys.stderr)
+    # the pool forks before any output file is open, so no worker holds one
+    pool = mp.get_context().Pool(workers, _init_worker, init) if workers > 1 else None
     try:
-        for k in keys:
-            writers[k] = IndexedDatasetWriter(
-                output_prefix_for(output_prefix, k),
-                dtype,
-                tag=PARTIAL,
-                resume=state["writers"][k] if state else None,
-            )
-    except BaseException:
-        for w in writers.values():
-            w.close()
-        raise
-    if not state and os.path.exists(ckpt):
-        os.remove(ckpt)  # a stale checkpoint must never pair with the new files
-    if progress is None:
-        progress = sys.stderr.isatty()
-    from tqdm import tqdm
-
-    bar = tqdm(
-        total=ends[-1] if ends else 0,
-        initial=disk_done,
-        unit="B",
-        unit_scale=True,
-        disable=not progress,
-        desc="tokenize",
-        smoothing=0.1,
-    )
-    next_log = (max(summary.documents.values()) // max(log_interval, 1) + 1) * log_interval
-    last_ckpt = time.monotonic()
-
-    def checkpoint(step: _Step) -> None:
-        pos = (step.source, step.cursor, step.next_record)
-        if step.last:
-            pos = (step.source + 1, 0, None)
-        summary.seconds = time.perf_counter() - t0
-        state = {
-            "version": STATE_VERSION,
-            "fingerprint": fingerprint,
-            "position": pos,
-            "disk_bytes": disk_done,
-            "writers": {k: w.checkpoint() for k, w in writers.items()},
-            "summary": asdict(summary),
-        }
-        _save_state(ckpt, state)
-
-    try:
-        init = (tokenizer_model, keys, append_eod, dtype.name)
-        for step, res in _ordered_results(_jobs(sources, keys, position), workers, init):
-            for rec, msg in res["errors"]:
-                where = f"{res['path']}: {record_unit(step.kind)} {rec}: {msg}"
-                if not skip_bad_lines:
-                    raise InputError(where)
-                summary.skipped_bad_lines += 1
-                if len(summary.first_errors) < 5:
-                    summary.first_errors.append(where)
-            for k in keys:
-                lengths, w = res["lengths"][k], writers[k]
-                nonempty = lengths[lengths > 0]
-                summary.skipped_empty[k] += lengths.size - nonempty.size
-                w.add_documents(res["tokens"][k], nonempty)
-                summary.documents[k] = w.num_documents
-                summary.tokens[k] = w.num_tokens
-            summary.input_bytes += res["bytes"]
-            summary.lines += res["lines"]
-            summary.invalid_utf8 += res["invalid_utf8"]
-            summary.seconds = time.perf_counter() - t0
-            disk = step.disk_bytes
-            if step.last:  # estimates end exact: the whole file is done
-                disk = ends[step.source] - disk_done
-            disk_done += disk
-            bar.update(disk)
-            rate = summary.throughput()
-            bar.set_postfix_str(
-                f"{max(summary.documents.values()):,} docs, "
-                f"{sum(summary.tokens.values()) / 1e6:.1f}M tokens, "
-                f"text {rate['mb_per_s']:.2f} MB/s",
-                refresh=False,
-            )
-            ndocs = max(summary.documents.values())
-            if log_interval and ndocs >= next_log:
-                print(
-                    f"processed {ndocs} documents ({rate['docs_per_s']:.0f} docs/s, "
-                    f"{rate['mb_per_s']:.2f} MB/s)",
-                    file=sys.stderr,
-                )
-                next_log = (ndocs // log_interval + 1) * log_interval
-            if step.last or time.monotonic() - last_ckpt >= checkpoint_seconds:
-                checkpoint(step)
-                last_ckpt = time.monotonic()
-    except BaseException:
-        bar.close()
-        for w in writers.values():
-            w.close() if resume else w.abort()
-        if not resume and os.path.exists(ckpt):
-            os.remove(ckpt)
-        raise
-    bar.close()
-    for k, w in writers.items():
-        w.finalize()
-        summary.outputs.append(output_prefix_for(output_prefix, k))
-    if os.path.exists(ckpt):
-        os.remove(ckpt)
+        outputs = _Outputs(output_prefix, keys, _SETTINGS["dtype"], state, fingerprint)
+        report = _Progress(sources, disk_done, summary, progress, log_interval)
+        try:
+            last_checkpoint = time.monotonic()
+            for step, res in _ordered_results(_jobs(sources, keys, position), pool, workers):
+                _add_result(res, step, outputs.writers, summary, skip_bad_lines)
+                summary.seconds = time.perf_counter() - t0
+                report.update(step)
+                if step.last or time.monotonic() - last_checkpoint >= checkpoint_seconds:
+                    outputs.checkpoint(step.after(), report.disk_done, summary)
+                    last_checkpoint = time.monotonic()
+        except BaseException:
+            report.close()
+            outputs.discard(keep=resume)
+            raise
+        report.close()
+    finally:
+        if pool is not None:
+            pool.terminate()
+            pool.join()
+    summary.outputs = outputs.finalize()
     summary.seconds = time.perf_counter() - t0
     return summary
+
+
+def _add_result(res: dict, step: _Step, writers: dict, summary: TokenizeSummary, skip: bool):
+    """Append one chunk's documents (raising on its first bad record unless ``skip``)."""
+    for rec, msg in res["errors"]:
+        where = f"{res['path']}: {record_unit(step.kind)} {rec}: {msg}"
+        if not skip:
+            raise InputError(where)
+        summary.skipped_bad_lines += 1
+        if len(summary.first_errors) < 5:
+            summary.first_errors.append(where)
+    for k, w in writers.items():
+        lengths = res["lengths"][k]
+        nonempty = lengths[lengths > 0]
+        summary.skipped_empty[k] += lengths.size - nonempty.size
+        w.add_documents(res["tokens"][k], nonempty)
+        summary.documents[k] = w.num_documents
+        summary.tokens[k] = w.num_tokens
+    summary.input_bytes += res["bytes"]
+    summary.lines += res["lines"]
+    summary.invalid_utf8 += res["invalid_utf8"]
+
+
+class _Progress:
+    """The tqdm bar (input read on disk, rate, ETA; documents, tokens, text MB/s) and the
+    ``log_interval`` lines."""
+
+    def __init__(self, sources, disk_done: int, summary: TokenizeSummary, show, log_interval):
+        from tqdm import tqdm
+
+        self.ends = list(itertools.accumulate(s.size for s in sources))  # disk bytes after each
+        self.disk_done, self.summary, self.log_interval = disk_done, summary, log_interval
+        self.next_log = (max(summary.documents.values()) // max(log_interval, 1) + 1) * log_interval
+        self.bar = tqdm(
+            total=self.ends[-1] if self.ends else 0,
+            initial=disk_done,
+            unit="B",
+            unit_scale=True,
+            disable=not (sys.stderr.isatty() if show is None else show),
+            desc="tokenize",
+            smoothing=0.1,
+        )
+
+    def update(self, step: _Step) -> None:
+        # estimates per chunk; exact at each source's end
+        disk = self.ends[step.source] - self.disk_done if step.last else step.disk_bytes
+        self.disk_done += disk
+        self.bar.update(disk)
+        s = self.summary
+        rate = s.throughput()
+        docs = max(s.documents.values())
+        self.bar.set_postfix_str(
+            f"{docs:,} docs, {sum(s.tokens.values()) / 1e6:.1f}M tokens, "
+            f"text {rate['mb_per_s']:.2f} MB/s",
+            refresh=False,
+        )
+        if self.log_interval and docs >= self.next_log:
+            print(
+                f"processed {docs} documents ({rate['docs_per_s']:.0f} docs/s, "
+                f"{rate['mb_per_s']:.2f} MB/s)",
+                file=sys.stderr,
+            )
+            self.next_log = (docs // self.log_interval + 1) * self.log_interval
+
+    def close(self) -> None:
+        self.bar.close()
 
 
 def iter_texts(inputs: Sequence[str], json_keys: Sequence[str] = ("text",)) -> Iterator[str]:

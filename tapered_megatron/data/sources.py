@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 BATCH_BYTES = 1 << 20  # text per chunk: a few tenths of a second of encoding
 BATCH_LINES = 2048  # at most this many records per chunk
+MAX_RECORD_CHARS = 1 << 28  # a JSON array element longer than this is taken as malformed
 
 _COMPRESSIONS = {".gz": "gz", ".zst": "zst", ".zstd": "zst"}
 _TEXT_FORMATS = {".jsonl": "jsonl", ".ndjson": "jsonl", ".json": "json", ".txt": "txt"}
@@ -243,6 +244,7 @@ def _json_array_chunks(src: Source, cursor: int, first: int) -> Iterator[Chunk]:
         def fail(at: int, msg: str) -> InputError:
             return InputError(f"{src.path}: line {line + buf.count(chr(10), 0, at)}: {msg}")
 
+        expect_value = True  # after "[" or ","
         while True:
             while True:  # skip blanks; refill when the buffer runs out
                 while pos < len(buf) and buf[pos] in " \t\r\n":
@@ -254,17 +256,19 @@ def _json_array_chunks(src: Source, cursor: int, first: int) -> Iterator[Chunk]:
                 eof = not buf
             if pos == len(buf):
                 raise fail(pos, "invalid JSON (the array is not closed)")
-            if buf[pos] == "]":
+            if buf[pos] == "]" and not (expect_value and index):
                 break
-            if index and buf[pos] == ",":
-                pos += 1
+            if not expect_value:
+                if buf[pos] != ",":
+                    raise fail(pos, "invalid JSON (expected ',' or ']' after an array element)")
+                pos, expect_value = pos + 1, True
                 continue
             try:
                 obj, end = decoder.raw_decode(buf, pos)
                 if end == len(buf) and not eof:
                     raise json.JSONDecodeError("value may continue", buf, end)
             except json.JSONDecodeError as e:
-                if eof:
+                if eof or len(buf) - pos > MAX_RECORD_CHARS:
                     raise fail(e.pos, f"invalid JSON ({e.msg})") from e
                 line += buf.count("\n", 0, pos)
                 more = text.read(max(BATCH_BYTES, len(buf)))
@@ -273,7 +277,7 @@ def _json_array_chunks(src: Source, cursor: int, first: int) -> Iterator[Chunk]:
             if index >= cursor:
                 objs.append(obj)
                 size += end - pos
-            index, pos = index + 1, end
+            index, pos, expect_value = index + 1, end, False
             if size >= BATCH_BYTES or len(objs) >= BATCH_LINES:
                 number = first + index - len(objs) - cursor
                 yield Chunk("obj", objs, number, len(objs), index, raw.tell() - disk)
@@ -326,16 +330,16 @@ def _column_chunks(batches: Iterator, keys: Sequence[str], cursor: int, first: i
             disk += batch_disk * rows // max(n, 1)
             row += rows
             if size >= BATCH_BYTES or sum(len(p[0]) for p in pending) >= BATCH_LINES:
-                yield _columns_chunk(pa, pending, keys, row, first, disk)
+                yield _columns_chunk(pa, pending, keys, row, first, disk, cursor)
                 pending, size, disk = [], 0, 0
     if pending:
-        yield _columns_chunk(pa, pending, keys, row, first, disk)
+        yield _columns_chunk(pa, pending, keys, row, first, disk, cursor)
 
 
-def _columns_chunk(pa, pending: list, keys: Sequence[str], row: int, first: int, disk: int):
+def _columns_chunk(pa, pending: list, keys, row: int, first: int, disk: int, cursor: int):
     payload = {k: pa.concat_arrays([cols[i] for cols in pending]) for i, k in enumerate(keys)}
     n = len(payload[keys[0]])
-    return Chunk("columns", payload, first + row - n, n, row, disk)
+    return Chunk("columns", payload, first + row - n - cursor, n, row, disk)
 
 
 def _parquet_chunks(src: Source, keys: Sequence[str], cursor: int, first: int) -> Iterator[Chunk]:
