@@ -40,7 +40,7 @@ Inputs (files, globs, folders; mixed freely): .jsonl / .json / .txt, each option
 .parquet (read in record batches); a Hugging Face datasets folder saved with save_to_disk.
 Documents stream through a process pool in input order in bounded memory; outputs grow under
 .partial names and appear only when complete. With --resume, a killed run continues from its
-last checkpoint (every input end and every --checkpoint-seconds) and gives the same bytes.
+last checkpoint (every --checkpoint-seconds, and at input ends) and gives the same bytes.
 """
 
 

@@ -1,13 +1,14 @@
 """Text -> MMIDIDX: the engine behind ``data_tools/tokenize.py`` (streaming, parallel, resumable).
 
 The main process streams every source (:mod:`.sources`: jsonl/json/txt, optionally .gz/.zst,
-Parquet, ``datasets`` folders) as ~1 MB chunks; a process pool parses and encodes one chunk per
-task; results come back in submission order with at most ``4 * workers`` chunks in flight, and
-the main process appends them to the outputs. Memory stays bounded whatever the input size:
-reads stream, the queue between reader and workers is bounded, and the writer keeps nothing of
-what it wrote. Outputs grow under ``.partial`` names, checkpointed at every source end and every
-``checkpoint_seconds``; ``resume=True`` continues a killed run from its last checkpoint and gives
-the same bytes as an uninterrupted run.
+Parquet, ``datasets`` folders) as chunks of ~256 KB of text; a process pool parses and encodes
+one chunk per task; results come back in submission order with at most ``4 * workers`` chunks
+in flight, and the main process appends them to the outputs. Memory stays bounded whatever the
+input size: reads stream, the queue between reader and workers is bounded, and the writer keeps
+nothing of what it wrote. Outputs grow under ``.partial`` names, checkpointed every
+``checkpoint_seconds`` and at source ends (at most once a second there); ``resume=True``
+continues a killed run from its last checkpoint and gives the same bytes as an uninterrupted
+run.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import collections
 import hashlib
 import itertools
 import json
+import math
 import multiprocessing as mp
 import os
 import signal
@@ -34,6 +36,7 @@ from .tokenizer import load_tokenizer
 __all__ = ["InputError", "TokenizeSummary", "iter_texts", "paragraphs", "tokenize_files"]
 
 PARTIAL = ".partial"  # suffix of every file of an unfinished run
+SOURCE_END_SECONDS = 1.0  # checkpoint at an input's end if the last one is this old (fsyncs)
 STATE_VERSION = 1
 
 
@@ -261,8 +264,9 @@ def state_path(output_prefix: str) -> str:
 def _fingerprint(sources: list[Source], model: str, keys: list[str], append_eod: bool) -> dict:
     with open(model, "rb") as f:
         model_digest = hashlib.sha256(f.read()).hexdigest()
+    inputs = json.dumps([[os.path.abspath(s.path), s.size, s.mtime_ns] for s in sources])
     return {
-        "inputs": [[os.path.abspath(s.path), s.size, s.mtime_ns] for s in sources],
+        "inputs": hashlib.sha256(inputs.encode()).hexdigest(),  # small: rewritten often
         "tokenizer": model_digest,
         "json_keys": keys,
         "append_eod": append_eod,
@@ -282,11 +286,10 @@ def _load_state(path: str, fingerprint: dict) -> dict | None:
     for name, value in fingerprint.items():
         if recorded.get(name) == value:
             continue
-        what = name
-        if name == "inputs":
-            old = {p: (size, mtime) for p, size, mtime in recorded.get(name, [])}
-            changed = [p for p, size, mtime in value if old.get(p) != (size, mtime)]
-            what = f"input {changed[0]} (changed or new)" if changed else "the input list"
+        what = {
+            "inputs": "input list, or an input file changed size or modification time",
+            "tokenizer": "tokenizer model",
+        }.get(name, f"{name} setting")
         raise InputError(
             f"{path}: the interrupted run had a different {what}; rerun without --resume "
             "to start over"
@@ -365,8 +368,9 @@ def tokenize_files(
     """Tokenize ``inputs`` into ``PREFIX_{key}_document.{bin,idx}`` per key; returns the summary.
 
     Raises :class:`InputError` naming the file and record for a bad record unless
-    ``skip_bad_lines``. Outputs grow under ``.partial`` names with a checkpoint at every source
-    end and every ``checkpoint_seconds``; they are renamed into place when complete. On an error
+    ``skip_bad_lines``. Outputs grow under ``.partial`` names with a checkpoint every
+    ``checkpoint_seconds`` and at a source's end (at most one a second there); they are renamed
+    into place when complete. On an error
     or interrupt the partial files are removed, unless ``resume``: then they are kept, and a
     later call with ``resume=True`` continues from the last checkpoint (same bytes as one
     uninterrupted run). A killed process leaves only ``.partial`` files behind.
@@ -400,12 +404,13 @@ def tokenize_files(
         outputs = _Outputs(output_prefix, keys, _SETTINGS["dtype"], state, fingerprint)
         report = _Progress(sources, disk_done, summary, progress, log_interval)
         try:
-            last_checkpoint = time.monotonic()
+            last_checkpoint = -math.inf
             for step, res in _ordered_results(_jobs(sources, keys, position), pool, workers):
                 _add_result(res, step, outputs.writers, summary, skip_bad_lines)
                 summary.seconds = time.perf_counter() - t0
                 report.update(step)
-                if step.last or time.monotonic() - last_checkpoint >= checkpoint_seconds:
+                since = time.monotonic() - last_checkpoint
+                if since >= checkpoint_seconds or (step.last and since >= SOURCE_END_SECONDS):
                     outputs.checkpoint(step.after(), report.disk_done, summary)
                     last_checkpoint = time.monotonic()
         except BaseException:
