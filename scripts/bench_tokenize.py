@@ -5,16 +5,17 @@ Throughput (default): for the shipped sample corpus and a larger jsonl made by r
 and for each worker count N, this times
 
 * ``raw``: sentencepiece alone, one process, encoding the corpus' texts already in memory with
-  its batch call (1,000 documents a call, ``num_threads=1``): nothing but tokenizing. It is
-  timed right before each tokenize.py run, so both see the same machine load;
+  its batch call (1,000 documents a call, ``num_threads=1``, the faster of list and numpy
+  output): nothing but tokenizing;
 * ``tokenize``: ``data_tools/tokenize.py --workers N --append-eod`` end to end as a subprocess
   (interpreter start, read, parse, encode, write .bin/.idx);
 
-and prints one JSON line per corpus and N with ``ratio = (raw / N) / tokenize`` (goal >= 0.9 on
-the large input), the same ratio without the interpreter start (``ratio_inner``), and
-``cpu_efficiency`` = raw CPU s / tokenize.py CPU s (main + workers): the ratio N idle cores would
-give. Best of ``--repeats``. A ``stages`` line splits one process' CPU time over the pipeline's
-own functions (read, parse, encode, EOD, flatten, pickling for IPC, write).
+alternately ``--repeats`` times each (so both see the same spells of machine load), and prints
+one JSON line per corpus and N with ``ratio = (raw / N) / tokenize`` from the best time of each
+(goal >= 0.9 on the large input), the same ratio without the interpreter start
+(``ratio_inner``), and ``cpu_efficiency`` = raw CPU s / tokenize.py CPU s (main + workers): the
+ratio N idle cores would give. A ``stages`` line splits one process' CPU time over the
+pipeline's own functions (read, parse, encode, flatten + EOD, pickling for IPC, write).
 
 Memory (``--memory-gb 0.25 1``): for each size, writes a synthetic corpus of that many GB in a
 temporary folder (a quarter each plain jsonl, jsonl.zst, Parquet with one huge row group, and a
@@ -164,31 +165,31 @@ def throughput(args, model: str, lines: list[bytes], tmp: Path) -> None:
         print(json.dumps({"bench": "tokenize_stages", "corpus": name, "mb": round(mb, 1),
                           **split, **common()}), flush=True)  # fmt: skip
         for workers in args.workers:
-            best = None
-            for _ in range(args.repeats):
-                raw, raw_cpu = raw_encode(texts, model)
-                wall, cpu, summary = run_tokenize(tokenize_cmd([path], model, workers, tmp / name))
-                run = {"raw": raw, "raw_cpu": raw_cpu, "wall": wall, "cpu": cpu, "s": summary}
-                if best is None or raw / wall > best["raw"] / best["wall"]:
-                    best = run
-            limit = best["raw"] / workers
+            raws, runs = [], []
+            for _ in range(args.repeats):  # alternate, so both see the same spells of load
+                raws.append(raw_encode(texts, model))
+                runs.append(run_tokenize(tokenize_cmd([path], model, workers, tmp / name)))
+            raw, raw_cpu = min(r[0] for r in raws), min(r[1] for r in raws)
+            wall, cpu = min(r[0] for r in runs), min(r[1] for r in runs)
+            inner = min(r[2]["seconds"] for r in runs)
+            summary, limit = runs[0][2], raw / workers
             row = {
                 "bench": "tokenize",
                 "corpus": name,
                 "mb": round(mb, 1),
-                "documents": best["s"]["documents"]["text"],
-                "tokens": best["s"]["tokens"]["text"],
+                "documents": summary["documents"]["text"],
+                "tokens": summary["tokens"]["text"],
                 "workers": workers,
-                "raw_sp_1proc_s": round(best["raw"], 2),
+                "raw_sp_1proc_s": round(raw, 2),
                 "limit_s": round(limit, 2),
-                "tokenize_wall_s": round(best["wall"], 2),
-                "tokenize_inner_s": round(best["s"]["seconds"], 2),
-                "tokenize_mb_per_s": round(mb / best["wall"], 2),
-                "ratio": round(limit / best["wall"], 3),
-                "ratio_inner": round(limit / best["s"]["seconds"], 3),
-                "raw_sp_cpu_s": round(best["raw_cpu"], 2),
-                "tokenize_cpu_s": round(best["cpu"], 2),
-                "cpu_efficiency": round(best["raw_cpu"] / best["cpu"], 3),
+                "tokenize_wall_s": round(wall, 2),
+                "tokenize_inner_s": round(inner, 2),
+                "tokenize_mb_per_s": round(mb / wall, 2),
+                "ratio": round(limit / wall, 3),
+                "ratio_inner": round(limit / inner, 3),
+                "raw_sp_cpu_s": round(raw_cpu, 2),
+                "tokenize_cpu_s": round(cpu, 2),
+                "cpu_efficiency": round(raw_cpu / cpu, 3),
                 **common(),
             }
             print(json.dumps(row), flush=True)
