@@ -12,6 +12,8 @@ import sys
 from pathlib import Path
 
 import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 import zstandard
 from test_data_format import independent_read
@@ -21,9 +23,6 @@ from tapered_megatron.data import sources as sources_mod
 from tapered_megatron.data.dataset_tools import merge_datasets, sample_dataset
 from tapered_megatron.data.preprocess import InputError, iter_texts, paragraphs, tokenize_files
 from tapered_megatron.data.sample_corpus import sample_corpus_docs
-
-pa = pytest.importorskip("pyarrow")
-pq = pytest.importorskip("pyarrow.parquet")
 
 REPO = Path(__file__).resolve().parents[1]
 TOOLS = REPO / "data_tools"
