@@ -295,6 +295,7 @@ def test_interrupt_with_resume_keeps_progress_and_checks_inputs(tmp_path, docs, 
     inputs = [str(tmp_path / "s*.jsonl")]
     p = subprocess.Popen(_tokenize_cmd(inputs, tmp_path / "o", tok_model, "--resume"),
                          stderr=subprocess.PIPE, text=True)  # fmt: skip
+    assert p.stderr.readline().startswith("no checkpoint to resume from")
     for _ in range(2):  # the second result is logged after the first input's checkpoint
         assert p.stderr.readline().startswith("processed")
     p.send_signal(signal.SIGTERM)

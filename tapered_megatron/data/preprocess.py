@@ -398,6 +398,8 @@ def tokenize_files(
         done = max(summary.documents.values())
         where = f"input {position[0] + 1} of {len(sources)}"
         print(f"resuming at {where} ({done:,} documents done)", file=sys.stderr)
+    elif resume:
+        print("no checkpoint to resume from: starting at the beginning", file=sys.stderr)
     # the pool forks before any output file is open, so no worker holds one
     pool = mp.get_context().Pool(workers, _init_worker, init) if workers > 1 else None
     try:
