@@ -14,7 +14,8 @@ alternately ``--repeats`` times each (so both see the same spells of machine loa
 one JSON line per corpus and N with ``ratio = (raw / N) / tokenize`` from the best time of each
 (goal >= 0.9 on the large input), the same ratio without the interpreter start
 (``ratio_inner``), and ``cpu_efficiency`` = raw CPU s / tokenize.py CPU s (main + workers): the
-ratio N idle cores would give. A ``stages`` line splits one process' CPU time over the
+ratio N idle cores would give. ``--baseline DIR`` times DIR's tokenize.py (an earlier
+checkout) in the same rounds. A ``stages`` line splits one process' CPU time over the
 pipeline's own functions (read, parse, encode, flatten + EOD, pickling for IPC, write).
 
 Memory (``--memory-gb 0.25 1``): for each size, writes a synthetic corpus of that many GB in a
@@ -23,7 +24,7 @@ datasets-style Arrow file), tokenizes it with ``--workers N``, samples the resid
 main process and its workers every 0.2 s (and their own peak counters), prints a JSON line, and
 deletes the folder.
 
-    python scripts/bench_tokenize.py --workers 1 2 --large-mb 40
+    python scripts/bench_tokenize.py --workers 1 2 --large-mb 40 [--baseline OLD_CHECKOUT]
     python scripts/bench_tokenize.py --workers 2 --memory-gb 0.25 1 --skip-throughput
 """
 
@@ -78,15 +79,18 @@ def children_cpu() -> float:
     return r.ru_utime + r.ru_stime
 
 
-def tokenize_cmd(inputs: list[Path], model: str, workers: int, out: Path) -> list[str]:
-    return [sys.executable, str(REPO / "data_tools/tokenize.py"), "--input", *map(str, inputs),
+def tokenize_cmd(
+    inputs: list[Path], model: str, workers: int, out: Path, repo: Path = REPO
+) -> list[str]:
+    return [sys.executable, str(repo / "data_tools/tokenize.py"), "--input", *map(str, inputs),
             "--output-prefix", str(out), "--tokenizer-model", model, "--append-eod",
             "--workers", str(workers), "--no-progress", "--log-interval", "0"]  # fmt: skip
 
 
-def run_tokenize(cmd: list[str]) -> tuple[float, float, dict]:
+def run_tokenize(cmd: list[str], repo: Path = REPO) -> tuple[float, float, dict]:
+    env = {**os.environ, "PYTHONPATH": str(repo)}
     t0, c0 = time.perf_counter(), children_cpu()
-    r = subprocess.run(cmd, capture_output=True, text=True, check=True)
+    r = subprocess.run(cmd, capture_output=True, text=True, check=True, env=env)
     wall, cpu = time.perf_counter() - t0, children_cpu() - c0
     return wall, cpu, json.loads(r.stdout.strip().splitlines()[-1])
 
@@ -165,10 +169,13 @@ def throughput(args, model: str, lines: list[bytes], tmp: Path) -> None:
         print(json.dumps({"bench": "tokenize_stages", "corpus": name, "mb": round(mb, 1),
                           **split, **common()}), flush=True)  # fmt: skip
         for workers in args.workers:
-            raws, runs = [], []
-            for _ in range(args.repeats):  # alternate, so both see the same spells of load
+            raws, runs, base = [], [], []
+            for _ in range(args.repeats):  # alternate, so all see the same spells of load
                 raws.append(raw_encode(texts, model))
                 runs.append(run_tokenize(tokenize_cmd([path], model, workers, tmp / name)))
+                if args.baseline:
+                    cmd = tokenize_cmd([path], model, workers, tmp / name, args.baseline)
+                    base.append(run_tokenize(cmd, args.baseline))
             raw, raw_cpu = min(r[0] for r in raws), min(r[1] for r in raws)
             wall, cpu = min(r[0] for r in runs), min(r[1] for r in runs)
             inner = min(r[2]["seconds"] for r in runs)
@@ -192,6 +199,12 @@ def throughput(args, model: str, lines: list[bytes], tmp: Path) -> None:
                 "cpu_efficiency": round(raw_cpu / cpu, 3),
                 **common(),
             }
+            if base:
+                base_wall = min(r[0] for r in base)
+                row["baseline"] = str(args.baseline)
+                row["baseline_wall_s"] = round(base_wall, 2)
+                row["baseline_ratio"] = round(limit / base_wall, 3)
+                row["baseline_cpu_efficiency"] = round(raw_cpu / min(r[1] for r in base), 3)
             print(json.dumps(row), flush=True)
 
 
@@ -306,6 +319,9 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--memory-gb", type=float, nargs="*", default=[], help="synthetic sizes")
     ap.add_argument("--skip-throughput", action="store_true")
+    ap.add_argument(
+        "--baseline", type=Path, help="another checkout: its tokenize.py timed alongside"
+    )
     ap.add_argument("--cache-dir", default=str(REPO / ".cache/tapered_megatron"))
     ap.add_argument("--tmp", default=None, help="folder for generated inputs (default: system)")
     args = ap.parse_args()
