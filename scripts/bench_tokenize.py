@@ -167,6 +167,8 @@ def throughput(args, model: str, lines: list[bytes], tmp: Path) -> None:
     print(json.dumps({"bench": "tokenize_startup", "import_s": round(startup_seconds(), 3),
                       **common()}), flush=True)  # fmt: skip
     for name, path in (("sample", sample), ("large", large)):
+        if name not in args.corpora:
+            continue
         texts = [json.loads(line)["text"] for line in path.read_bytes().splitlines()]
         mb = path.stat().st_size / 1e6
         split = stages(path, model, tmp / "stages")
@@ -330,6 +332,7 @@ def main() -> None:
     ap.add_argument("--workers", type=int, nargs="+", default=[1, 2])
     ap.add_argument("--large-mb", type=float, default=40.0, help="size of the generated jsonl")
     ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--corpora", nargs="+", choices=["sample", "large"], default=["sample", "large"])
     ap.add_argument("--memory-gb", type=float, nargs="*", default=[], help="synthetic sizes")
     ap.add_argument("--skip-throughput", action="store_true")
     ap.add_argument(
