@@ -332,7 +332,8 @@ def main() -> None:
     ap.add_argument("--workers", type=int, nargs="+", default=[1, 2])
     ap.add_argument("--large-mb", type=float, default=40.0, help="size of the generated jsonl")
     ap.add_argument("--repeats", type=int, default=2)
-    ap.add_argument("--corpora", nargs="+", choices=["sample", "large"], default=["sample", "large"])
+    corpora = ["sample", "large"]
+    ap.add_argument("--corpora", nargs="+", choices=corpora, default=corpora)
     ap.add_argument("--memory-gb", type=float, nargs="*", default=[], help="synthetic sizes")
     ap.add_argument("--skip-throughput", action="store_true")
     ap.add_argument(
