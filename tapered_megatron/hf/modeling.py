@@ -31,26 +31,31 @@ from tapered_megatron.models.layers import RotaryEmbedding, rope_tables
 CACHED_ARCHS = ("transformer", "gated_attention")
 
 
-def _rotate(rope: RotaryEmbedding, x: torch.Tensor, start: int) -> torch.Tensor:
-    """RoPE of ``x[b, s, heads, head_dim]`` at positions ``start .. start + s - 1``."""
-    end = start + x.shape[1]
-    if end > rope.cos.shape[0]:
+def _rotation(rope: RotaryEmbedding, start: int, length: int) -> torch.Tensor:
+    """Complex RoPE factors ``[length, 1, head_dim / 2]`` of positions ``start ..``."""
+    end = start + length
+    if end > rope.cos.shape[0]:  # grow the tables (longer than training), with headroom
         cos, sin = rope_tables(rope.head_dim, 2 * end, rope.theta)
         rope.cos, rope.sin = cos.to(rope.cos.device), sin.to(rope.sin.device)
-    rot = torch.complex(rope.cos[start:end, None, :].float(), rope.sin[start:end, None, :].float())
+    return torch.complex(rope.cos[start:end, None, :].float(), rope.sin[start:end, None, :].float())
+
+
+def _rotate(x: torch.Tensor, rot: torch.Tensor) -> torch.Tensor:
+    """RoPE of ``x[b, s, heads, head_dim]`` (adjacent pairs, as the model's own rotation)."""
     xc = torch.view_as_complex(x.float().contiguous().unflatten(-1, (-1, 2)))
     return torch.view_as_real(xc * rot).flatten(-2).type_as(x)
 
 
 def _cached_attention(
-    attn: Attention, x: torch.Tensor, cache: DynamicCache, layer: int
+    attn: Attention, x: torch.Tensor, cache: DynamicCache, layer: int, rot: torch.Tensor
 ) -> torch.Tensor:
-    """``attn(x)`` for new positions ``x`` after the ones already in ``cache`` (updated)."""
+    """``attn(x)`` for new positions ``x`` after the ones already in ``cache`` (updated);
+    ``rot`` are the RoPE factors of the new positions."""
     b, s, _ = x.shape
     hd, start = attn.head_dim, cache.get_seq_length(layer)
     y = attn.qkv(x).view(b, s, attn.heads, attn.per_head)
     q, g, k, v = y.split((hd, attn.gate_dim, hd, hd), dim=-1)
-    q, k = _rotate(attn.rope, q, start), _rotate(attn.rope, k, start)
+    q, k = _rotate(q, rot), _rotate(k, rot)
     k, v = cache.update(k.transpose(1, 2), v.transpose(1, 2), layer)
     mask = None
     if s > 1 and start > 0:  # a chunk after a prefix: causal within the chunk, sees the prefix
@@ -122,8 +127,9 @@ class TaperedForCausalLM(PreTrainedModel, GenerationMixin):
         h = self.embedding(input_ids)
         if use_cache:
             cache = cache if cache is not None else DynamicCache()
+            rot = _rotation(self.layers[0].mixer.rope, cache.get_seq_length(), h.shape[1])
             for i, block in enumerate(self.layers):
-                z = h + _cached_attention(block.mixer, block.mixer_norm(h), cache, i)
+                z = h + _cached_attention(block.mixer, block.mixer_norm(h), cache, i, rot)
                 h = z + block.mlp(block.mlp_norm(z))
         else:
             cache = None
