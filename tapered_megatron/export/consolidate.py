@@ -141,9 +141,7 @@ def _zero_fp32(tag_dir: Path, tp_rank: int) -> dict[str, torch.Tensor]:
         view.mkdir()
         for f in tag_dir.glob(f"*{mine}*states.pt"):
             (view / f.name.replace(mine, "mp_rank_00_")).symlink_to(f.resolve())
-        with contextlib.redirect_stdout(sys.stderr):  # DeepSpeed prints progress on stdout
-            state = get_fp32_state_dict_from_zero_checkpoint(tmp, tag=tag_dir.name)
-    return dict(state)
+        return dict(get_fp32_state_dict_from_zero_checkpoint(tmp, tag=tag_dir.name))
 
 
 def unit_prefixes(cfg: Config) -> list[str]:
@@ -169,7 +167,15 @@ def _pipeline_shards(tag_dir: Path, cfg: Config, tp: int) -> list[dict[str, torc
 
 
 def consolidate(ref: CheckpointRef) -> dict[str, torch.Tensor]:
-    """Full fp32 weights (single-process names and shapes) of a checkpoint of any layout."""
+    """Full fp32 weights (single-process names and shapes) of a checkpoint of any layout.
+
+    DeepSpeed's messages (printed on stdout while its files load) go to stderr, so tools can
+    keep stdout for their results."""
+    with contextlib.redirect_stdout(sys.stderr):
+        return _consolidate(ref)
+
+
+def _consolidate(ref: CheckpointRef) -> dict[str, torch.Tensor]:
     tag_dir, cfg = ref.tag_dir, ref.cfg
     files = sorted(tag_dir.glob("*model_states.pt"))
     if not files:
