@@ -49,7 +49,8 @@ def train(corpus: str, out: Path, arch: str, n: int, ds: str, extra: list[str]) 
         cfg["zero_optimization"]["stage3_param_persistence_threshold"] = 0
         ds = str(out / "zero3_all.json")
         Path(ds).write_text(json.dumps(cfg))
-    launch_ranks(n, corpus, out, ds, [*COMMON, "--model.arch", arch, *extra])
+    # generous timeout: on a shared 2-core machine a launch can take minutes to start
+    launch_ranks(n, corpus, out, ds, [*COMMON, "--model.arch", arch, *extra], timeout=900)
     return out / "ckpt"
 
 
