@@ -117,10 +117,12 @@ class TaperedForCausalLM(PreTrainedModel, GenerationMixin):
         cache: DynamicCache | None = None,
         labels: torch.LongTensor | None = None,
         use_cache: bool | None = None,
+        logits_to_keep: int = 0,
         **kwargs: Any,
     ) -> CausalLMOutputWithPast:
-        """Logits ``[b, s, vocab_size]``; with ``labels`` (HF convention: unshifted, -100
-        ignored) also the mean next-token loss. ``use_cache`` returns/extends ``cache``."""
+        """Logits ``[b, s, vocab_size]`` (of the last ``logits_to_keep`` positions if > 0);
+        with ``labels`` (HF convention: unshifted, -100 ignored) also the mean next-token loss.
+        ``use_cache`` returns/extends ``cache``."""
         _check_padding(attention_mask)
         use_cache = self.config.use_cache if use_cache is None else use_cache
         use_cache = use_cache and self.supports_kv_cache and labels is None
@@ -135,6 +137,8 @@ class TaperedForCausalLM(PreTrainedModel, GenerationMixin):
             cache = None
             for block in self.layers:
                 h = block(h)
+        if logits_to_keep > 0 and labels is None:
+            h = h[:, -logits_to_keep:]
         logits = self.head(h)[..., : self.config.vocab_size]
         loss = None
         if labels is not None:
@@ -161,6 +165,7 @@ class TaperedForCausalLM(PreTrainedModel, GenerationMixin):
             "cache": cache,
             "attention_mask": attention_mask,
             "use_cache": use_cache,
+            "logits_to_keep": kwargs.get("logits_to_keep", 0),
         }
 
 
