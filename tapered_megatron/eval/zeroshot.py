@@ -1,0 +1,157 @@
+"""Zero-shot accuracy with the real lm-evaluation-harness (0.4.x), on an export or a checkpoint.
+
+    python -m tapered_megatron.eval.zeroshot --model OUT|--checkpoint DIR [--tag T] \\
+        [--tasks a,b] [--limit N] [--batch-size 8] [--include-path tasks/] --output DIR
+
+Runs the harness's own ``hf`` backend on the export (``trust_remote_code``; a ``--checkpoint``
+is exported to a temporary directory first, with ``--tokenizer-model`` or the run's tokenizer)
+and writes ``DIR/zeroshot.json``::
+
+    {"tasks": {"<task>": {"acc": float, "acc_norm": float | null, "n": int}},
+     "average_acc": float, "model": "...", "limit": N | null}
+
+and the same as a Markdown table in ``DIR/zeroshot.md``. The default tasks are the local ones
+shipped in ``tasks/`` (``tm_shakespeare_nextline``, multiple choice; ``tm_shakespeare_lastword``,
+last-word cloze); any task the harness knows can be named, with its data found locally (see
+README, "Zero-shot evaluation"). Nothing is downloaded: the Hugging Face offline switches are
+set unless the environment sets them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from tapered_megatron.eval.common import fail
+from tapered_megatron.export.load import ExportError
+
+TASKS_DIR = Path(__file__).resolve().parents[2] / "tasks"
+
+
+def local_tasks(include_path: Path = TASKS_DIR) -> list[str]:
+    """Names of the task definitions shipped in ``include_path`` (one ``*.yaml`` per task)."""
+    return sorted(p.stem for p in include_path.glob("*.yaml"))
+
+
+def run_harness(
+    model_dir: str | Path,
+    tasks: list[str],
+    limit: int | None = None,
+    batch_size: int | str = 8,
+    device: str = "cpu",
+    include_path: Path = TASKS_DIR,
+) -> dict[str, Any]:
+    """``lm_eval.simple_evaluate`` with the ``hf`` backend on an export; the harness's results."""
+    import lm_eval
+    from lm_eval.tasks import TaskManager
+
+    return lm_eval.simple_evaluate(
+        model="hf",
+        model_args=f"pretrained={model_dir},trust_remote_code=True,dtype=float32",
+        tasks=tasks,
+        limit=limit,
+        batch_size=batch_size,
+        device=device,
+        task_manager=TaskManager(include_path=str(include_path)),
+    )
+
+
+def summarise(results: dict[str, Any]) -> dict[str, Any]:
+    """``{"tasks": {task: {"acc", "acc_norm", "n"}}, "average_acc"}`` from harness results."""
+    out = {}
+    for task, metrics in sorted(results["results"].items()):
+        if "acc,none" not in metrics:
+            continue
+        n = results.get("n-samples", {}).get(task, {})
+        out[task] = {
+            "acc": float(metrics["acc,none"]),
+            "acc_norm": float(metrics["acc_norm,none"]) if "acc_norm,none" in metrics else None,
+            "n": int(n.get("effective", n.get("original", 0))),
+        }
+    if not out:
+        raise ExportError("the harness reported no accuracy for the requested tasks")
+    average = sum(t["acc"] for t in out.values()) / len(out)
+    return {"tasks": out, "average_acc": average}
+
+
+def markdown(summary: dict[str, Any], model: str) -> str:
+    """A Markdown table of a :func:`summarise` result."""
+
+    def pct(x: float | None) -> str:
+        return "-" if x is None else f"{100 * x:.2f}"
+
+    lines = [
+        f"Zero-shot accuracy (%) of `{model}` (lm-evaluation-harness, `hf` backend)",
+        "",
+        "| task | acc | acc_norm | n |",
+        "|---|---|---|---|",
+    ]
+    for task, m in summary["tasks"].items():
+        lines.append(f"| {task} | {pct(m['acc'])} | {pct(m['acc_norm'])} | {m['n']} |")
+    lines.append(f"| **average** | **{pct(summary['average_acc'])}** | | |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    """The command line; see the module docstring."""
+    ap = argparse.ArgumentParser(
+        prog="python -m tapered_megatron.eval.zeroshot",
+        description="Zero-shot accuracy with lm-evaluation-harness.",
+    )
+    src = ap.add_mutually_exclusive_group(required=True)
+    src.add_argument("--model", help="export directory")
+    src.add_argument("--checkpoint", help="training checkpoint directory (train.save_dir)")
+    ap.add_argument("--tag", default=None, help="checkpoint tag (default: latest)")
+    ap.add_argument("--tokenizer-model", default=None, help="sentencepiece model (checkpoints)")
+    ap.add_argument("--tasks", default=None, help="comma-separated (default: the local tasks)")
+    ap.add_argument("--limit", type=int, default=None, help="items per task (default: all)")
+    ap.add_argument("--batch-size", default="8", help="harness batch size (or 'auto')")
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--include-path", default=str(TASKS_DIR), help="task definitions folder")
+    ap.add_argument("--output", required=True, help="folder for zeroshot.json and zeroshot.md")
+    a = ap.parse_args(argv)
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+    include = Path(a.include_path)
+    tasks = a.tasks.split(",") if a.tasks else local_tasks(include)
+    batch = a.batch_size if a.batch_size == "auto" else int(a.batch_size)
+    out = Path(a.output)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        if not os.access(out, os.W_OK):
+            raise ExportError(f"--output {out}: not writable")
+        with tempfile.TemporaryDirectory() as tmp:
+            model_dir = a.model
+            if a.checkpoint:
+                from tapered_megatron.export.writer import export_checkpoint
+
+                model_dir = export_checkpoint(
+                    a.checkpoint, Path(tmp) / "model", a.tag, a.tokenizer_model, log=_stderr
+                )
+            elif not (Path(a.model) / "tokenizer.json").is_file():
+                raise ExportError(
+                    f"--model {a.model}: no tokenizer.json (export with --tokenizer-model)"
+                )
+            results = run_harness(model_dir, tasks, a.limit, batch, a.device, include)
+        summary = summarise(results)
+    except (ExportError, OSError) as e:
+        return fail(e)
+    source = a.model or a.checkpoint
+    summary.update(model=str(source), limit=a.limit)
+    (out / "zeroshot.json").write_text(json.dumps(summary, indent=1) + "\n")
+    (out / "zeroshot.md").write_text(markdown(summary, str(source)))
+    print(markdown(summary, str(source)))
+    return 0
+
+
+def _stderr(msg: str) -> None:
+    print(msg, file=sys.stderr)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,225 @@
+"""Full, unsharded fp32 weights from a training checkpoint of any parallel layout.
+
+A checkpoint directory (``train.save_dir``) holds ``global_stepN/`` tags written by
+:mod:`tapered_megatron.training.checkpoint`: DeepSpeed's files, our ``config.yaml`` and
+``taper_plan.json``, and a ``complete`` marker; ``latest`` names the newest complete tag.
+DeepSpeed's files depend on the layout, read here without any process group:
+
+* data parallel, ZeRO 0: ``mp_rank_XX_model_states.pt`` (``module``: the weights of TP rank XX);
+* ZeRO 1-3 (no pipeline): the fp32 master weights of TP rank XX, gathered from the optimizer
+  partitions ``zero_pp_rank_D_mp_rank_XX_optim_states.pt`` of every data-parallel rank D by
+  DeepSpeed's ``zero_to_fp32`` (under ZeRO-3 the module files hold no weights at all);
+* pipeline: ``layer_II-model_XX-model_states.pt``, the weights of pipeline unit II (embedding,
+  blocks or mixer/MLP sub-units per ``parallel.pipeline_unit``, head) on TP rank XX.
+
+TP shards are put back together along each parameter's split dimension by
+:func:`tapered_megatron.parallel.layers.unshard`, using the ``tp_layout`` the parallel layers
+attach to their weights. The result is keyed by the single-process parameter names
+(``embedding.embed.weight``, ``layers.N.{mixer_norm,mixer,mlp_norm,mlp}.*``, ``head.norm.weight``,
+``head.proj.weight``) and checked name by name and shape by shape against the model of the
+checkpoint's own configuration.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import re
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from tapered_megatron.config import Config, ConfigError, load_config
+from tapered_megatron.export.load import ExportError
+from tapered_megatron.models import build_model
+from tapered_megatron.parallel.layers import unshard
+
+COMPLETE, LATEST = "complete", "latest"  # as written by tapered_megatron.training.checkpoint
+_TAG = re.compile(r"^global_step(\d+)$")
+_LAYER_FILE = re.compile(r"^layer_(\d+)-model_(\d+)-model_states\.pt$")
+
+
+@dataclass(frozen=True)
+class CheckpointRef:
+    """One complete checkpoint tag and the run configuration saved with it."""
+
+    tag_dir: Path
+    cfg: Config
+    iteration: int
+    consumed_samples: int
+
+    @property
+    def save_dir(self) -> Path:
+        """The run's ``train.save_dir`` (parent of the tag)."""
+        return self.tag_dir.parent
+
+    @property
+    def tokens(self) -> int:
+        """Training tokens seen up to this checkpoint."""
+        return self.consumed_samples * self.cfg.model.seq_len
+
+
+def _tags(save_dir: Path) -> list[tuple[int, str, bool]]:
+    """``(iteration, tag, complete)`` of every ``global_stepN`` under ``save_dir``, oldest first."""
+    out = []
+    for d in save_dir.iterdir():
+        m = _TAG.match(d.name)
+        if m and d.is_dir():
+            out.append((int(m.group(1)), d.name, (d / COMPLETE).exists()))
+    return sorted(out)
+
+
+def resolve_checkpoint(path: str | Path, tag: str | None = None) -> CheckpointRef:
+    """The checkpoint at ``path`` (a save dir, or one ``global_stepN`` dir) and ``tag`` (default:
+    ``latest``). Fails with one line for a missing directory or tag and a partial checkpoint."""
+    p = Path(path)
+    if not p.is_dir():
+        raise ExportError(f"--checkpoint {p}: no such directory")
+    if _TAG.match(p.name):
+        if tag is not None and tag != p.name:
+            raise ExportError(f"--tag {tag} contradicts --checkpoint {p}; give the save directory")
+        tag_dir = p
+    else:
+        tags = _tags(p)
+        done = [t for _, t, ok in tags if ok]
+        if tag is None:
+            if (p / LATEST).is_file():
+                tag = (p / LATEST).read_text().strip()
+            elif done:
+                tag = done[-1]
+            else:
+                raise ExportError(
+                    f"--checkpoint {p}: no checkpoint here (no '{LATEST}' file and no complete "
+                    "global_stepN/ directory); point it at a run's train.save_dir"
+                )
+        tag_dir = p / tag
+        if not tag_dir.is_dir():
+            raise ExportError(
+                f"--tag {tag}: no such checkpoint under {p}; complete tags: "
+                f"{', '.join(done) or 'none'}"
+            )
+    if not (tag_dir / COMPLETE).is_file():
+        others = [t for _, t, ok in _tags(tag_dir.parent) if ok and t != tag_dir.name]
+        raise ExportError(
+            f"{tag_dir} is a partial checkpoint (no '{COMPLETE}' marker: the run stopped while "
+            f"saving it); export a complete one with --tag ({', '.join(others) or 'none found'})"
+        )
+    try:
+        cfg = load_config(str(tag_dir / "config.yaml"))
+    except (ConfigError, FileNotFoundError) as e:
+        raise ExportError(f"{tag_dir}/config.yaml: {e}") from None
+    plan_file = tag_dir / "taper_plan.json"
+    if plan_file.is_file():
+        saved = json.loads(plan_file.read_text())["widths"]
+        if list(saved) != list(cfg.taper_plan.widths):
+            raise ExportError(
+                f"{plan_file}: widths {saved} differ from the plan of config.yaml here "
+                f"({list(cfg.taper_plan.widths)}); use the tapered_megatron version that trained it"
+            )
+    marker = json.loads((tag_dir / COMPLETE).read_text() or "{}")
+    m = _TAG.match(tag_dir.name)
+    iteration = int(marker.get("iteration", m.group(1) if m else 0))
+    return CheckpointRef(tag_dir, cfg, iteration, int(marker.get("consumed_samples", 0)))
+
+
+def _load(path: Path) -> dict[str, Any]:
+    """A DeepSpeed file, memory-mapped (optimizer tensors in it are never read)."""
+    return torch.load(path, map_location="cpu", weights_only=False, mmap=True)
+
+
+def _zero_fp32(tag_dir: Path, tp_rank: int) -> dict[str, torch.Tensor]:
+    """fp32 weights of one TP rank from the ZeRO optimizer partitions of all DP ranks."""
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+    mine = f"mp_rank_{tp_rank:02d}_"
+    with tempfile.TemporaryDirectory() as tmp:
+        view = Path(tmp) / tag_dir.name  # this rank's files only, named as rank 0's
+        view.mkdir()
+        for f in tag_dir.glob(f"*{mine}*states.pt"):
+            (view / f.name.replace(mine, "mp_rank_00_")).symlink_to(f.resolve())
+        return dict(get_fp32_state_dict_from_zero_checkpoint(tmp, tag=tag_dir.name))
+
+
+def unit_prefixes(cfg: Config) -> list[str]:
+    """Canonical name prefix of each pipeline unit, in ``pipeline_layer_specs`` order."""
+    per_layer = 2 if cfg.parallel.pipeline_unit == "sublayer" else 1
+    blocks = [f"layers.{i}." for i in range(cfg.model.layers) for _ in range(per_layer)]
+    return ["embedding.", *blocks, "head."]
+
+
+def _pipeline_shards(tag_dir: Path, cfg: Config, tp: int) -> list[dict[str, torch.Tensor]]:
+    prefixes = unit_prefixes(cfg)
+    shards: list[dict[str, torch.Tensor]] = [{} for _ in range(tp)]
+    for f in sorted(tag_dir.iterdir()):
+        m = _LAYER_FILE.match(f.name)
+        if not m:
+            continue
+        unit, rank = int(m.group(1)), int(m.group(2))
+        if unit >= len(prefixes) or rank >= tp:
+            raise ExportError(f"{f}: unit {unit} / TP rank {rank} does not fit config.yaml")
+        for name, t in _load(f).items():
+            shards[rank][prefixes[unit] + name] = t
+    return shards
+
+
+def consolidate(ref: CheckpointRef) -> dict[str, torch.Tensor]:
+    """Full fp32 weights (single-process names and shapes) of a checkpoint of any layout.
+
+    DeepSpeed's messages (printed on stdout while its files load) go to stderr, so tools can
+    keep stdout for their results."""
+    with contextlib.redirect_stdout(sys.stderr):
+        return _consolidate(ref)
+
+
+def _consolidate(ref: CheckpointRef) -> dict[str, torch.Tensor]:
+    tag_dir, cfg = ref.tag_dir, ref.cfg
+    files = sorted(tag_dir.glob("*model_states.pt"))
+    if not files:
+        raise ExportError(f"{tag_dir}: no DeepSpeed model files (*model_states.pt)")
+    meta = _load(files[0])
+    dims = meta.get("checkpoint_parallel_dimensions") or {}
+    tp = int(dims.get("tp_degree", cfg.parallel.tp))
+    pp = int(dims.get("pp_degree", cfg.parallel.pp))
+    stage = int((meta.get("ds_config") or {}).get("zero_optimization", {}).get("stage", 0))
+    if pp > 1:
+        shards = _pipeline_shards(tag_dir, cfg, tp)
+    elif stage >= 1:
+        shards = [_zero_fp32(tag_dir, r) for r in range(tp)]
+    else:
+        shards = []
+        for r in range(tp):
+            f = tag_dir / f"mp_rank_{r:02d}_model_states.pt"
+            if not f.is_file():
+                raise ExportError(f"{f}: missing (the checkpoint was saved with TP={tp})")
+            shards.append(dict(_load(f)["module"]))
+    return merge_tp(shards, cfg, str(tag_dir))
+
+
+def merge_tp(
+    shards: list[dict[str, torch.Tensor]], cfg: Config, where: str
+) -> dict[str, torch.Tensor]:
+    """Put TP shards (one dict per TP rank) together into the full model's fp32 weights."""
+    reference = build_model(cfg, device="meta")
+    expected = dict(reference.named_parameters())
+    names = set().union(*(s.keys() for s in shards))
+    if names != set(expected):
+        missing, extra = sorted(set(expected) - names), sorted(names - set(expected))
+        raise ExportError(
+            f"{where}: weights do not match config.yaml (missing {missing[:4]}, unexpected "
+            f"{extra[:4]}); is the checkpoint complete and from this version?"
+        )
+    out = {}
+    for name, p in expected.items():
+        pieces = [s[name].float() for s in shards]
+        layout = getattr(p, "tp_layout", None)
+        full = unshard(pieces, layout) if layout is not None else pieces[0]
+        if tuple(full.shape) != tuple(p.shape):
+            raise ExportError(
+                f"{where}: {name} has shape {tuple(full.shape)}, config.yaml gives {tuple(p.shape)}"
+            )
+        out[name] = full.contiguous()
+    return out

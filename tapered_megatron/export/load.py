@@ -1,0 +1,158 @@
+"""Load an exported model directory or a training checkpoint as our own module.
+
+``load_model(model=OUT)`` reads ``config.json`` + ``model.safetensors`` of an export;
+``load_model(checkpoint=DIR, tag=T)`` consolidates a training checkpoint in memory. Both give a
+:class:`LoadedModel` with the single-process :class:`~tapered_megatron.models.LanguageModel`,
+its :class:`~tapered_megatron.config.Config` and the tokenizer the model was trained with (when
+known). Only ``safetensors`` is needed for exports; nothing here imports ``transformers``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import yaml
+
+from tapered_megatron.config import Config, ConfigError, load_config
+from tapered_megatron.models import LanguageModel, build_model
+
+WEIGHTS = "model.safetensors"
+CONFIG = "config.json"
+TOKENIZER_MODEL = "tokenizer.model"
+
+
+class ExportError(ValueError):
+    """Bad input to the export / evaluation tools; the message says what and how to fix it."""
+
+
+@dataclass
+class LoadedModel:
+    """A model ready for evaluation, with where it came from."""
+
+    module: LanguageModel
+    cfg: Config
+    tokenizer_model: str | None  # sentencepiece model the run was trained with, if known
+    source: str  # the export directory or checkpoint tag directory
+    iteration: int | None = None  # training iteration (checkpoints and exports)
+
+
+def config_from_dict(data: dict[str, Any]) -> Config:
+    """A validated :class:`Config` from its ``to_dict()`` form (e.g. ``config.json``'s
+    ``tapered_config``), through the same loader as YAML presets."""
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "config.yaml"
+        path.write_text(yaml.safe_dump(data, sort_keys=False))
+        try:
+            return load_config(str(path))
+        except ConfigError as e:
+            raise ExportError(f"recorded configuration is not valid here: {e}") from None
+
+
+def read_export_config(model_dir: str | Path) -> tuple[Config, dict[str, Any]]:
+    """The run config of an export directory and its raw ``config.json``."""
+    d = Path(model_dir)
+    path = d / CONFIG
+    if not path.is_file():
+        raise ExportError(
+            f"--model {d}: no {CONFIG} (not an export directory; make one with "
+            "python -m tapered_megatron.export --checkpoint DIR --out OUT)"
+        )
+    raw = json.loads(path.read_text())
+    if "tapered_config" not in raw:
+        raise ExportError(f"--model {d}: {CONFIG} is not a tapered-megatron export")
+    cfg = config_from_dict(raw["tapered_config"])
+    if list(cfg.taper_plan.widths) != list(raw.get("taper_widths") or cfg.taper_plan.widths):
+        raise ExportError(
+            f"--model {d}: recorded taper widths {raw['taper_widths']} differ from the plan of "
+            f"its configuration here ({list(cfg.taper_plan.widths)}); use the tapered_megatron "
+            "version that exported it"
+        )
+    return cfg, raw
+
+
+def module_from_state(cfg: Config, state: dict[str, torch.Tensor]) -> LanguageModel:
+    """``build_model(cfg)`` on the meta device, then the given full weights assigned to it."""
+    module = build_model(cfg, device="meta")
+    missing, unexpected = module.load_state_dict(state, strict=False, assign=True)
+    if missing or unexpected:
+        raise ExportError(
+            f"weights do not match the configuration: missing {sorted(missing)[:5]}, "
+            f"unexpected {sorted(unexpected)[:5]}"
+        )
+    _reset_rope(module)
+    return module.eval()
+
+
+def _reset_rope(module: torch.nn.Module) -> None:
+    """Compute the RoPE tables of a module built on the meta device (non-persistent buffers)."""
+    from tapered_megatron.models.layers import RotaryEmbedding, rope_tables
+
+    for m in module.modules():
+        if isinstance(m, RotaryEmbedding):
+            m.cos, m.sin = rope_tables(m.head_dim, m.cos.shape[0], m.theta)
+
+
+def load_export(model_dir: str | Path) -> LoadedModel:
+    """Our module from an export directory (``config.json`` + ``model.safetensors``)."""
+    from safetensors.torch import load_file
+
+    d = Path(model_dir)
+    cfg, raw = read_export_config(d)
+    if not (d / WEIGHTS).is_file():
+        raise ExportError(f"--model {d}: no {WEIGHTS}")
+    module = module_from_state(cfg, load_file(str(d / WEIGHTS)))
+    tok = d / TOKENIZER_MODEL
+    return LoadedModel(
+        module, cfg, str(tok) if tok.is_file() else None, str(d), raw.get("iteration")
+    )
+
+
+def load_model(
+    model: str | Path | None = None,
+    checkpoint: str | Path | None = None,
+    tag: str | None = None,
+) -> LoadedModel:
+    """An export directory (``model``) or a training checkpoint (``checkpoint`` [+ ``tag``])."""
+    if (model is None) == (checkpoint is None):
+        raise ExportError("give exactly one of --model OUT or --checkpoint DIR")
+    if model is not None:
+        return load_export(model)
+    from tapered_megatron.export.consolidate import consolidate, resolve_checkpoint
+
+    ref = resolve_checkpoint(checkpoint, tag)
+    module = module_from_state(ref.cfg, consolidate(ref))
+    return LoadedModel(module, ref.cfg, run_tokenizer(ref.cfg), str(ref.tag_dir), ref.iteration)
+
+
+def check_tokenizer(path: str, cfg: Config) -> None:
+    """Reject a tokenizer whose vocabulary cannot be the model's."""
+    from tapered_megatron.data import load_tokenizer
+
+    if not os.path.isfile(path):
+        raise ExportError(f"tokenizer {path}: no such file")
+    vocab = load_tokenizer(path).vocab_size
+    if vocab > cfg.model.vocab_size:
+        raise ExportError(
+            f"tokenizer {path} has {vocab} tokens but the model's vocabulary is "
+            f"{cfg.model.vocab_size}: not the tokenizer this model was trained with; pass "
+            "--tokenizer-model with the run's data.tokenizer_model"
+        )
+
+
+def run_tokenizer(cfg: Config) -> str | None:
+    """The sentencepiece model a run was trained with: ``data.tokenizer_model``, or the sample
+    corpus tokenizer (prepared under ``data.cache_dir`` if needed) when ``data.path`` is empty;
+    ``None`` for a dataset given without a tokenizer."""
+    if cfg.data.tokenizer_model:
+        return cfg.data.tokenizer_model
+    if cfg.data.path:
+        return None
+    from tapered_megatron.data import prepare_sample_corpus
+
+    return prepare_sample_corpus(cfg.data.cache_dir, cfg.model.vocab_size)[0]

@@ -1,0 +1,107 @@
+"""Exports load with transformers (AutoModelForCausalLM / AutoTokenizer / pipeline, remote code
+importing this package) and behave like our own module; the key/value cache is exact."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import sentencepiece as spm
+import torch
+from tiny_export import ARCHS, VOCAB, tiny_export, tiny_tokenizer
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+transformers = pytest.importorskip("transformers")
+
+from tapered_megatron.data.sample_corpus import sample_corpus_docs  # noqa: E402
+from tapered_megatron.hf.tokenization import EDGE_CASES  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def tok(tmp_path_factory) -> str:
+    return tiny_tokenizer(tmp_path_factory.mktemp("tok"))
+
+
+@pytest.fixture(scope="module")
+def exports(tok, tmp_path_factory):
+    root = tmp_path_factory.mktemp("exports")
+    return {arch: tiny_export(root / arch, arch, tok) for arch in ARCHS}
+
+
+def _ids(seed: int, shape=(2, 40)) -> torch.Tensor:
+    return torch.randint(4, VOCAB, shape, generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_from_pretrained_logits_equal_our_module(arch, exports):
+    out, ours = exports[arch]
+    hf = transformers.AutoModelForCausalLM.from_pretrained(out, trust_remote_code=True)
+    assert type(hf).__name__ == "TaperedForCausalLM"
+    assert dict(hf.state_dict()).keys() == dict(ours.state_dict()).keys()
+    ids = _ids(0)
+    with torch.no_grad():
+        want = ours(ids)[..., :VOCAB]
+        got = hf(ids).logits
+        labels_loss = hf(ids, labels=ids).loss
+    assert got.shape == want.shape
+    assert (got - want).abs().max().item() <= 1e-5
+    # HF's label convention (unshifted labels) gives our own next-token loss
+    with torch.no_grad():
+        assert abs(labels_loss.item() - ours(ids[:, :-1], ids[:, 1:]).item()) <= 1e-5
+
+
+@pytest.mark.parametrize("arch", ["transformer", "gated_attention"])
+def test_kv_cache_steps_equal_full_forward(arch, exports):
+    out, _ = exports[arch]
+    hf = transformers.AutoModelForCausalLM.from_pretrained(out, trust_remote_code=True).eval()
+    ids = _ids(1, (2, 150))  # past the 128-token RoPE tables of training
+    with torch.no_grad():
+        full = hf(ids, use_cache=False).logits
+        step = hf(ids[:, :20], use_cache=True)
+        parts, cache = [step.logits], step.cache
+        for lo, hi in ((20, 21), (21, 60), (60, 61), (61, 150)):  # single tokens and chunks
+            step = hf(ids[:, lo:hi], cache=cache, use_cache=True)
+            parts.append(step.logits)
+            cache = step.cache
+    assert cache.get_seq_length() == 150
+    assert (torch.cat(parts, dim=1) - full).abs().max().item() <= 1e-5
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_greedy_generate_with_and_without_cache(arch, exports):
+    out, _ = exports[arch]
+    hf = transformers.AutoModelForCausalLM.from_pretrained(out, trust_remote_code=True)
+    prompt = _ids(2, (1, 12))
+    kw = {"max_new_tokens": 24, "min_new_tokens": 24, "do_sample": False}
+    with torch.no_grad():
+        cached = hf.generate(prompt, use_cache=True, **kw)
+        plain = hf.generate(prompt, use_cache=False, **kw)
+    assert cached.shape == (1, 36)
+    assert cached.tolist() == plain.tolist()
+
+
+def test_auto_tokenizer_and_pipeline(exports, tok):
+    out, _ = exports["transformer"]
+    hf_tok = transformers.AutoTokenizer.from_pretrained(out)
+    sp = spm.SentencePieceProcessor(model_file=tok)
+    for text in [*EDGE_CASES, *sample_corpus_docs(200)[150:]]:  # documents it was not trained on
+        ids = sp.encode(text)
+        assert hf_tok(text, add_special_tokens=False)["input_ids"] == ids
+        assert hf_tok.decode(ids) == sp.decode(ids)
+    assert (hf_tok.eos_token_id, hf_tok.pad_token_id) == (sp.eos_id(), sp.pad_id())
+    gen = transformers.pipeline("text-generation", model=str(out), trust_remote_code=True)
+    text = gen("To be, or not", max_new_tokens=5, do_sample=False)[0]["generated_text"]
+    assert text.startswith("To be, or not")
+
+
+def test_padding(exports):
+    out, _ = exports["transformer"]
+    hf = transformers.AutoModelForCausalLM.from_pretrained(out, trust_remote_code=True)
+    ids = _ids(3, (2, 10))
+    right = torch.ones_like(ids)
+    right[1, 6:] = 0  # right padding: earlier positions are unaffected, accepted
+    with torch.no_grad():
+        assert torch.equal(hf(ids, attention_mask=right).logits, hf(ids).logits)
+        left = right.flip(1)
+        with pytest.raises(ValueError, match="left padding"):
+            hf(ids, attention_mask=left)
