@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from arch_args import for_arch
 from safetensors.torch import load_file
 from test_train_launch import ROOT, corpus, launch_ranks  # noqa: F401
 
@@ -50,7 +51,7 @@ def train(corpus: str, out: Path, arch: str, n: int, ds: str, extra: list[str]) 
         ds = str(out / "zero3_all.json")
         Path(ds).write_text(json.dumps(cfg))
     # generous timeout: on a shared 2-core machine a launch can take minutes to start
-    launch_ranks(n, corpus, out, ds, [*COMMON, "--model.arch", arch, *extra], timeout=900)
+    launch_ranks(n, corpus, out, ds, [*for_arch(arch, COMMON), *extra], timeout=900)
     return out / "ckpt"
 
 

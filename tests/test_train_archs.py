@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 
 import pytest
+from arch_args import for_arch
 from test_train_launch import assert_close, corpus, launch_ranks, metrics  # noqa: F401
 
 ARCHS = ("transformer", "gated_attention", "titans", "hope_attention")
@@ -23,7 +24,7 @@ EXTRA = ["--model.titans.chunk_size", "8", "--model.titans.window", "8",
 @pytest.mark.parametrize("schedule", ["cosine", "uniform"])
 @pytest.mark.parametrize("arch", ARCHS)
 def test_arch_trains_under_dp2_and_pp2(arch, schedule, corpus, tmp_path):  # noqa: F811
-    common = [*EXTRA, "--model.arch", arch, "--taper.schedule", schedule,
+    common = [*for_arch(arch, EXTRA), "--taper.schedule", schedule,
               "--train.exit_interval", "10"]  # fmt: skip
     curves = []
     for name, ds, extra in (

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from arch_args import for_arch
+
 from tapered_megatron.config import Config, load_config
 from tapered_megatron.data import train_sentencepiece
 from tapered_megatron.data.sample_corpus import sample_corpus_docs
@@ -24,14 +26,14 @@ def tiny_config(arch: str, tokenizer: str | None = None, *overrides: str) -> Con
     """A 2-layer tapered model of ``arch`` with sequences of 128 tokens."""
     return load_config(
         "quickstart",
-        [
-            "--model.arch", arch, "--model.d_model", "64", "--model.heads", "4",
+        for_arch(arch, [
+            "--model.d_model", "64", "--model.heads", "4",
             "--model.layers", "2", "--model.d_ff", "128", "--model.vocab_size", str(VOCAB),
             "--model.seq_len", "128", "--model.titans.chunk_size", "16",
             "--model.titans.window", "32", "--model.hope.levels", "2",
             "--model.hope.periods", "0", "8", "--data.path", "unused",
             "--data.tokenizer_model", tokenizer or "", "--train.seed", "7", *overrides,
-        ],
+        ]),
     )  # fmt: skip
 
 
