@@ -111,18 +111,26 @@ def get_device(name: str, **overrides: Any) -> Device:
 
 def resolve_device(name: str = "auto") -> Device:
     """``auto``: the CPU preset with its peak measured here (cached) when DeepSpeed's accelerator
-    is the CPU, else the GPU preset matching the device name (H100 when unknown)."""
+    is the CPU, else the GPU preset whose name is a whole token of the accelerator's product name
+    (``NVIDIA H200`` -> h200); an unknown GPU gets the h100 preset, with a notice naming
+    ``--device``."""
     if name != "auto":
         dev = get_device(name)
     else:
-        from deepspeed.accelerator import get_accelerator
+        from tapered_megatron.accelerator import lookup, on_cpu, product_name
 
-        acc = get_accelerator()
-        if acc.device_name() == "cpu":
+        if on_cpu():
             dev = get_device("cpu")
         else:
-            label = str(acc.get_device_name() if hasattr(acc, "get_device_name") else "").lower()
-            dev = get_device(next((k for k in ("h200", "a100") if k in label), "h100"))
+            label = product_name()
+            preset = lookup(label, {k: k for k in DEVICES if k != "cpu"})
+            if preset is None:
+                print(
+                    f"cost model: no device preset for {label!r}; using h100 (pass --device "
+                    f"one of {', '.join(DEVICES)} or add a preset to pipeline/cost.py DEVICES)",
+                    flush=True,
+                )
+            dev = get_device(preset or "h100")
     if dev.name == "cpu":
         from tapered_megatron.pipeline.profile import measure_cpu_peak
 

@@ -21,6 +21,7 @@ import itertools
 from collections.abc import Sequence
 from typing import Any
 
+import torch.distributed as dist
 from deepspeed.pipe import PipelineModule
 
 
@@ -108,7 +109,30 @@ class BalancedPipelineModule(PipelineModule):
         m = ALIASES.get(method or cfg.parallel.partition, method or cfg.parallel.partition)
         res = analyse(cfg, pp, micro_batches, unit=u, methods=(m,), **(partition_kwargs or {}))
         kwargs.setdefault("loss_fn", lm_loss)
-        return cls(specs, res.methods[m].parts, table=res.table(m), **kwargs)
+        parts, table = agree_on_parts(list(res.methods[m].parts), res.table(m))
+        return cls(specs, parts, table=table, **kwargs)
+
+
+def agree_on_parts(parts: list[int], table: str) -> tuple[list[int], str]:
+    """Global rank 0's stage boundaries (and table), handed to every rank.
+
+    Each rank balances from its own unit costs, and measured (``profiled``) costs differ from
+    machine to machine, so ranks could choose different boundaries and deadlock in the first
+    pipeline exchange. Collective when a process group of several ranks exists: every rank gets
+    rank 0's choice; a rank whose own choice differed says so. Without a process group the
+    inputs are returned unchanged.
+    """
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return parts, table
+    box: list[Any] = [parts, table]
+    dist.broadcast_object_list(box, src=0)
+    if box[0] != parts:
+        print(
+            f"rank {dist.get_rank()}: own pipeline split {parts} differs from rank 0's "
+            f"{box[0]} (different unit costs); every rank uses rank 0's",
+            flush=True,
+        )
+    return list(box[0]), str(box[1])
 
 
 def _spec_name(spec: Any) -> str:

@@ -32,13 +32,12 @@ def cache_dir() -> Path:
 
 
 def device_label() -> str:
-    """Name of the device the profile was taken on."""
-    from deepspeed.accelerator import get_accelerator
+    """Name of the device the profile was taken on (kind and product, e.g. ``cuda:NVIDIA H200``)."""
+    from tapered_megatron.accelerator import device_kind, product_name
 
-    acc = get_accelerator()
-    if acc.device_name() == "cpu":
+    if device_kind() == "cpu":
         return f"cpu:{platform.machine()}:{platform.processor() or 'unknown'}"
-    return f"{acc.device_name()}:{acc.get_device_name()}"
+    return f"{device_kind()}:{product_name()}"
 
 
 def _key(payload: dict[str, Any]) -> str:
@@ -84,18 +83,14 @@ def measure_cpu_peak(n: int = 512, reps: int = 10) -> float:
 def _time_once(module: torch.nn.Module, make_input: Any, loss: Any) -> float:
     """One forward + backward. On the CPU the clock is the thread's CPU time (torch runs
     single-threaded ops in the calling thread), elsewhere wall time between synchronisations."""
-    from deepspeed.accelerator import get_accelerator
+    from tapered_megatron.accelerator import on_cpu, synchronize
 
-    acc = get_accelerator()
-    on_cpu = acc.device_name() == "cpu"
-    clock = time.thread_time if on_cpu else time.perf_counter
+    clock = time.thread_time if on_cpu() else time.perf_counter
     x = make_input()
-    if not on_cpu:
-        acc.synchronize()
+    synchronize()
     t0 = clock()
     loss(module(x)).backward()
-    if not on_cpu:
-        acc.synchronize()
+    synchronize()
     dt = clock() - t0
     module.zero_grad(set_to_none=True)
     return dt
@@ -123,22 +118,27 @@ def measure_units(
     cfg: Any, unit: str, micro_batch_size: int, checkpointing: bool, reps: int = 7
 ) -> dict[str, list[float]]:
     """Per entry of the unit table, for one micro-batch: forward + backward seconds (``time``)
-    and the activation bytes per token autograd keeps (``act_bytes``). Not cached."""
+    and the activation bytes per token autograd keeps (``act_bytes``). Not cached.
+
+    Units run on this rank's accelerator device; off the CPU under bf16 autocast (the
+    precision the cost model's GPU presets assume)."""
+    from tapered_megatron.accelerator import current_device
     from tapered_megatron.models import lm_loss, set_activation_checkpointing, units
 
     torch.manual_seed(0)
+    dev = current_device()
     b, s, d = micro_batch_size, cfg.model.seq_len, cfg.model.d_model
-    ids = torch.randint(0, cfg.model.vocab_size, (b, s))
+    ids = torch.randint(0, cfg.model.vocab_size, (b, s)).to(dev)
 
     def square_mean(y: torch.Tensor) -> torch.Tensor:
         return y.float().square().mean()
 
     def hidden() -> torch.Tensor:
-        return torch.randn(b, s, d, requires_grad=True)
+        return torch.randn(b, s, d, device=dev, requires_grad=True)
 
     runs = []
     for u in units(cfg, unit):
-        module = set_activation_checkpointing(u.build(), checkpointing).train()
+        module = set_activation_checkpointing(u.build(), checkpointing).train().to(dev)
         if u.kind == "embedding":
             runs.append((module, lambda: ids, square_mean))
         elif u.kind == "head":
@@ -148,15 +148,14 @@ def measure_units(
     # Repetitions in the outer loop: a burst of background load hits every unit alike, so the
     # relative costs (what the balancer needs) stay right even on a shared machine.
     times: list[list[float]] = [[] for _ in runs]
-    for rep in range(reps + 2):
-        for i, (module, make, loss) in enumerate(runs):
-            dt = _time_once(module, make, loss)
-            if rep >= 2:  # two warm-up rounds
-                times[i].append(dt)
-    return {
-        "time": [statistics.median(t) for t in times],
-        "act_bytes": [_saved_bytes(m, make(), loss) / (b * s) for m, make, loss in runs],
-    }
+    with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=dev.type != "cpu"):
+        for rep in range(reps + 2):
+            for i, (module, make, loss) in enumerate(runs):
+                dt = _time_once(module, make, loss)
+                if rep >= 2:  # two warm-up rounds
+                    times[i].append(dt)
+        act = [_saved_bytes(m, make(), loss) / (b * s) for m, make, loss in runs]
+    return {"time": [statistics.median(t) for t in times], "act_bytes": act}
 
 
 def profile_units(

@@ -15,37 +15,39 @@ once at start-up (fp32 on CPU, bf16 on an accelerator).
 from __future__ import annotations
 
 import math
-import platform
 import resource
 import time
 
 import torch
 from deepspeed.accelerator import get_accelerator
 
+from tapered_megatron.accelerator import lookup, on_cpu
+from tapered_megatron.accelerator import product_name as device_product_name
 from tapered_megatron.config import Config
 
-# Dense bf16 peak TFLOP/s per device (vendor data sheets).
-_PEAK_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0, "A10": 125.0, "L40": 181.0}
+__all__ = ["TrainLogger", "device_product_name", "memory_gb", "peak_tflops", "probe_tflops"]
 
-
-def device_product_name() -> str:
-    """The accelerator's product name (e.g. ``NVIDIA H200``), or the CPU's on a CPU."""
-    kind = get_accelerator().device_name()
-    if kind == "cpu":
-        return platform.processor() or platform.machine()
-    module = torch.get_device_module(kind)
-    return module.get_device_name() if hasattr(module, "get_device_name") else kind
+# Dense (no sparsity) bf16 peak TFLOP/s per device (vendor data sheets), matched on a whole
+# token of the product name (accelerator.lookup): A10 is not A10G, L40 is not L40S.
+_PEAK_TFLOPS = {
+    "H200": 989.0,
+    "H100": 989.0,
+    "A100": 312.0,
+    "A10": 125.0,
+    "A10G": 70.0,
+    "L40": 181.0,
+    "L40S": 362.0,
+}
 
 
 def peak_tflops(configured: float) -> float:
     """Peak TFLOP/s of one device: configured, known accelerator, or a measured matmul probe."""
     if configured > 0:
         return configured
-    if get_accelerator().device_name() != "cpu":
-        name = device_product_name().upper()
-        for key, val in _PEAK_TFLOPS.items():
-            if key in name:
-                return val
+    if not on_cpu():
+        known = lookup(device_product_name(), _PEAK_TFLOPS)
+        if known is not None:
+            return known
     return probe_tflops()
 
 
