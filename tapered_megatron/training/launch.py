@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from tapered_megatron.config import Config, ConfigError, load_config
+from tapered_megatron.training.preflight import check_inputs
 
 DEFAULT_DS_CONFIG = Path(__file__).resolve().parents[2] / "ds_configs" / "default.json"
 
@@ -215,10 +216,12 @@ def _bf16_available() -> bool:
 
 
 def setup(argv: list[str] | None = None) -> tuple[argparse.Namespace, Config, dict, Layout]:
-    """Parse, load and validate everything; no process group is started here."""
+    """Parse, load and validate everything, input files included (:mod:`.preflight`); no
+    process group is started here."""
     args, overrides = parse_args(argv)
     cfg = load_config(args.config, overrides)
     ds, layout = resolve(cfg, load_ds_config(args.ds_config), env_world_size())
+    check_inputs(cfg, ds)
     return args, cfg, ds, layout
 
 

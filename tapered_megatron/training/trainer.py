@@ -76,16 +76,9 @@ class Trainer:
         cfg, lay = self.cfg, self.layout
         d = cfg.data
         if d.path:
-            prefix, tok_path = d.path, d.tokenizer_model
+            prefix = d.path  # its files and tokenizer were checked by training/preflight.py
         else:
-            tok_path, prefix = data.prepare_sample_corpus(d.cache_dir, cfg.model.vocab_size)
-        if tok_path:
-            vocab = data.load_tokenizer(tok_path).vocab_size
-            if vocab > cfg.model.vocab_size:
-                raise ValueError(
-                    f"model.vocab_size ({cfg.model.vocab_size}) is smaller than the tokenizer's "
-                    f"vocabulary ({vocab}); set --model.vocab_size {vocab}"
-                )
+            _, prefix = data.prepare_sample_corpus(d.cache_dir, cfg.model.vocab_size)
         n_eval = cfg.eval.iters * lay.global_batch_size if cfg.eval.interval > 0 else 0
         train, valid, _ = data.build_gpt_datasets(
             prefix,
