@@ -36,7 +36,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from tapered_megatron.training.trainer import TrainingStopped, run
 
-    launch.init_distributed()
+    launch.init_distributed(cfg.train.collective_timeout_s)
     try:
         run(cfg, ds, layout, T0)
     except TrainingStopped as e:

@@ -6,7 +6,11 @@ The runs reuse the tiny model and corpus of ``test_train_launch.py``.
 
 from __future__ import annotations
 
+import os
+import shutil
+import signal
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -100,3 +104,87 @@ def test_persistent_nans_stop_cleanly_keeping_the_last_checkpoint(corpus, tmp_pa
     assert sorted(p.name for p in ckpt.glob("global_step*")) == ["global_step5"]
     assert (ckpt / "global_step5" / "complete").exists()
     assert [r["iteration"] for r in metrics(tmp_path)] == list(range(1, 10))
+
+
+@pytest.fixture(scope="module")
+def saved_at_5(corpus, tmp_path_factory) -> Path:
+    """A run stopped after its complete checkpoint at iteration 5."""
+    out = tmp_path_factory.mktemp("at5")
+    rc, log = run_once(corpus, out, ["--train.exit_interval", "5"])
+    assert rc == [0], log[-3000:]
+    return out
+
+
+@pytest.mark.parametrize(
+    "point",
+    ["complete", pytest.param("rank_files", marks=pytest.mark.slow),
+     pytest.param("latest", marks=pytest.mark.slow)],
+)  # fmt: skip
+def test_kill_inside_a_real_save_never_resumes_a_partial_checkpoint(
+    point, corpus, saved_at_5, tmp_path
+):
+    """SIGKILL at a point inside DeepSpeed's save of global_step10; ``--resume auto`` then
+    loads global_step5 (reporting the partial one) and replays iterations 6-10 bitwise."""
+    shutil.copytree(saved_at_5, tmp_path, dirs_exist_ok=True)
+    (tmp_path / "metrics.jsonl").write_text("")
+    extra = ["--train.exit_interval", "10", "--resume", "auto"]
+    rc, log = run_once(corpus, tmp_path, extra, {"TAPERED_MEGATRON_CRASH_IN_SAVE": point})
+    assert rc == [-signal.SIGKILL], log[-3000:]
+    tag10 = tmp_path / "ckpt" / "global_step10"
+    assert tag10.is_dir() and (tmp_path / "ckpt" / "latest").read_text() == "global_step5"
+    crashed = [r["loss"] for r in metrics(tmp_path)]
+    assert len(crashed) == 5
+    (tmp_path / "metrics.jsonl").write_text("")
+    rc, log = run_once(corpus, tmp_path, extra)
+    assert rc == [0], log[-3000:]
+    assert f"resumed from {tmp_path / 'ckpt' / 'global_step5'} at iteration 5" in log
+    if point != "latest":  # before "latest" moves, global_step10 is already complete
+        assert f"{tag10} is partial" in log
+    assert [r["loss"] for r in metrics(tmp_path)] == crashed
+    assert (tag10 / "complete").exists()
+
+
+def _start_dp2(corpus: str, out: Path, extra: list[str]) -> list:
+    port = str(free_port())
+    procs = []
+    for r in range(2):
+        env = dict(_env(), RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE="2")
+        env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
+        cmd = [sys.executable, "-u", MAIN, *_common(corpus, out, "zero2.json", extra)]
+        procs.append(_popen(cmd, env))
+    return procs
+
+
+def _wait_for_iterations(out: Path, n: int, procs: list, limit: float = 300) -> None:
+    deadline = time.time() + limit
+    f = out / "metrics.jsonl"
+    while time.time() < deadline:
+        if f.exists() and len(f.read_text().splitlines()) >= n:
+            return
+        assert all(p.poll() is None for p in procs), "a rank ended before the fault"
+        time.sleep(0.2)
+    raise AssertionError("training did not reach the fault point")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sig", [signal.SIGSTOP, signal.SIGKILL])
+def test_a_stopped_or_killed_rank_ends_the_job(sig, corpus, tmp_path):
+    """Rank 1 stopped (SIGSTOP: collective timeout 20 s) or killed (kill -9) after iteration 2:
+    rank 0 exits non-zero within the timeout plus a margin, and no process is left behind."""
+    extra = ["--train.iters", "2000", "--train.collective_timeout_s", "20"]
+    extra += ["--eval.interval", "0", "--logging.interval", "1"]
+    procs = _start_dp2(corpus, tmp_path, extra)
+    try:
+        _wait_for_iterations(tmp_path, 2, procs)
+        t = time.time()
+        os.kill(procs[1].pid, sig)
+        procs[0].communicate(timeout=60 + (20 if sig == signal.SIGSTOP else 0))
+        took = time.time() - t
+        assert procs[0].returncode != 0
+        assert took < (80 if sig == signal.SIGSTOP else 60), took
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+            p.communicate()
+    assert all(p.poll() is not None for p in procs)
