@@ -34,11 +34,15 @@ def main(argv: list[str] | None = None) -> int:
 
     import torch.distributed as dist
 
-    from tapered_megatron.training.trainer import run
+    from tapered_megatron.training.trainer import TrainingStopped, run
 
-    launch.init_distributed()
+    launch.init_distributed(cfg.train.collective_timeout_s)
     try:
         run(cfg, ds, layout, T0)
+    except TrainingStopped as e:
+        if launch.env_rank() == 0:
+            print(f"error: {e}", file=sys.stderr, flush=True)
+        return 1
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()

@@ -171,6 +171,9 @@ class TrainConfig:
     resume: str = ""  # "" (fresh), "auto" (newest complete checkpoint in save_dir) or a path
     exit_interval: int = at_least(0, 0)  # stop (after saving) at multiples of it; 0: never
     compile: bool = False  # torch.compile via DeepSpeed's engine.compile (where arch compiles)
+    max_skipped_steps: int = at_least(1, 10)  # consecutive non-finite steps that stop the run
+    loss_spike_factor: float = at_least(0, 3.0)  # log a loss above this x running mean; 0: off
+    collective_timeout_s: float = at_least(1, 600.0)  # a collective waiting longer ends the job
 
 
 @dataclass(frozen=True)

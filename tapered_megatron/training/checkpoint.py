@@ -21,6 +21,7 @@ import json
 import os
 import re
 import shutil
+import signal
 from pathlib import Path
 from typing import Any
 
@@ -40,6 +41,14 @@ _TAG = re.compile(r"^global_step(\d+)$")
 def tag_of(iteration: int) -> str:
     """DeepSpeed's tag for the checkpoint taken after ``iteration`` optimizer steps."""
     return f"global_step{iteration}"
+
+
+def iteration_of(tag: str) -> int:
+    """The iteration of a ``global_stepN`` tag."""
+    m = _TAG.match(tag)
+    if m is None:
+        raise ValueError(f"{tag!r} is not a global_stepN checkpoint tag")
+    return int(m.group(1))
 
 
 def rng_state() -> dict[str, Any]:
@@ -115,20 +124,45 @@ def save(
     _barrier()
     client = {"iteration": iteration, "consumed_samples": consumed_samples, **(extra or {})}
     engine.save_checkpoint(str(save_dir), tag=tag, client_state=client, save_latest=False)
+    crash_point("rank_files")
     tag_dir.mkdir(parents=True, exist_ok=True)
     torch.save(rng_state(), tag_dir / f"rng_rank{_rank():05d}.pt")
     _barrier()
     if _rank() == 0:
         (tag_dir / "config.yaml").write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
         (tag_dir / "taper_plan.json").write_text(json.dumps(cfg.taper_plan.to_dict(), indent=1))
+        crash_point("complete")
         _write_atomic(
             tag_dir / COMPLETE,
             json.dumps({"iteration": iteration, "consumed_samples": consumed_samples}) + "\n",
         )
+        crash_point("latest")
         _write_atomic(save_dir / LATEST, tag)
         prune(save_dir, cfg.train.keep_last)
     _barrier()
     return tag_dir
+
+
+def crash_point(name: str) -> None:
+    """Fault-injection hook for tests: rank 0 kills itself (SIGKILL) at save point ``name``
+    ("rank_files": DeepSpeed's files written, RNG files not; "complete": before the
+    ``complete`` marker; "latest": before ``latest`` moves) when
+    ``$TAPERED_MEGATRON_CRASH_IN_SAVE`` names it."""
+    if os.environ.get("TAPERED_MEGATRON_CRASH_IN_SAVE") == name and _rank() == 0:
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def partial_tags(save_dir: Path, newer_than: int) -> list[str]:
+    """``global_stepN`` directories in ``save_dir`` after iteration ``newer_than`` that lack
+    ``complete`` (a save cut short), oldest first."""
+    if not save_dir.is_dir():
+        return []
+    found = []
+    for d in save_dir.iterdir():
+        m = _TAG.match(d.name)
+        if m and int(m.group(1)) > newer_than and d.is_dir() and not is_complete(d):
+            found.append((int(m.group(1)), d.name))
+    return [name for _, name in sorted(found)]
 
 
 def prune(save_dir: Path, keep_last: int) -> None:

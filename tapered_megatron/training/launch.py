@@ -20,10 +20,12 @@ import json
 import os
 import socket
 from dataclasses import dataclass
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 from tapered_megatron.config import Config, ConfigError, load_config
+from tapered_megatron.training.preflight import check_inputs
 
 DEFAULT_DS_CONFIG = Path(__file__).resolve().parents[2] / "ds_configs" / "default.json"
 
@@ -215,10 +217,12 @@ def _bf16_available() -> bool:
 
 
 def setup(argv: list[str] | None = None) -> tuple[argparse.Namespace, Config, dict, Layout]:
-    """Parse, load and validate everything; no process group is started here."""
+    """Parse, load and validate everything, input files included (:mod:`.preflight`); no
+    process group is started here."""
     args, overrides = parse_args(argv)
     cfg = load_config(args.config, overrides)
     ds, layout = resolve(cfg, load_ds_config(args.ds_config), env_world_size())
+    check_inputs(cfg, ds)
     return args, cfg, ds, layout
 
 
@@ -228,10 +232,12 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def init_distributed() -> None:
+def init_distributed(timeout_s: float | None = None) -> None:
     """Start ``torch.distributed`` through DeepSpeed (MPI ranks are discovered with mpi4py).
 
     A plain single ``python`` process (no launcher, no MPI) gets a one-rank group on localhost.
+    ``timeout_s`` (``train.collective_timeout_s``) bounds every collective: a rank that stops
+    responding makes the others raise instead of waiting forever, so the job exits non-zero.
     """
     import deepspeed
     from deepspeed.accelerator import get_accelerator
@@ -249,6 +255,7 @@ def init_distributed() -> None:
         dist_backend=get_accelerator().communication_backend_name(),
         distributed_port=int(os.environ.get("MASTER_PORT", 29500)),
         verbose=False,
+        **({} if timeout_s is None else {"timeout": timedelta(seconds=timeout_s)}),
     )
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     if get_accelerator().device_name() != "cpu":

@@ -84,3 +84,39 @@ def schedule(tr: TrainConfig) -> WarmupCosine:
 def build_scheduler(optimizer: torch.optim.Optimizer, tr: TrainConfig) -> Any:
     """``LambdaLR`` with :class:`WarmupCosine`; DeepSpeed steps it once per optimizer step."""
     return torch.optim.lr_scheduler.LambdaLR(optimizer, schedule(tr))
+
+
+def skip_nonfinite_steps(engine: Any) -> None:
+    """Make every optimizer step of ``engine`` a no-op when a gradient is not finite on any rank.
+
+    DeepSpeed already skips such a step for fp16 and fp32 ZeRO 1/2 (``optimizer.overflow``:
+    no update, no learning-rate step, ``engine.skipped_steps`` + 1). This extends the same
+    behaviour to the optimizers where it does not (fp32 ZeRO-0, bf16): the wrapped torch
+    optimizer's ``step`` checks its own gradients (a ZeRO partition or the whole model), agrees
+    with every rank (one all-reduce, all ranks step together) and, if any value is not finite,
+    skips the update and raises DeepSpeed's ``overflow`` flag so the engine skips the scheduler
+    and counts the step. Gradients are cleared by DeepSpeed after the step either way.
+    """
+    import torch.distributed as dist
+    from deepspeed.accelerator import get_accelerator
+
+    outer = engine.optimizer
+    inner = outer
+    while not isinstance(inner, torch.optim.Optimizer) and hasattr(inner, "optimizer"):
+        inner = inner.optimizer
+    step = inner.step
+    device = get_accelerator().current_device_name()
+
+    def guarded_step(*args: Any, **kwargs: Any) -> Any:
+        bad = torch.zeros((), dtype=torch.float32, device=device)
+        for group in inner.param_groups:
+            for p in group["params"]:
+                if p.grad is not None and not torch.isfinite(p.grad).all():
+                    bad.fill_(1.0)
+                    break
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.all_reduce(bad, op=dist.ReduceOp.MAX)
+        outer.overflow = bool(bad.item())  # read by DeepSpeed's engine after the step
+        return None if outer.overflow else step(*args, **kwargs)
+
+    inner.step = guarded_step

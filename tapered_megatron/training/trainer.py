@@ -13,6 +13,7 @@ import json
 import math
 import os
 import time
+from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -50,9 +51,15 @@ class Trainer:
 
         self.train_ds, self.valid_ds = self._build_data()
         self.engine = self._build_engine()
+        optim.skip_nonfinite_steps(self.engine)
+        self.nan_iters = injected_nan_iterations()
         self.iteration, self.consumed = 0, 0
         where = checkpoint.find_resume(cfg)
         if where is not None:
+            for tag in checkpoint.partial_tags(where[0], checkpoint.iteration_of(where[1])):
+                self.log(
+                    f"{where[0] / tag} is partial (no complete marker: a save cut short); ignored"
+                )
             client = checkpoint.load(self.engine, *where)
             self.iteration = int(client["iteration"])
             self.consumed = int(client["consumed_samples"])
@@ -76,16 +83,9 @@ class Trainer:
         cfg, lay = self.cfg, self.layout
         d = cfg.data
         if d.path:
-            prefix, tok_path = d.path, d.tokenizer_model
+            prefix = d.path  # its files and tokenizer were checked by training/preflight.py
         else:
-            tok_path, prefix = data.prepare_sample_corpus(d.cache_dir, cfg.model.vocab_size)
-        if tok_path:
-            vocab = data.load_tokenizer(tok_path).vocab_size
-            if vocab > cfg.model.vocab_size:
-                raise ValueError(
-                    f"model.vocab_size ({cfg.model.vocab_size}) is smaller than the tokenizer's "
-                    f"vocabulary ({vocab}); set --model.vocab_size {vocab}"
-                )
+            _, prefix = data.prepare_sample_corpus(d.cache_dir, cfg.model.vocab_size)
         n_eval = cfg.eval.iters * lay.global_batch_size if cfg.eval.interval > 0 else 0
         train, valid, _ = data.build_gpt_datasets(
             prefix,
@@ -157,8 +157,13 @@ class Trainer:
         )
 
     # ------------------------------------------------------------------ loop
-    def _train_step(self, batches: Iterator[tuple], want_norm: bool) -> tuple[float, float | None]:
-        """One global batch; returns the mean loss and (when ``want_norm``) the gradient norm."""
+    def _train_step(
+        self, batches: Iterator[tuple], want_norm: bool, it: int = 0
+    ) -> tuple[float, float | None]:
+        """One global batch; returns the mean loss and (when ``want_norm``) the gradient norm.
+
+        Iteration ``it`` listed in ``$TAPERED_MEGATRON_INJECT_NAN`` gets a NaN loss on rank 0
+        (a fault-injection hook for tests; not supported under pipeline parallelism)."""
         eng = self.engine
         if self.pipeline:
             loss = float(eng.train_batch(batches))
@@ -169,6 +174,8 @@ class Trainer:
         for k in range(self.layout.grad_accum):
             x, y = next(batches)
             loss = eng(x, y)  # the model's loss: LM head fused into the cross-entropy
+            if k == 0 and it in self.nan_iters and self.rank == 0:
+                loss = loss * float("nan")
             eng.backward(loss)
             if before_step and k == self.layout.grad_accum - 1:
                 norm = grad_norm(eng)
@@ -205,21 +212,33 @@ class Trainer:
         batches = self._batches(self.train_ds, cadence.iters * lay.global_batch_size, self.consumed)
         metrics = _MetricsFile(cfg.logging.metrics_file if self.rank == 0 else "")
         window = _Window(lay.global_batch_size * cfg.model.seq_len)
+        health = _Health(cfg.train.max_skipped_steps, cfg.train.loss_spike_factor)
         losses: list[float] = []
         while self.iteration < cadence.iters:
             it = self.iteration + 1
             lr = self.engine.get_lr()[0]
             t = time.perf_counter()
             want_norm = cadence.log(it) or bool(cfg.logging.metrics_file)  # same on all ranks
-            loss, gnorm = self._train_step(batches, want_norm)
+            skipped_before = self.engine.skipped_steps
+            loss, gnorm = self._train_step(batches, want_norm, it)
+            skipped = self.engine.skipped_steps > skipped_before
             step_s = time.perf_counter() - t
             if not losses:
                 self.log(f"first step done {time.time() - self.t0:.1f} s after process start")
             self.iteration, self.consumed = it, self.consumed + lay.global_batch_size
             losses.append(loss)
-            window.add(loss, step_s)
+            window.add(loss, step_s, counted=not skipped)
             record = {"iteration": it, "loss": loss, "lr": lr, "grad_norm": gnorm}
             record.update(step_s=step_s, wall=time.time())
+            note, stop = health.update(it, loss, skipped, self.consumed, lay.global_batch_size)
+            if note:
+                self.log(note)
+                record["skipped" if skipped else "loss_spike"] = True
+            if stop:
+                metrics.write(record)
+                self.logger.close()
+                metrics.close()
+                raise TrainingStopped(stop)
             if cadence.log(it):
                 stages = self._gather_stage_ms(window.iters) if self.pipeline else None
                 self.logger.train(it, window.mean_loss, lr, gnorm, *window.take(), stages)
@@ -297,22 +316,81 @@ class _Window:
 
     def __init__(self, tokens_per_iter: int) -> None:
         self.tokens_per_iter = tokens_per_iter
-        self.iters, self.loss, self.seconds = 0, 0.0, 0.0
+        self.iters, self.counted, self.loss, self.seconds = 0, 0, 0.0, 0.0
 
-    def add(self, loss: float, seconds: float) -> None:
+    def add(self, loss: float, seconds: float, counted: bool = True) -> None:
+        """One iteration; a skipped one (``counted=False``) adds time but not its loss."""
         self.iters += 1
-        self.loss += loss
+        self.counted += counted
+        self.loss += loss if counted else 0.0
         self.seconds += seconds
 
     @property
     def mean_loss(self) -> float:
-        return self.loss / max(self.iters, 1)
+        return self.loss / self.counted if self.counted else math.nan
 
     def take(self) -> tuple[int, float]:
         """(tokens, seconds) of the interval; starts the next one."""
         out = (self.tokens_per_iter * self.iters, self.seconds)
-        self.iters, self.loss, self.seconds = 0, 0.0, 0.0
+        self.iters, self.counted, self.loss, self.seconds = 0, 0, 0.0, 0.0
         return out
+
+
+class TrainingStopped(RuntimeError):
+    """The run cannot continue (e.g. too many non-finite steps); the message says why."""
+
+
+class _Health:
+    """Skipped (non-finite) steps in a row and loss spikes against a running mean."""
+
+    def __init__(self, max_skipped: int, spike_factor: float, window: int = 50) -> None:
+        self.max_skipped, self.spike_factor = max_skipped, spike_factor
+        self.in_a_row = 0
+        self.recent: deque[float] = deque(maxlen=window)
+
+    def update(
+        self, it: int, loss: float, skipped: bool, consumed: int, batch: int
+    ) -> tuple[str, str]:
+        """``(note, stop)``: a line to log ("" if none) and why to stop ("" to go on)."""
+        if skipped:
+            self.in_a_row += 1
+            note = (
+                f"iteration {it}: loss {loss:.4g} or gradients not finite: step skipped (no "
+                f"optimizer or learning-rate update); samples {consumed - batch}-{consumed - 1} "
+                f"are consumed and not trained on ({self.in_a_row} skipped in a row, "
+                f"train.max_skipped_steps={self.max_skipped})"
+            )
+            stop = ""
+            if self.in_a_row >= self.max_skipped:
+                stop = (
+                    f"{self.in_a_row} consecutive steps with non-finite loss or gradients "
+                    f"(train.max_skipped_steps={self.max_skipped}) at iteration {it}: stopped "
+                    "without saving; the last complete checkpoint is intact (lower train.lr, "
+                    "check the data, then --resume auto)"
+                )
+            return note, stop
+        self.in_a_row = 0
+        note = ""
+        if self.spike_factor > 0 and len(self.recent) >= 10:
+            mean = sum(self.recent) / len(self.recent)
+            if loss > self.spike_factor * mean:
+                note = (
+                    f"iteration {it}: loss spike {loss:.4g} > train.loss_spike_factor "
+                    f"{self.spike_factor:g} x running mean {mean:.4g} "
+                    f"(last {len(self.recent)} iterations)"
+                )
+        self.recent.append(loss)
+        return note, ""
+
+
+def injected_nan_iterations() -> frozenset[int]:
+    """Iterations named in ``$TAPERED_MEGATRON_INJECT_NAN`` ("3", "3,5", "4-9"): test hook."""
+    out: set[int] = set()
+    for part in os.environ.get("TAPERED_MEGATRON_INJECT_NAN", "").replace(" ", "").split(","):
+        if part:
+            lo, _, hi = part.partition("-")
+            out.update(range(int(lo), int(hi or lo) + 1))
+    return frozenset(out)
 
 
 def computes_grad_norm(engine: Any) -> bool:

@@ -1,0 +1,186 @@
+"""Pre-flight: every input of a run checked before any process group starts.
+
+:func:`check_inputs` runs in every process right after the configuration is parsed (see
+:func:`tapered_megatron.training.launch.setup`) and raises a one-line
+:class:`~tapered_megatron.config.ConfigError` naming the problem and the fix; ``pretrain/main.py``
+prints it and exits 2. It reads only file headers, sizes and the tokenizer (the data package's
+own MMIDIDX validation on open), writes nothing, and creates no directory.
+
+Checked: the dataset files (missing, unreadable, corrupt or truncated index, truncated or
+oversized data, fewer tokens than one sample), blend weights, the tokenizer (missing, unreadable,
+larger than ``model.vocab_size``), ``train.save_dir`` (writable, enough free disk for the next
+checkpoint from the parameter and optimizer bytes) and ``train.resume`` (exists, complete, same
+model and taper as this run).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from tapered_megatron.config import Config, ConfigError
+
+# Bytes per parameter in a DeepSpeed checkpoint: the module's weights plus Adam's fp32 moments
+# (and, with fp16/bf16 weights, the fp32 master copy).
+_FP32_CKPT_BYTES = 4 + 8
+_HALF_CKPT_BYTES = 2 + 12
+# Sections whose values fix the parameter shapes: a checkpoint of another shape cannot load.
+_SHAPE_SECTIONS = ("model", "taper")
+
+
+def check_inputs(cfg: Config, ds_config: dict[str, Any]) -> None:
+    """Raise :class:`ConfigError` for the first bad input of ``cfg``; touch nothing."""
+    check_data(cfg)
+    check_tokenizer(cfg)
+    check_save_dir(cfg, ds_config)
+    check_resume(cfg)
+
+
+def check_data(cfg: Config) -> None:
+    """``data.path``: blend weights, each prefix's .idx/.bin (MMIDIDX validation), sample size."""
+    from tapered_megatron.data import IndexedDataset, IndexedDatasetError, parse_blend
+
+    if not cfg.data.path:
+        return  # the sample corpus shipped in the repo, built on first use
+    try:
+        pairs = parse_blend(cfg.data.path)
+    except ValueError as e:
+        raise ConfigError(
+            f"data.path: {e}; write a prefix or 'w1 prefix1 w2 prefix2 ...' "
+            "with finite weights >= 0 and a positive sum"
+        ) from None
+    need = cfg.model.seq_len + 1
+    for weight, prefix in pairs:
+        try:
+            ds = IndexedDataset(prefix)
+        except IndexedDatasetError as e:
+            raise ConfigError(
+                f"data.path: {e}; point --data.path at a complete .bin/.idx pair "
+                "(re-run data_tools/tokenize.py to rebuild it)"
+            ) from None
+        except OSError as e:
+            raise ConfigError(
+                f"data.path: cannot read {prefix}.idx/.bin ({e.strerror}); fix its permissions"
+            ) from None
+        if weight > 0 and ds.num_tokens < need:
+            raise ConfigError(
+                f"data.path: {prefix} holds {ds.num_tokens} tokens, fewer than one sample of "
+                f"model.seq_len + 1 = {need}; use more data or a smaller --model.seq_len"
+            )
+
+
+def check_tokenizer(cfg: Config) -> None:
+    """``data.tokenizer_model`` exists, loads, and fits in ``model.vocab_size``."""
+    path = cfg.data.tokenizer_model
+    if not path:
+        return
+    if not os.path.isfile(path):
+        raise ConfigError(
+            f"data.tokenizer_model: {path} does not exist; pass the sentencepiece .model file "
+            "the data was tokenized with"
+        )
+    from tapered_megatron.data import load_tokenizer
+
+    try:
+        vocab = load_tokenizer(path).vocab_size
+    except (OSError, RuntimeError) as e:
+        raise ConfigError(
+            f"data.tokenizer_model: {path} is not a readable sentencepiece model "
+            f"({str(e).splitlines()[0] if str(e) else type(e).__name__}); "
+            "pass the .model file the data was tokenized with"
+        ) from None
+    if vocab > cfg.model.vocab_size:
+        raise ConfigError(
+            f"model.vocab_size ({cfg.model.vocab_size}) is smaller than the tokenizer's "
+            f"vocabulary ({vocab}); set --model.vocab_size {vocab}"
+        )
+
+
+def _existing_ancestor(path: Path) -> Path:
+    p = path.absolute()
+    while not p.exists() and p != p.parent:
+        p = p.parent
+    return p
+
+
+def checkpoint_bytes(cfg: Config, ds_config: dict[str, Any]) -> int:
+    """Estimated size of one checkpoint: parameters x (weight + optimizer state) bytes."""
+    from tapered_megatron.models import count_model
+
+    half = any(ds_config.get(h, {}).get("enabled") is True for h in ("fp16", "bf16"))
+    per_param = _HALF_CKPT_BYTES if half else _FP32_CKPT_BYTES
+    return int(count_model(cfg).params_total) * per_param
+
+
+def check_save_dir(cfg: Config, ds_config: dict[str, Any]) -> None:
+    """``train.save_dir`` is (or can be made) a writable directory with room for a checkpoint."""
+    save = Path(cfg.train.save_dir)
+    base = _existing_ancestor(save)
+    if not base.is_dir():
+        raise ConfigError(
+            f"train.save_dir: {base} exists and is not a directory, so {save} cannot be created; "
+            "pass another --train.save_dir"
+        )
+    if not os.access(base, os.W_OK | os.X_OK):
+        raise ConfigError(
+            f"train.save_dir: {base} is not writable; pass a writable --train.save_dir "
+            "or fix its permissions"
+        )
+    need = checkpoint_bytes(cfg, ds_config)
+    free = shutil.disk_usage(base).free
+    if free < need:
+        raise ConfigError(
+            f"train.save_dir: {free / 2**30:.1f} GiB free on {base}, the next checkpoint needs "
+            f"about {need / 2**30:.1f} GiB (parameters + optimizer state); free disk space or "
+            "pass a --train.save_dir on a larger disk"
+        )
+
+
+def _differences(a: Any, b: Any, prefix: str) -> list[str]:
+    if isinstance(a, dict) and isinstance(b, dict):
+        out = []
+        for k in sorted(set(a) | set(b), key=str):
+            out += _differences(a.get(k), b.get(k), f"{prefix}.{k}")
+        return out
+    return [] if a == b else [f"{prefix} {b!r} in the checkpoint, {a!r} here"]
+
+
+def check_resume(cfg: Config) -> None:
+    """``train.resume`` names a complete checkpoint whose model and taper match ``cfg``."""
+    from tapered_megatron.training import checkpoint
+
+    if not cfg.train.resume:
+        return
+    if cfg.train.resume != "auto" and not Path(cfg.train.resume).exists():
+        raise ConfigError(
+            f"train.resume: {cfg.train.resume} does not exist; pass a save directory or a "
+            "global_stepN directory, or --resume auto"
+        )
+    try:
+        where = checkpoint.find_resume(cfg)
+    except FileNotFoundError as e:
+        raise ConfigError(
+            f"{e}; pass a directory holding a complete checkpoint, or --resume auto"
+        ) from None
+    if where is None:
+        return
+    saved_file = where[0] / where[1] / "config.yaml"
+    try:
+        saved = yaml.safe_load(saved_file.read_text())
+    except (OSError, yaml.YAMLError) as e:
+        raise ConfigError(
+            f"train.resume: cannot read {saved_file} ({e}); resume from another checkpoint"
+        ) from None
+    here = cfg.to_dict()
+    diff = [d for s in _SHAPE_SECTIONS for d in _differences(here.get(s), (saved or {}).get(s), s)]
+    if diff:
+        raise ConfigError(
+            f"train.resume: {where[0] / where[1]} was saved with another model ("
+            + "; ".join(diff[:4])
+            + (f"; {len(diff) - 4} more" if len(diff) > 4 else "")
+            + f"); use the checkpoint's settings (see {saved_file}) or another --train.save_dir"
+        )

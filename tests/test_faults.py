@@ -1,0 +1,190 @@
+"""Faults during training, in real ``pretrain/main.py`` processes: non-finite steps, crashes in
+the middle of a checkpoint save, hung and killed ranks.
+
+The runs reuse the tiny model and corpus of ``test_train_launch.py``.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from test_train_launch import MAIN, _common, _env, _popen, corpus, metrics
+
+from tapered_megatron.parallel.local_launch import free_port
+from tapered_megatron.training.trainer import _Health
+
+__all__ = ["corpus"]  # the module fixture, shared with test_train_launch
+pytestmark = pytest.mark.distributed
+
+
+def run_once(
+    corpus: str, out: Path, extra: list[str], env: dict[str, str] | None = None, n: int = 1
+) -> tuple[list[int], str]:
+    """``n`` ranks of ``pretrain/main.py`` (ZeRO-0 for one rank); their exit codes and log."""
+    port = str(free_port())
+    procs = []
+    for r in range(n):
+        e = dict(_env(), **(env or {}))
+        if n > 1:
+            e.update(RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE=str(n))
+            e.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
+        ds = "zero0.json" if n == 1 else "zero2.json"
+        procs.append(_popen([sys.executable, "-u", MAIN, *_common(corpus, out, ds, extra)], e))
+    logs = [p.communicate(timeout=300)[0] for p in procs]
+    (out / "log.txt").write_text("\n".join(logs))
+    return [p.returncode for p in procs], "\n".join(logs)
+
+
+def test_loss_spike_and_skip_bookkeeping():
+    h = _Health(max_skipped=2, spike_factor=3.0)
+    for it in range(1, 11):
+        assert h.update(it, 2.0, False, it * 8, 8) == ("", "")
+    note, stop = h.update(11, 7.0, False, 88, 8)
+    assert "loss spike" in note and "running mean 2" in note and not stop
+    note, stop = h.update(12, float("nan"), True, 96, 8)
+    assert "samples 88-95" in note and "step skipped" in note and not stop
+    assert h.update(13, 2.0, False, 104, 8) == ("", "")  # a good step resets the count
+    h.update(14, float("nan"), True, 112, 8)
+    note, stop = h.update(15, float("nan"), True, 120, 8)
+    assert "2 consecutive steps" in stop and "without saving" in stop
+
+
+def _bump_consumed(tag_dir: Path, by: int) -> None:
+    """Mark one more global batch as consumed in a saved checkpoint (a dropped batch)."""
+    (f,) = tag_dir.glob("mp_rank_*_model_states.pt")
+    state = torch.load(f, weights_only=False)
+    state["consumed_samples"] += by
+    torch.save(state, f)
+
+
+@pytest.mark.slow
+def test_nan_step_is_skipped_and_equals_a_dropped_batch(corpus, tmp_path):
+    """A NaN loss at iteration 4 skips the step; the curve from then on is that of a run that
+    never saw batch 4 (its consumed samples advanced by one batch at iteration 3)."""
+    skip, drop = tmp_path / "skip", tmp_path / "drop"
+    rc, log = run_once(
+        corpus, skip, ["--train.exit_interval", "10"], {"TAPERED_MEGATRON_INJECT_NAN": "4"}
+    )
+    assert rc == [0], log[-3000:]
+    assert "iteration 4: loss nan or gradients not finite: step skipped" in log
+    assert "samples 24-31 are consumed and not trained on" in log
+    got = metrics(skip)
+    assert [r.get("skipped", False) for r in got] == [i == 4 for i in range(1, 11)]
+    done = (skip / "ckpt" / "global_step10" / "complete").read_text()
+    assert '"consumed_samples": 80' in done
+
+    rc, log = run_once(corpus, drop, ["--train.exit_interval", "3"])
+    assert rc == [0], log[-3000:]
+    _bump_consumed(drop / "ckpt" / "global_step3", 8)
+    rc, log = run_once(corpus, drop, ["--train.exit_interval", "10", "--resume", "auto"])
+    assert rc == [0], log[-3000:]
+    ref = metrics(drop)
+    assert [r["loss"] for r in got[:3]] == [r["loss"] for r in ref[:3]]
+    # skip-run iteration j+1 == dropped-run iteration j, bitwise (loss and lr) for j = 4..9
+    assert [r["loss"] for r in got[4:10]] == [r["loss"] for r in ref[3:9]]
+    assert [r["lr"] for r in got[4:10]] == [r["lr"] for r in ref[3:9]]
+
+
+def test_persistent_nans_stop_cleanly_keeping_the_last_checkpoint(corpus, tmp_path):
+    extra = ["--train.save_interval", "5", "--train.max_skipped_steps", "3"]
+    rc, log = run_once(corpus, tmp_path, extra, {"TAPERED_MEGATRON_INJECT_NAN": "7-20"})
+    assert rc == [1], log[-3000:]
+    last = log.strip().splitlines()[-1]
+    assert last.startswith("error: 3 consecutive steps with non-finite loss"), log[-2000:]
+    assert "at iteration 9" in last and "Traceback" not in log
+    ckpt = tmp_path / "ckpt"
+    assert (ckpt / "latest").read_text() == "global_step5"
+    assert sorted(p.name for p in ckpt.glob("global_step*")) == ["global_step5"]
+    assert (ckpt / "global_step5" / "complete").exists()
+    assert [r["iteration"] for r in metrics(tmp_path)] == list(range(1, 10))
+
+
+@pytest.fixture(scope="module")
+def saved_at_5(corpus, tmp_path_factory) -> Path:
+    """A run stopped after its complete checkpoint at iteration 5."""
+    out = tmp_path_factory.mktemp("at5")
+    rc, log = run_once(corpus, out, ["--train.exit_interval", "5"])
+    assert rc == [0], log[-3000:]
+    return out
+
+
+@pytest.mark.parametrize(
+    "point",
+    ["complete", pytest.param("rank_files", marks=pytest.mark.slow),
+     pytest.param("latest", marks=pytest.mark.slow)],
+)  # fmt: skip
+def test_kill_inside_a_real_save_never_resumes_a_partial_checkpoint(
+    point, corpus, saved_at_5, tmp_path
+):
+    """SIGKILL at a point inside DeepSpeed's save of global_step10; ``--resume auto`` then
+    loads global_step5 (reporting the partial one) and replays iterations 6-10 bitwise."""
+    shutil.copytree(saved_at_5, tmp_path, dirs_exist_ok=True)
+    (tmp_path / "metrics.jsonl").write_text("")
+    extra = ["--train.exit_interval", "10", "--resume", "auto"]
+    rc, log = run_once(corpus, tmp_path, extra, {"TAPERED_MEGATRON_CRASH_IN_SAVE": point})
+    assert rc == [-signal.SIGKILL], log[-3000:]
+    tag10 = tmp_path / "ckpt" / "global_step10"
+    assert tag10.is_dir() and (tmp_path / "ckpt" / "latest").read_text() == "global_step5"
+    crashed = [r["loss"] for r in metrics(tmp_path)]
+    assert len(crashed) == 5
+    (tmp_path / "metrics.jsonl").write_text("")
+    rc, log = run_once(corpus, tmp_path, extra)
+    assert rc == [0], log[-3000:]
+    assert f"resumed from {tmp_path / 'ckpt' / 'global_step5'} at iteration 5" in log
+    if point != "latest":  # before "latest" moves, global_step10 is already complete
+        assert f"{tag10} is partial" in log
+    assert [r["loss"] for r in metrics(tmp_path)] == crashed
+    assert (tag10 / "complete").exists()
+
+
+def _start_dp2(corpus: str, out: Path, extra: list[str]) -> list:
+    port = str(free_port())
+    procs = []
+    for r in range(2):
+        env = dict(_env(), RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE="2")
+        env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
+        cmd = [sys.executable, "-u", MAIN, *_common(corpus, out, "zero2.json", extra)]
+        procs.append(_popen(cmd, env))
+    return procs
+
+
+def _wait_for_iterations(out: Path, n: int, procs: list, limit: float = 300) -> None:
+    deadline = time.time() + limit
+    f = out / "metrics.jsonl"
+    while time.time() < deadline:
+        if f.exists() and len(f.read_text().splitlines()) >= n:
+            return
+        assert all(p.poll() is None for p in procs), "a rank ended before the fault"
+        time.sleep(0.2)
+    raise AssertionError("training did not reach the fault point")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sig", [signal.SIGSTOP, signal.SIGKILL])
+def test_a_stopped_or_killed_rank_ends_the_job(sig, corpus, tmp_path):
+    """Rank 1 stopped (SIGSTOP: collective timeout 20 s) or killed (kill -9) after iteration 2:
+    rank 0 exits non-zero within the timeout plus a margin, and no process is left behind."""
+    extra = ["--train.iters", "2000", "--train.collective_timeout_s", "20"]
+    extra += ["--eval.interval", "0", "--logging.interval", "1"]
+    procs = _start_dp2(corpus, tmp_path, extra)
+    try:
+        _wait_for_iterations(tmp_path, 2, procs)
+        t = time.time()
+        os.kill(procs[1].pid, sig)
+        procs[0].communicate(timeout=60 + (20 if sig == signal.SIGSTOP else 0))
+        took = time.time() - t
+        assert procs[0].returncode != 0
+        assert took < (80 if sig == signal.SIGSTOP else 60), took
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+            p.communicate()
+    assert all(p.poll() is not None for p in procs)

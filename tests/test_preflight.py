@@ -1,0 +1,199 @@
+"""Bad inputs end ``pretrain/main.py`` with exit 2 and one line, before any process group.
+
+Each case calls the real entry point (``pretrain/main.py``'s ``main``) in this process, so the
+test can see that ``torch.distributed`` was never initialised, and checks that nothing was
+written to ``train.save_dir``. One case also runs as a separate ``python pretrain/main.py``.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch.distributed as dist
+import yaml
+
+from tapered_megatron.config import load_config
+
+ROOT = Path(__file__).resolve().parents[1]
+MAIN = ROOT / "pretrain" / "main.py"
+TINY = [
+    "--ds_config", str(ROOT / "ds_configs" / "zero0.json"),
+    "--model.d_model", "32", "--model.heads", "2", "--model.layers", "2", "--model.d_ff", "64",
+    "--model.seq_len", "16", "--model.vocab_size", "256", "--taper.multiple", "16",
+    "--train.iters", "2", "--train.micro_batch_size", "2",
+]  # fmt: skip
+
+
+def _main():
+    spec = importlib.util.spec_from_file_location("pretrain_main", MAIN)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod.main
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory) -> str:
+    from tapered_megatron.data import write_indexed_dataset
+
+    rng = np.random.default_rng(0)
+    docs = [rng.integers(0, 255, rng.integers(10, 40)).tolist() for _ in range(50)]
+    prefix = str(tmp_path_factory.mktemp("corpus") / "doc")
+    write_indexed_dataset(prefix, docs)
+    return prefix
+
+
+@pytest.fixture(scope="module")
+def big_tokenizer(tmp_path_factory) -> str:
+    """A real sentencepiece model with 400 pieces (more than the tiny model's 256)."""
+    from tapered_megatron.data import train_sentencepiece
+    from tapered_megatron.data.sample_corpus import sample_corpus_docs
+
+    prefix = tmp_path_factory.mktemp("tok") / "tok"
+    docs = iter(sample_corpus_docs(limit=100))
+    return train_sentencepiece(docs, prefix, vocab_size=400, num_threads=1)
+
+
+def _copy(prefix: str, dest: Path) -> str:
+    dest.mkdir(parents=True, exist_ok=True)
+    for ext in (".bin", ".idx"):
+        shutil.copy(prefix + ext, dest / f"doc{ext}")
+    return str(dest / "doc")
+
+
+def _corrupt_magic(prefix: str, tmp: Path) -> str:
+    p = _copy(prefix, tmp / "magic")
+    with open(p + ".idx", "r+b") as f:
+        f.write(b"NOTANIDX")
+    return p
+
+
+def _truncate(prefix: str, tmp: Path, ext: str) -> str:
+    p = _copy(prefix, tmp / f"trunc{ext[1:]}")
+    size = os.path.getsize(p + ext)
+    with open(p + ext, "r+b") as f:
+        f.truncate(size - 10)
+    return p
+
+
+def _saved_checkpoint(tmp: Path, overrides: list[str]) -> Path:
+    """A save dir whose complete checkpoint recorded another model (d_model 64)."""
+    save = tmp / "old"
+    tag = save / "global_step5"
+    tag.mkdir(parents=True)
+    skip = {"--ds_config", "--model.d_model"}
+    args = [x for k, v in zip(TINY[::2], TINY[1::2]) if k not in skip for x in (k, v)]
+    cfg = load_config("quickstart", [*args, *overrides, "--model.d_model", "64"])
+    (tag / "config.yaml").write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
+    (tag / "complete").write_text("{}\n")
+    (save / "latest").write_text("global_step5")
+    return save
+
+
+CASES = {
+    "missing dataset": (lambda c, t, k: ["--data.path", str(t / "nope")], "index file not found"),
+    "corrupt index": (lambda c, t, k: ["--data.path", _corrupt_magic(c, t)], "wrong magic"),
+    "truncated index": (
+        lambda c, t, k: ["--data.path", _truncate(c, t, ".idx")],
+        "truncated index",
+    ),
+    "truncated data": (lambda c, t, k: ["--data.path", _truncate(c, t, ".bin")], "truncated data"),
+    "blend odd count": (lambda c, t, k: ["--data.path", f"0.5 {c} {c}"], "odd item count"),
+    "blend weight not a number": (lambda c, t, k: ["--data.path", f"x {c}"], "not a number"),
+    "blend weight negative": (lambda c, t, k: ["--data.path", f"-1 {c} 1 {c}"], ">= 0"),
+    "blend weights zero": (lambda c, t, k: ["--data.path", f"0 {c} 0 {c}"], "sum to zero"),
+    "tokenizer missing": (
+        lambda c, t, k: ["--data.path", c, "--data.tokenizer_model", str(t / "no.model")],
+        "data.tokenizer_model",
+    ),
+    "tokenizer not a model": (
+        lambda c, t, k: ["--data.path", c, "--data.tokenizer_model", c + ".idx"],
+        "not a readable sentencepiece model",
+    ),
+    "tokenizer larger than vocab": (
+        lambda c, t, k: ["--data.path", c, "--data.tokenizer_model", k],
+        "set --model.vocab_size 400",
+    ),
+    "seq_len beyond data": (
+        lambda c, t, k: ["--data.path", c, "--model.seq_len", "100000"],
+        "fewer than one sample",
+    ),
+    "save dir under a file": (
+        lambda c, t, k: ["--data.path", c, "--train.save_dir", c + ".bin/ckpt"],
+        "not a directory",
+    ),
+    "no disk for the checkpoint": (
+        lambda c, t, k: [
+            "--data.path",
+            c,
+            "--model.d_model",
+            "65536",
+            "--model.heads",
+            "64",
+            "--model.d_ff",
+            "262144",
+            "--model.layers",
+            "4",
+        ],
+        "GiB free",
+    ),
+    "resume path missing": (
+        lambda c, t, k: ["--data.path", c, "--resume", str(t / "gone")],
+        "does not exist",
+    ),
+    "resume without a complete checkpoint": (
+        lambda c, t, k: ["--data.path", c, "--resume", str(c.rsplit("/", 1)[0])],
+        "no complete checkpoint",
+    ),
+    "resume from another model": (
+        lambda c, t, k: [
+            "--data.path",
+            c,
+            "--resume",
+            str(_saved_checkpoint(t, ["--data.path", c])),
+        ],
+        "model.d_model 64 in the checkpoint, 32 here",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_bad_input_exits_2_before_any_process_group(case, corpus, big_tokenizer, tmp_path, capsys):
+    make, expect = CASES[case]
+    save = tmp_path / "save"
+    extra = make(corpus, tmp_path, big_tokenizer)
+    if "--train.save_dir" in extra:
+        save = Path(extra[extra.index("--train.save_dir") + 1])
+    else:
+        extra += ["--train.save_dir", str(save)]
+    given = set(extra[::2])
+    tiny = [x for k, v in zip(TINY[::2], TINY[1::2]) if k not in given for x in (k, v)]
+    args = [*tiny, *extra]
+    before = sorted(p.name for p in tmp_path.iterdir())
+    rc = _main()(args)
+    err = capsys.readouterr().err.strip()
+    assert rc == 2, err
+    assert not dist.is_initialized()
+    assert err.startswith("error: ") and "\n" not in err, err
+    assert expect in err, err
+    assert not save.exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == before
+
+
+def test_bad_input_in_a_real_process(tmp_path):
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    env.pop("WORLD_SIZE", None)
+    cmd = [sys.executable, str(MAIN), *TINY, "--data.path", str(tmp_path / "missing")]
+    cmd += ["--train.save_dir", str(tmp_path / "save")]
+    p = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 2, p.stderr
+    lines = p.stderr.strip().splitlines()
+    assert len(lines) == 1 and "index file not found" in lines[0], p.stderr
+    assert "re-run data_tools/tokenize.py" in lines[0]
+    assert not (tmp_path / "save").exists()
