@@ -485,6 +485,24 @@ def load_config(name_or_path: str = "quickstart", overrides: list[str] | None = 
     return _build(_override(data, parse_overrides(list(overrides or []))))
 
 
+def load_saved_config(path: str | Path) -> Config:
+    """The resolved config a checkpoint saved (``config.yaml``), validated like a preset.
+
+    Checkpoints written before the architecture records carried every architecture's settings;
+    the settings owned by another architecture than the saved ``model.arch`` are dropped."""
+    data = _load_yaml(str(path))
+    model = dict(data.get("model") or {})
+    reg = _registry()
+    try:
+        reg.load_plugins(tuple(model.get("plugins") or ()))
+        own = reg.resolve_architecture(model.get("arch", ModelConfig.arch)).option_names()
+    except reg.ArchitectureError as e:
+        raise ConfigError(f"{path}: {e}") from None
+    foreign = {k for a in reg.ARCHITECTURES.values() for k in a.option_names()} - set(own)
+    data["model"] = {k: v for k, v in model.items() if k not in foreign or hasattr(ModelConfig, k)}
+    return _build(data)
+
+
 def load_config_or_exit(name_or_path: str, overrides: list[str]) -> Config:
     """:func:`load_config` for command-line tools: a bad config prints one line and exits 2."""
     try:

@@ -137,3 +137,21 @@ def test_print_cli():
         check=False,
     )
     assert bad.returncode == 2 and "model.layers" in bad.stderr
+
+
+def test_saved_config_of_an_older_checkpoint_loads(tmp_path):
+    """config.yaml written before the architecture records carried every arch's section."""
+    import yaml
+
+    from tapered_megatron.config import load_saved_config
+
+    cfg = load_config("quickstart")
+    old = cfg.to_dict()
+    old["model"]["titans"] = {"chunk_size": 16, "window": 64}
+    old["model"]["hope"] = {"levels": 3, "periods": [0, 64, 16]}
+    old["model"]["gate"] = "elementwise"
+    path = tmp_path / "config.yaml"
+    path.write_text(yaml.safe_dump(old))
+    assert load_saved_config(path) == cfg
+    with pytest.raises(ConfigError, match="a config carries only its own"):
+        load_config(str(path))

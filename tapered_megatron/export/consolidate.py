@@ -33,7 +33,7 @@ from typing import Any
 
 import torch
 
-from tapered_megatron.config import Config, ConfigError, load_config
+from tapered_megatron.config import Config, ConfigError, load_saved_config
 from tapered_megatron.export.load import ExportError
 from tapered_megatron.models import build_model, units
 from tapered_megatron.parallel.layers import unshard
@@ -109,7 +109,7 @@ def resolve_checkpoint(path: str | Path, tag: str | None = None) -> CheckpointRe
             f"saving it); export a complete one with --tag ({', '.join(others) or 'none found'})"
         )
     try:
-        cfg = load_config(str(tag_dir / "config.yaml"))
+        cfg = load_saved_config(tag_dir / "config.yaml")
     except (ConfigError, FileNotFoundError) as e:
         raise ExportError(f"{tag_dir}/config.yaml: {e}") from None
     plan_file = tag_dir / "taper_plan.json"

@@ -22,7 +22,7 @@ from typing import Any
 
 import yaml
 
-from tapered_megatron.config import Config, ConfigError
+from tapered_megatron.config import Config, ConfigError, load_saved_config
 
 # Bytes per parameter in a DeepSpeed checkpoint: the module's weights plus Adam's fp32 moments
 # (and, with fp16/bf16 weights, the fp32 master copy).
@@ -170,8 +170,8 @@ def check_resume(cfg: Config) -> None:
         return
     saved_file = where[0] / where[1] / "config.yaml"
     try:
-        saved = yaml.safe_load(saved_file.read_text())
-    except (OSError, yaml.YAMLError) as e:
+        saved = load_saved_config(saved_file).to_dict()
+    except (OSError, yaml.YAMLError, ConfigError) as e:
         raise ConfigError(
             f"train.resume: cannot read {saved_file} ({e}); resume from another checkpoint"
         ) from None
