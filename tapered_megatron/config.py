@@ -54,12 +54,13 @@ class ConfigError(ValueError):
 class TitansConfig:
     """Titans neural long-term memory (tlm-spec.md section 5.3)."""
 
-    variant: str = "mag"  # mag | mal | lmm
+    variant: str = "mag"  # mag | mal | mac | lmm
     memory_depth: int = 2  # layers of the per-head memory MLP (>= 2)
     memory_expansion: int = 2  # hidden width of the memory MLP, as a multiple of head_dim
     chunk_size: int = 16  # tokens per chunk of the chunk-parallel update
     conv_size: int = 4  # short causal depthwise convolution on q, k, v
-    window: int = 64  # sliding-window size of the attention branch (MAG / MAL)
+    window: int = 64  # sliding-window size of the attention branch (MAG / MAL); MAC: segment
+    persistent_tokens: int = 0  # learned key/value pairs prepended to every attention (not lmm)
 
 
 @dataclass(frozen=True)
@@ -424,8 +425,19 @@ def validate(cfg: Config) -> None:
         f"model.gate: {m.gate!r} is not elementwise or headwise",
     )
     _require(
-        m.titans.variant in ("mag", "mal", "lmm"),
-        f"model.titans.variant: {m.titans.variant!r}; use mag, mal or lmm",
+        m.titans.variant in ("mag", "mal", "mac", "lmm"),
+        f"model.titans.variant: {m.titans.variant!r}; use mag, mal, mac or lmm",
+    )
+    _require(m.titans.persistent_tokens >= 0, "model.titans.persistent_tokens: must be >= 0")
+    _require(
+        m.titans.variant != "lmm" or m.titans.persistent_tokens == 0,
+        "model.titans.persistent_tokens: variant lmm has no attention to prepend them to; "
+        "use 0 or another variant",
+    )
+    _require(
+        m.titans.variant != "mac" or m.titans.window % m.titans.chunk_size == 0,
+        f"model.titans.window ({m.titans.window}) must be a multiple of model.titans.chunk_size "
+        f"({m.titans.chunk_size}) for variant mac (segments start at chunk starts)",
     )
     _require(m.titans.memory_depth >= 2, "model.titans.memory_depth: must be >= 2")
     for key in ("chunk_size", "conv_size", "window", "memory_expansion"):
