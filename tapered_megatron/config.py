@@ -73,7 +73,10 @@ class HopeConfig:
         64,
         16,
     )  # update period per level in tokens; 0 = never (plain MLP)
-    lr: float = 0.01  # inner-loop update rate scale; 0 disables in-context updates
+    lr: float = 1.0  # inner-loop rate scale (effective step on a repeated input); 0: no updates
+    rate: str = "learned"  # learned (sigmoid of a linear map of the level input) | constant
+    rate_init: float = 0.5  # learned rate: initial sigmoid value (gate bias logit(rate_init))
+    update: str = "association"  # association (next position) | teach (outer-loss signal)
 
 
 @dataclass(frozen=True)
@@ -450,6 +453,20 @@ def validate(cfg: Config) -> None:
     )
     _require(all(x >= 0 for x in m.hope.periods), "model.hope.periods: periods must be >= 0")
     _require(m.hope.lr >= 0, "model.hope.lr: must be >= 0")
+    _require(
+        m.hope.rate in ("learned", "constant"),
+        f"model.hope.rate: {m.hope.rate!r}; use learned or constant",
+    )
+    _require(0 < m.hope.rate_init < 1, "model.hope.rate_init: must lie in (0, 1)")
+    _require(
+        m.hope.update in ("association", "teach"),
+        f"model.hope.update: {m.hope.update!r}; use association or teach",
+    )
+    _require(
+        m.hope.update != "teach" or p.pp == 1,
+        "model.hope.update: teach needs a first pass of the whole model (parallel.pp = 1); "
+        "use association under pipeline parallelism",
+    )
     _require(
         t.schedule in SCHEDULES, f"taper.schedule: unknown {t.schedule!r}; use one of {SCHEDULES}"
     )

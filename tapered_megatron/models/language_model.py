@@ -171,6 +171,10 @@ class LanguageModel(nn.Module):
     def forward(
         self, input_ids: torch.Tensor, labels: torch.Tensor | tuple | None = None
     ) -> torch.Tensor:
+        if self.cfg.model.arch == "hope_attention" and self.cfg.model.hope.update == "teach":
+            from tapered_megatron.models.hope import teach_pass  # its first pass (hope.py doc)
+
+            teach_pass(self, input_ids)
         h = self.embedding(input_ids)
         for block in self.layers:
             h = block(h)

@@ -129,7 +129,7 @@ from tapered_megatron.parallel import (
 from tapered_megatron.parallel.layers import row_layout
 
 MAX_GRAD_NORM = 1.0  # per-token clip of the memory gradient (Frobenius, all layers)
-GATE_BIAS_INIT = {"theta": -2.0, "eta": 2.0}  # alpha: per head, see alpha_half_lives
+GATE_BIAS_INIT = {"theta": -3.0, "eta": 2.0}  # alpha: per head, see alpha_half_lives
 ALPHA_HALF_LIFE = (0.25, 16.0)  # initial forgetting half-lives, in windows, log-spaced over heads
 
 
