@@ -93,7 +93,6 @@ from tapered_megatron.parallel import (
     vocab_parallel_linear_cross_entropy_mean,
 )
 
-
 NORM_EPS = 1e-2  # added to a level input's squared norm before it divides the step (module doc)
 
 
@@ -229,7 +228,7 @@ class ContinuumMemory(MLPSlot):
 
     def __init__(self, cfg, layer: int, d_ff: int | None = None) -> None:
         super().__init__(cfg, layer)
-        m, h = cfg.model, cfg.model.hope
+        h = cfg.model.hope
         plan = cfg.taper_plan
         d_ff = plan.widths[layer] if d_ff is None else d_ff
         self.widths = level_widths(d_ff, h.levels, plan.unit)
