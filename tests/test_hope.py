@@ -183,3 +183,28 @@ def test_loss_decreases_on_real_text():
     first, last = sum(losses[:5]) / 5, sum(losses[-5:]) / 5
     print(f"hope_attention loss {first:.3f} -> {last:.3f}")
     assert last < first - 0.5
+
+
+def test_teach_signal_is_the_per_token_loss_gradient():
+    """The first pass gives every CMS the gradient of each token's next-token cross-entropy
+    w.r.t. the normalised final hidden state of the static model, over the RMS head weight."""
+    from tapered_megatron.models.hope import teach_pass
+
+    cfg = tiny_cfg("hope_attention", "--model.hope.update", "teach")
+    model = build_model(cfg)
+    ids = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(0))
+    teach_pass(model, ids)
+    signal = model.layers[0].mlp.teach_signal
+    assert all(block.mlp.teach_signal is signal for block in model.layers)
+    static = build_model(cfg.with_overrides(["--model.hope.lr", "0"]))  # same weights, no updates
+    with torch.no_grad():
+        h = static.embedding(ids)
+        for block in static.layers:
+            h = block(h)
+    x = static.head.norm(h).requires_grad_()
+    w = static.head.proj.weight.detach()
+    ce = F.cross_entropy((x @ w.T)[:, :-1].flatten(0, 1), ids[:, 1:].flatten(), reduction="sum")
+    (grad,) = torch.autograd.grad(ce, x)
+    grad[:, -1] = 0
+    torch.testing.assert_close(signal, grad / w.pow(2).mean().sqrt(), rtol=1e-4, atol=1e-6)
+    assert signal[:, :-1].norm(dim=-1).min() > 0

@@ -143,6 +143,7 @@ class CMSLevel(SwiGLU):
         r = eta * torch.sigmoid(u @ self.rate_w.to(u.dtype) + self.rate_b.to(u.dtype))
         return copy_to_tp_region(r)  # used on this rank's slice: sum the gradient over ranks
 
+    @torch.compiler.disable  # an outer torch.compile would unroll the loop over periods
     def forward_updating(
         self,
         u: torch.Tensor,
@@ -196,8 +197,9 @@ class CMSLevel(SwiGLU):
             dgv = torch.cat([da * v * _silu_grad(g), da * F.silu(g)], dim=-1)
             # per token: the gradient's norm (||d x^T|| = ||d|| ||x||) clipped to sqrt(d), the
             # rate, and each matrix's step divided by its input's squared norm (module doc)
-            a_sq, dgv_sq = reduce_from_tp_region(
-                torch.stack((a.pow(2).sum(-1), dgv.pow(2).sum(-1)))
+            # (full norms on every rank; the copy sums their rank-local gradients in backward)
+            a_sq, dgv_sq = copy_to_tp_region(
+                reduce_from_tp_region(torch.stack((a.pow(2).sum(-1), dgv.pow(2).sum(-1))))
             ).unbind(0)
             x_sq = x.pow(2).sum(-1)
             clip = torch.rsqrt(((a_sq * e.pow(2).sum(-1) + dgv_sq * x_sq) / d).clamp_min(1.0))
