@@ -202,17 +202,24 @@ class CMSLevel(SwiGLU):
         seq, c, d = u.shape[1], self.period, u.shape[-1]
         ul = copy_to_tp_region(u)
         w13, w2 = self.w13.weight, self.w2.weight  # shared [2h, d], [d, h] until materialised
-        rate = self.rates(u, eta)
-        gv_all, gv_from = ul @ w13.mT, 0  # static part of W_13 for every token, one matmul
+        # per-period pieces by split (one backward concatenation, not a zero-filled full-size
+        # gradient per slice); x W_13^T for every token is one matmul
+        xs_all = ul.split(c, dim=1)
+        x_sq_all = ul.pow(2).sum(-1).split(c, dim=1)
+        rate_all = self.rates(u, eta).split(c, dim=1)
+        if teach is None:
+            err_all = u[:, 1:].split(c, dim=1)  # association targets u_{t+1}
+        else:
+            err_all = teach.to(u.dtype).split(c, dim=1)  # the error itself
+        gv_all, gv_from = (ul @ w13.mT).split(c, dim=1), 0
         xs: list[torch.Tensor] = []  # factors: X, D (for W_13) and A, E (for W_2)
         ds: list[torch.Tensor] = []
         as_: list[torch.Tensor] = []
         es: list[torch.Tensor] = []
         outs = []
-        for start in range(0, seq, c):
-            end = min(start + c, seq)
-            x = ul[:, start:end]
-            gv = gv_all[:, start - gv_from : end - gv_from]
+        for p, x in enumerate(xs_all):
+            end = min((p + 1) * c, seq)
+            gv = gv_all[p - gv_from]
             if xs:
                 xp, dp, ap, ep = (torch.cat(f, dim=1) for f in (xs, ds, as_, es))
                 gv = gv - (x @ xp.mT) @ dp
@@ -225,10 +232,8 @@ class CMSLevel(SwiGLU):
             outs.append(out)
             if end >= seq:
                 break
-            if teach is None:
-                e = copy_to_tp_region(out - u[:, start + 1 : end + 1])
-            else:
-                e = teach[:, start:end].to(out.dtype)
+            e = err_all[p]
+            e = copy_to_tp_region(out - e) if teach is None else e
             da = e @ w2
             if xs:
                 da = da - (e @ ep.mT) @ ap
@@ -239,9 +244,9 @@ class CMSLevel(SwiGLU):
             a_sq, dgv_sq = copy_to_tp_region(
                 reduce_from_tp_region(torch.stack((a.pow(2).sum(-1), dgv.pow(2).sum(-1))))
             ).unbind(0)
-            x_sq = x.pow(2).sum(-1)
+            x_sq = x_sq_all[p]
             clip = torch.rsqrt(((a_sq * e.pow(2).sum(-1) + dgv_sq * x_sq) / d).clamp_min(1.0))
-            step = clip * rate[:, start:end]
+            step = clip * rate_all[p]
             xs.append(x)
             ds.append(dgv * (step / x_sq.clamp_min(NORM_EPS))[..., None])
             as_.append(a)
@@ -253,7 +258,8 @@ class CMSLevel(SwiGLU):
                 w13 = w13 - dp.mT @ xp
                 w2 = w2 - ep.mT @ ap
                 xs, ds, as_, es = [], [], [], []
-                gv_all, gv_from = ul[:, end:] @ w13.mT, end  # the rest, with the folded weights
+                # the rest of the sequence with the folded weights
+                gv_all, gv_from = (ul[:, end:] @ w13.mT).split(c, dim=1), p + 1
         return torch.cat(outs, dim=1)
 
 
