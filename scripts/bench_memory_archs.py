@@ -61,7 +61,7 @@ from datetime import datetime, timezone
 import torch
 import torch.nn.functional as F
 
-from tapered_megatron.config import load_config
+from tapered_megatron.config import Config, load_config
 from tapered_megatron.models import build_model
 
 LIB = [
@@ -78,8 +78,29 @@ SHAPE_1024 = [
 MAC = ["--model.titans.variant", "mac", "--model.titans.persistent_tokens", "4"]
 
 
+SECTIONS = {"titans": "--model.titans.", "hope_attention": "--model.hope."}
+
+
+def _config(base: list[str], *extra: str) -> Config:
+    """The quickstart config with ``base`` and ``extra``, keeping of the architecture sections
+    only the chosen ``--model.arch``'s (a config carries only its own arch's settings)."""
+    args = [*base, *extra]
+    arch = (
+        args[len(args) - 1 - args[::-1].index("--model.arch") + 1] if "--model.arch" in args else ""
+    )
+    drop = tuple(v for k, v in SECTIONS.items() if k != arch)
+    kept: list[str] = []
+    skipping = False
+    for x in args:
+        if x.startswith("--"):
+            skipping = x.startswith(drop)
+        if not skipping:
+            kept.append(x)
+    return load_config("quickstart", kept)
+
+
 def _ours(base: list[str], *extra: str) -> tuple[torch.nn.Module, Callable]:
-    cfg = load_config("quickstart", [*base, *extra])
+    cfg = _config(base, *extra)
     model = build_model(cfg)
 
     def step(ids: torch.Tensor) -> None:
@@ -91,7 +112,7 @@ def _ours(base: list[str], *extra: str) -> tuple[torch.nn.Module, Callable]:
 def _peer_titans_mac(base: list[str]) -> tuple[torch.nn.Module, Callable]:
     from titans_pytorch import MemoryAsContextTransformer
 
-    m = load_config("quickstart", base).model
+    m = _config(base, "--model.arch", "titans").model
     model = MemoryAsContextTransformer(
         num_tokens=m.vocab_size,
         dim=m.d_model,
@@ -126,7 +147,7 @@ def _peer_hope_teach(base: list[str]) -> tuple[torch.nn.Module, Callable]:
     from nested_learning.levels import LevelSpec
     from nested_learning.model import HOPEModel, ModelConfig
 
-    cfg = load_config("quickstart", [*base, "--model.arch", "hope_attention"])
+    cfg = _config(base, "--model.arch", "hope_attention")
     m = cfg.model
     never = 1 << 20  # its periods must be positive: longer than any sequence
     periods = [p if p > 0 else never for p in m.hope.periods]
@@ -218,7 +239,7 @@ def _shape(name: str, a: argparse.Namespace, status: dict) -> dict:
             params[key] = sum(p.numel() for p in entries[key][0].parameters())
         except Exception as e:  # a peer that cannot be built here is reported, not fatal
             status[key] = f"could not build: {type(e).__name__}: {e}"[:300]
-    cfg = load_config("quickstart", base)
+    cfg = _config(base)
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(0, cfg.model.vocab_size, (batch, cfg.model.seq_len + 1), generator=g)
     tok_s = _measure(entries, ids, a.rounds, status)

@@ -83,14 +83,17 @@ def make_batch(batch: int, pairs: int, gap: int, gen: torch.Generator):
 
 def build(arch: str, window: int, seq: int, *extra: str) -> torch.nn.Module:
     """A small model of ``arch``; transformer and hope_attention get window attention."""
+    own = {  # a config carries only its own architecture's settings
+        "titans": ["--model.titans.window", str(window), "--model.titans.chunk_size", "8"],
+        "hope_attention": ["--model.hope.periods", "0", "16", "8"],
+    }
     cfg = load_config(
         "quickstart",
         [
             "--model.arch", arch, "--model.d_model", "64", "--model.layers", "2",
             "--model.heads", "2", "--model.d_ff", "176", "--model.vocab_size", "192",
             "--model.make_vocab_size_divisible_by", "64", "--model.seq_len", str(seq),
-            "--model.titans.window", str(window), "--model.titans.chunk_size", "8",
-            "--model.hope.periods", "0", "16", "8", *extra,
+            *own.get(arch, []), *extra,
         ],
     )  # fmt: skip
     model = build_model(cfg)
