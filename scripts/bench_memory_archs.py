@@ -1,28 +1,51 @@
-"""Training throughput of the memory architectures (titans, hope_attention) next to the
-transformer, tapered vs uniform, and against the peer packages where they run.
+"""Training throughput of the memory architectures (titans MAG / MAC, hope_attention) next to
+our transformer in the same run, and against the peer packages at matched shapes.
 
-One forward + backward of the next-token loss per measurement (no optimizer step), all models
-measured round-robin in one process so machine noise hits them alike; the median of the rounds
-is reported. Prints one JSON line.
+One measurement = forward + backward of the next-token loss + an AdamW step (fp32, ``--threads``
+threads), all models measured round-robin in one process so machine noise hits them alike; the
+median of the rounds is reported as tokens/s. Prints one JSON line.
 
-Peers (benchmark-only extras, never runtime dependencies; install without touching torch)::
+Shapes (``--shapes``):
+
+* ``lib``: the model-library shape, d_model 256, 8 layers, 4 heads, SwiGLU 688, vocab 8192,
+  seq 256, batch 8, cosine taper; titans chunk 16, window (MAC: segment) 64; hope periods
+  0/64/16 (the quickstart settings). Also titans MAG at chunk 64 (the chunk-size trade-off).
+* ``1024``: d_model 1024, 16 heads, d_ff 3584, vocab 32000 (the 440M preset's widths and memory
+  settings: titans chunk 64, window 1024; hope periods 0/1024/64), seq 1024, batch 1, but only
+  ``--layers-1024`` layers (default 2) so that a CPU round takes seconds, not minutes.
+
+Peers (``lib`` shape only; benchmark-only extras, never runtime dependencies; install without
+touching torch)::
 
     pip install --no-deps titans-pytorch assoc-scan axial-positional-embedding einx \\
         hyper-connections rotary-embedding-torch x-transformers tensordict pyvers frozendict \\
         loguru torch_einops_utils nested-learning
 
-* ``titans-pytorch``: its LM is Memory-as-Context (no MAG LM exists there), built at our shape
-  (segments of ``window`` tokens, neural memory in every layer, memory chunk = our chunk size,
-  one residual stream); and its ``NeuralMemory`` alone against our memory branch (``lmm`` mixer)
-  at the same heads / head_dim / depth / expansion / chunk.
-* ``nested-learning``: its ``HOPEModel(block_variant="hope_attention")`` at our shape; its CMS
-  levels are fixed at 4 x dim hidden each (not budget-matched; params are reported), and its
-  in-context CMS updates need an outer-loss teach signal (a second pass), so its plain forward +
-  backward is timed.
+* ``titans-pytorch`` ``MemoryAsContextTransformer`` vs our MAC (``--model.titans.variant mac``,
+  4 persistent tokens): same width, depth, heads, head_dim, segment 64, memory chunk 16, memory
+  MLP depth 2 / expansion 2 in every layer, 4 persistent tokens, one residual stream, GEGLU
+  feed-forward of int(4 * 2/3 * 256) = 682 (ours: SwiGLU 688 tapered). Not like for like: its
+  MAC uses 16 learned long-term memory slots per segment (ours: one retrieved memory token per
+  segment token), takes all surprise gradients of a call at the call's start weights and reads
+  out per chunk (ours: per chunk start, per token), adds axial positions, and ties nothing; the
+  parameter counts are reported.
+* ``nested-learning`` ``HOPEModel(block_variant="hope_attention")`` vs our hope_attention with
+  ``hope.update teach``: its CMS levels rebuilt at our widths (per layer, level ``i`` of hidden
+  ``1.5 w_i``, so its two-matrix GELU MLP has our SwiGLU level's ``3 d w_i`` parameters), update
+  periods 64/16 and a never-updating first level (period 2^20), its reference training step:
+  forward with grad, teach signal (its ``compute_teach_signal`` formula, written out here because
+  its ``training`` module needs omegaconf), backward, then the second forward
+  with the teach signal (its in-context CMS updates, in place, under no_grad), AdamW. Ours:
+  first pass without grad, teach signal, second pass with per-sequence differentiable updates,
+  backward, AdamW. Both: two forward passes, one backward, CMS updates at the same periods; not
+  like for like: its updates are not differentiated and change the shared weights (one update per
+  batch, not per sequence), its head is tied to the embedding (fewer parameters), its levels are
+  LayerNorm + GELU MLPs with a residual each, its attention has no RoPE.
 
 Usage::
 
-    python scripts/bench_memory_archs.py [--rounds 3] [--batch 8] [--threads 2] [--no-peers]
+    python scripts/bench_memory_archs.py [--shapes lib 1024] [--rounds 3] [--threads 2]
+        [--no-peers]
 """
 
 from __future__ import annotations
@@ -38,36 +61,68 @@ from datetime import datetime, timezone
 import torch
 import torch.nn.functional as F
 
-from tapered_megatron.config import load_config
-from tapered_megatron.models import build_model, lm_loss
+from tapered_megatron.config import Config, load_config
+from tapered_megatron.models import build_model
 
-SHAPE = [
+LIB = [
     "--model.d_model", "256", "--model.layers", "8", "--model.heads", "4", "--model.d_ff", "688",
     "--model.vocab_size", "8192", "--model.seq_len", "256", "--model.titans.chunk_size", "16",
     "--model.titans.window", "64", "--model.hope.periods", "0", "64", "16",
 ]  # fmt: skip
+SHAPE_1024 = [
+    "--model.d_model", "1024", "--model.heads", "16", "--model.d_ff", "3584",
+    "--model.vocab_size", "32000", "--model.seq_len", "1024", "--model.titans.chunk_size", "64",
+    "--model.titans.window", "1024", "--model.hope.periods", "0", "1024", "64",
+    "--taper.multiple", "128",
+]  # fmt: skip
+MAC = ["--model.titans.variant", "mac", "--model.titans.persistent_tokens", "4"]
 
 
-def _ours(arch: str, schedule: str, *extra: str):
-    cfg = load_config(
-        "quickstart", [*SHAPE, "--model.arch", arch, "--taper.schedule", schedule, *extra]
+SECTIONS = {"titans": "--model.titans.", "hope_attention": "--model.hope."}
+
+
+def _config(base: list[str], *extra: str) -> Config:
+    """The quickstart config with ``base`` and ``extra``, keeping of the architecture sections
+    only the chosen ``--model.arch``'s (a config carries only its own arch's settings)."""
+    args = [*base, *extra]
+    arch = (
+        args[len(args) - 1 - args[::-1].index("--model.arch") + 1] if "--model.arch" in args else ""
     )
+    drop = tuple(v for k, v in SECTIONS.items() if k != arch)
+    kept: list[str] = []
+    skipping = False
+    for x in args:
+        if x.startswith("--"):
+            skipping = x.startswith(drop)
+        if not skipping:
+            kept.append(x)
+    return load_config("quickstart", kept)
+
+
+def _ours(base: list[str], *extra: str) -> tuple[torch.nn.Module, Callable]:
+    cfg = _config(base, *extra)
     model = build_model(cfg)
-    return model, lambda ids: lm_loss(model(ids[:, :-1]), ids[:, 1:])
+
+    def step(ids: torch.Tensor) -> None:
+        model(ids[:, :-1], ids[:, 1:]).backward()  # loss with the LM head fused in
+
+    return model, step
 
 
-def _peer_titans_mac(cfg):
+def _peer_titans_mac(base: list[str]) -> tuple[torch.nn.Module, Callable]:
     from titans_pytorch import MemoryAsContextTransformer
 
-    m = cfg.model
+    m = _config(base, "--model.arch", "titans").model
     model = MemoryAsContextTransformer(
         num_tokens=m.vocab_size,
         dim=m.d_model,
         depth=m.layers,
         segment_len=m.titans.window,
+        num_longterm_mem_tokens=16,
+        num_persist_mem_tokens=4,
         heads=m.heads,
         dim_head=m.head_dim,
-        ff_mult=4,  # SwiGLU-like GEGLU of int(4 * 2/3 * d) = 682 ~ our 688
+        ff_mult=4,
         num_residual_streams=1,
         neural_memory_layers=tuple(range(1, m.layers + 1)),
         neural_memory_segment_len=m.titans.chunk_size,
@@ -77,134 +132,141 @@ def _peer_titans_mac(cfg):
             "default_model_kwargs": {"depth": 2, "expansion_factor": 2.0},
         },
     )
-    return model, lambda ids: model(ids, return_loss=True)
+
+    for p in model.parameters():  # some of its parameters are broadcast views (stride 0),
+        if 0 in p.stride():  # which an in-place optimizer step cannot write
+            p.data = p.data.clone()
+
+    def step(ids: torch.Tensor) -> None:
+        model(ids, return_loss=True).backward()
+
+    return model, step
 
 
-def _peer_hope(cfg):
+def _peer_hope_teach(base: list[str]) -> tuple[torch.nn.Module, Callable]:
     from nested_learning.levels import LevelSpec
     from nested_learning.model import HOPEModel, ModelConfig
 
+    cfg = _config(base, "--model.arch", "hope_attention")
     m = cfg.model
-    levels = [LevelSpec(f"cms_{p}", p) for p in (1024, 64, 16)]  # 1024 > seq: never in-sequence
+    never = 1 << 20  # its periods must be positive: longer than any sequence
+    periods = [p if p > 0 else never for p in m.hope.periods]
+    levels = [LevelSpec(f"cms_{i}", p) for i, p in enumerate(periods)]
     mc = ModelConfig(
         vocab_size=m.vocab_size,
         dim=m.d_model,
         num_layers=m.layers,
         heads=m.heads,
-        titan_level=LevelSpec("titan", 16),
+        titan_level=LevelSpec("titan", min(periods)),
         cms_levels=levels,
         block_variant="hope_attention",
     )
     model = HOPEModel(mc)
+    from tapered_megatron.models.hope import level_widths
 
-    def loss(ids):
-        logits = model(ids[:, :-1])
-        return F.cross_entropy(logits.flatten(0, 1), ids[:, 1:].flatten())
+    for layer, block in enumerate(model.blocks):  # our CMS widths, parameter-matched
+        widths = level_widths(cfg.taper_plan.widths[layer], m.hope.levels, cfg.taper_plan.unit)
+        for spec, w in zip(levels, widths):
+            net = block.cms.blocks[spec.name].net
+            hidden = 3 * w // 2
+            net[1], net[3] = torch.nn.Linear(m.d_model, hidden), torch.nn.Linear(hidden, m.d_model)
 
-    return model, loss
+    def step(ids: torch.Tensor) -> None:
+        x, y = ids[:, :-1], ids[:, 1:]
+        logits = model(x)
+        loss = F.cross_entropy(logits.flatten(0, 1), y.flatten())
+        with torch.no_grad():  # its compute_teach_signal (training.py needs omegaconf)
+            resid = torch.softmax(logits, -1)
+            resid[:, :-1].scatter_add_(-1, x[:, 1:, None], -torch.ones_like(resid[:, :-1, :1]))
+            resid[:, -1] = 0
+            teach = resid / (x.shape[0] * (x.shape[1] - 1)) @ model.lm_head.weight
+        loss.backward()
+        with torch.no_grad():
+            model(x, teach_signal=teach)
 
-
-def _memory_modules(cfg, batch: int):
-    """Our memory branch (lmm mixer) vs titans-pytorch's NeuralMemory on x [b, s, d]."""
-    from titans_pytorch import NeuralMemory
-
-    from tapered_megatron.models.titans import TitansMixer
-    from tapered_megatron.parallel import init_parameters
-
-    m = cfg.model
-    lmm = cfg.with_overrides(["--model.titans.variant", "lmm"])
-    ours = TitansMixer(lmm, 0)
-    init_parameters(ours, 0)
-    peer = NeuralMemory(
-        dim=m.d_model,
-        chunk_size=m.titans.chunk_size,
-        dim_head=m.head_dim,
-        heads=m.heads,
-        default_model_kwargs={"depth": 2, "expansion_factor": 2.0},
-    )
-    x = torch.randn(batch, m.seq_len, m.d_model, generator=torch.Generator().manual_seed(0))
-
-    def run_peer(_ids):
-        out = peer(x)
-        out = out[0] if isinstance(out, tuple) else out
-        return out.pow(2).mean()
-
-    return (ours, lambda _ids: ours(x).pow(2).mean()), (peer, run_peer)
+    return model, step
 
 
-def _time(fn: Callable, ids: torch.Tensor) -> float:
+def _time(model: torch.nn.Module, step: Callable, opt: torch.optim.Optimizer, ids) -> float:
     t0 = time.perf_counter()
-    fn(ids).backward()
+    step(ids)
+    opt.step()
+    opt.zero_grad(set_to_none=True)
     return time.perf_counter() - t0
+
+
+def _measure(entries: dict, ids: torch.Tensor, rounds: int, status: dict) -> dict[str, float]:
+    opts = {k: torch.optim.AdamW(m.parameters(), lr=1e-4) for k, (m, _) in entries.items()}
+    times: dict[str, list[float]] = {k: [] for k in entries}
+    for k, (model, step) in list(entries.items()):  # warm-up; a peer failing here is reported
+        try:
+            _time(model, step, opts[k], ids)
+        except Exception as e:
+            status[k] = f"could not run: {type(e).__name__}: {e}"[:300]
+            del entries[k], times[k]
+    for _ in range(rounds):
+        for k, (model, step) in entries.items():
+            times[k].append(_time(model, step, opts[k], ids))
+    tokens = ids.shape[0] * (ids.shape[1] - 1)
+    return {k: round(tokens / statistics.median(v), 1) for k, v in times.items()}
+
+
+def _shape(name: str, a: argparse.Namespace, status: dict) -> dict:
+    base = LIB if name == "lib" else [*SHAPE_1024, "--model.layers", str(a.layers_1024)]
+    batch = a.batch if name == "lib" else 1
+    builds: dict[str, Callable] = {
+        "transformer": lambda: _ours(base, "--model.arch", "transformer"),
+        "titans MAG": lambda: _ours(base, "--model.arch", "titans"),
+        "titans MAC (4 persistent tokens)": lambda: _ours(base, "--model.arch", "titans", *MAC),
+        "hope_attention": lambda: _ours(base, "--model.arch", "hope_attention"),
+    }
+    if name == "lib":
+        builds["titans MAG, chunk 64"] = lambda: _ours(
+            base, "--model.arch", "titans", "--model.titans.chunk_size", "64"
+        )
+        builds["hope_attention, teach signal"] = lambda: _ours(
+            base, "--model.arch", "hope_attention", "--model.hope.update", "teach"
+        )
+        if not a.no_peers:
+            builds["peer: titans-pytorch MAC"] = lambda: _peer_titans_mac(base)
+            builds["peer: nested-learning hope_attention, teach signal"] = lambda: _peer_hope_teach(
+                base
+            )
+    entries, params = {}, {}
+    for key, build in builds.items():
+        try:
+            entries[key] = build()
+            params[key] = sum(p.numel() for p in entries[key][0].parameters())
+        except Exception as e:  # a peer that cannot be built here is reported, not fatal
+            status[key] = f"could not build: {type(e).__name__}: {e}"[:300]
+    cfg = _config(base)
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, cfg.model.vocab_size, (batch, cfg.model.seq_len + 1), generator=g)
+    tok_s = _measure(entries, ids, a.rounds, status)
+    ref = tok_s.get("transformer")
+    return {
+        "shape": {"d_model": cfg.model.d_model, "layers": cfg.model.layers,
+                  "heads": cfg.model.heads, "d_ff": cfg.model.d_ff,
+                  "vocab": cfg.model.vocab_size, "seq": cfg.model.seq_len, "batch": batch},
+        "tokens_per_s": tok_s,
+        "over_transformer": {k: round(v / ref, 3) for k, v in tok_s.items()} if ref else {},
+        "params": params,
+    }  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--shapes", nargs="+", default=["lib", "1024"], choices=["lib", "1024"])
     ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--batch", type=int, default=8, help="batch of the lib shape")
+    ap.add_argument("--layers-1024", type=int, default=2)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--no-peers", action="store_true")
     a = ap.parse_args(argv)
     torch.set_num_threads(a.threads)
     torch.manual_seed(0)
-
-    entries: dict[str, tuple] = {}
-    params: dict[str, int] = {}
-    for arch in ("transformer", "titans", "hope_attention"):
-        for schedule in ("cosine", "uniform"):
-            model, fn = _ours(arch, schedule)
-            key = f"{arch}/{'tapered' if schedule == 'cosine' else 'uniform'}"
-            entries[key], params[key] = (model, fn), sum(p.numel() for p in model.parameters())
-    # The nested-learning peer's timed forward makes no in-context CMS update; this is ours
-    # doing the same work (update rate 0: attention + the static CMS chain).
-    key = "hope_attention/uniform, static CMS (hope.lr 0)"
-    model, fn = _ours("hope_attention", "uniform", "--model.hope.lr", "0")
-    entries[key], params[key] = (model, fn), sum(p.numel() for p in model.parameters())
-    base = load_config("quickstart", SHAPE)
-    peers_status: dict[str, str] = {}
-    if not a.no_peers:
-        for name, build in (
-            ("peer:titans-pytorch MAC", lambda: _peer_titans_mac(base)),
-            ("peer:nested-learning hope_attention", lambda: _peer_hope(base)),
-        ):
-            try:
-                entries[name] = build()
-                params[name] = sum(p.numel() for p in entries[name][0].parameters())
-                peers_status[name] = "ran"
-            except Exception as e:  # a peer that cannot run here is reported, not fatal
-                peers_status[name] = f"could not run: {type(e).__name__}: {e}"[:300]
-        try:
-            (om, of), (pm, pf) = _memory_modules(base, a.batch)
-            entries["module:ours memory (lmm mixer)"] = (om, of)
-            entries["module:titans-pytorch NeuralMemory"] = (pm, pf)
-            for k, mod in (
-                ("module:ours memory (lmm mixer)", om),
-                ("module:titans-pytorch NeuralMemory", pm),
-            ):
-                params[k] = sum(p.numel() for p in mod.parameters())
-            peers_status["module:titans-pytorch NeuralMemory"] = "ran"
-        except Exception as e:
-            peers_status["module:titans-pytorch NeuralMemory"] = f"could not run: {e}"[:300]
-
-    seq = base.model.seq_len
-    ids = torch.randint(0, base.model.vocab_size, (a.batch, seq + 1))
-    times: dict[str, list[float]] = {k: [] for k in entries}
-    for k, (_, fn) in list(entries.items()):  # warm-up (and drop peers that fail at run time)
-        try:
-            _time(fn, ids)
-        except Exception as e:
-            peers_status[k] = f"could not run: {type(e).__name__}: {e}"[:300]
-            del entries[k], times[k]
-    for _ in range(a.rounds):
-        for k, (model, fn) in entries.items():
-            model.zero_grad(set_to_none=True)
-            times[k].append(_time(fn, ids))
-    tokens = a.batch * seq
-    tok_s = {k: round(tokens / statistics.median(v), 1) for k, v in times.items()}
-    ratio = {
-        arch: round(tok_s[f"{arch}/tapered"] / tok_s[f"{arch}/uniform"], 3)
-        for arch in ("transformer", "titans", "hope_attention")
-    }
+    status: dict[str, str] = {}
+    results = {name: _shape(name, a, status) for name in a.shapes}
     print(
         json.dumps(
             {
@@ -213,17 +275,13 @@ def main(argv: list[str] | None = None) -> int:
                 "machine": f"{platform.machine()} {platform.processor() or ''}".strip(),
                 "torch": torch.__version__,
                 "threads": a.threads,
-                "shape": {"d_model": 256, "layers": 8, "heads": 4, "d_ff": 688, "vocab": 8192,
-                          "seq": seq, "batch": a.batch, "dtype": "fp32"},
-                "measure": "forward+backward of the loss, median of rounds",
+                "measure": "forward + backward + AdamW step, fp32, median of round-robin rounds",
                 "rounds": a.rounds,
-                "tokens_per_s": tok_s,
-                "tapered_over_uniform": ratio,
-                "params": params,
-                "peers": peers_status,
+                "results": results,
+                "failures": status,
             }
         )
-    )  # fmt: skip
+    )
     return 0
 
 

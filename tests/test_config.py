@@ -77,7 +77,46 @@ def test_public_entry_point():
         (["--data.split", "a,b"], r"data\.split"),
         (["--train.iters", "1", "--train.iters", "2"], r"given twice"),
         (["train.iters", "1"], r"unexpected argument"),
-        (["--model.arch", "titans", "--train.compile", "true"], r"train\.compile: supported for"),
+        (
+            [
+                "--model.arch",
+                "titans",
+                "--model.titans.variant",
+                "mac",
+                "--model.titans.window",
+                "20",
+            ],
+            r"titans\.window",
+        ),
+        (
+            [
+                "--model.arch",
+                "titans",
+                "--model.titans.variant",
+                "lmm",
+                "--model.titans.persistent_tokens",
+                "2",
+            ],
+            r"persistent",
+        ),
+        (
+            ["--model.arch", "titans", "--model.titans.persistent_tokens", "-1"],
+            r"titans\.persistent_tokens",
+        ),
+        (["--model.arch", "hope_attention", "--model.hope.rate", "adaptive"], r"hope\.rate"),
+        (["--model.arch", "hope_attention", "--model.hope.rate_init", "1.0"], r"hope\.rate_init"),
+        (["--model.arch", "hope_attention", "--model.hope.update", "outer"], r"hope\.update"),
+        (
+            [
+                "--model.arch",
+                "hope_attention",
+                "--model.hope.update",
+                "teach",
+                "--parallel.pp",
+                "2",
+            ],
+            r"hope\.update: teach",
+        ),
         (
             [
                 "--model.arch",

@@ -11,7 +11,7 @@ from real_text import train_losses
 from test_titans import assert_causal, tiny_cfg
 
 from tapered_megatron.models import build_model, count_model
-from tapered_megatron.models.hope import ContinuumMemory, level_widths
+from tapered_megatron.models.hope import NORM_EPS, ContinuumMemory, level_widths
 
 
 def _plain_chain(cms: ContinuumMemory, u: torch.Tensor) -> torch.Tensor:
@@ -69,11 +69,14 @@ def test_updates_start_exactly_at_the_first_boundary():
     assert not torch.allclose(on[:, 4:], off[:, 4:])
 
 
-def _reference_level(level, u: torch.Tensor, eta: float) -> torch.Tensor:
+def _reference_level(level, u: torch.Tensor, eta: float, teach=None) -> torch.Tensor:
     """The CMS rule written plainly: per-sequence weights, per-token autograd gradients of
-    ``1/2 ||f(u_t) - u_{t+1}||^2`` clipped to norm ``sqrt(d)``, summed over the period and applied
-    at its end."""
+    ``1/2 ||f(u_t) - u_{t+1}||^2`` (or of ``<f(u_t), teach_t>``: output error ``teach_t``) clipped
+    to norm ``sqrt(d)``, scaled by the token's rate and divided by the squared norm of each
+    matrix's input (``u_t`` for W_13, ``a_t`` for W_2), summed over the period, applied at its
+    end."""
     d, c = u.shape[-1], level.period
+    rates = level.rates(u, eta).detach()
     outs = []
     for b in range(u.shape[0]):
         w13, w2 = level.w13.weight.detach().clone(), level.w2.weight.detach().clone()
@@ -81,34 +84,66 @@ def _reference_level(level, u: torch.Tensor, eta: float) -> torch.Tensor:
         rows = []
         for t in range(u.shape[1]):
             if t > 0 and t % c == 0:
-                w13, w2 = w13 - eta * acc13, w2 - eta * acc2
+                w13, w2 = w13 - acc13, w2 - acc2
                 acc13, acc2 = torch.zeros_like(w13), torch.zeros_like(w2)
             p13, p2 = w13.clone().requires_grad_(), w2.clone().requires_grad_()
             gate, up = F.linear(u[b, t], p13).chunk(2)
             y = F.linear(F.silu(gate) * up, p2)
             rows.append(y.detach())
             if t + 1 < u.shape[1]:
-                g13, g2 = torch.autograd.grad(0.5 * (y - u[b, t + 1]).pow(2).sum(), (p13, p2))
+                inner = (
+                    0.5 * (y - u[b, t + 1]).pow(2).sum()
+                    if teach is None
+                    else (y * teach[b, t]).sum()
+                )
+                g13, g2 = torch.autograd.grad(inner, (p13, p2))
                 norm = torch.sqrt(g13.pow(2).sum() + g2.pow(2).sum())
-                clip = min(1.0, d**0.5 / norm.item())
-                acc13, acc2 = acc13 + clip * g13, acc2 + clip * g2
+                step = min(1.0, d**0.5 / norm.item()) * rates[b, t]
+                a_sq = (F.silu(gate) * up).pow(2).sum().detach()
+                acc13 = acc13 + step / u[b, t].pow(2).sum().clamp_min(NORM_EPS) * g13
+                acc2 = acc2 + step / (a_sq + NORM_EPS) * g2
         outs.append(torch.stack(rows))
     return torch.stack(outs)
 
 
-@pytest.mark.parametrize("seq", [24, 80])  # 80 > d_model: factors are materialised mid-sequence
-def test_cms_level_equals_plain_reference(seq):
-    cfg = tiny_cfg("hope_attention", "--model.seq_len", str(seq))
+@pytest.mark.parametrize(
+    "seq, rate, update, periods",
+    [
+        (24, "learned", "association", ["0", "16", "4"]),
+        (80, "learned", "association", ["0", "16", "4"]),  # 80 > d_model: factors folded
+        (24, "constant", "association", ["0", "16", "4"]),
+        (24, "learned", "teach", ["0", "16", "4"]),
+        (40, "learned", "association", ["0", "1", "3"]),  # period 1: the token-by-token rule
+        (40, "learned", "teach", ["0", "1", "3"]),
+    ],
+)
+def test_cms_level_equals_plain_reference(seq, rate, update, periods):
+    cfg = tiny_cfg(
+        "hope_attention",
+        *("--model.seq_len", str(seq), "--model.hope.rate", rate, "--model.hope.update", update),
+        *("--model.hope.periods", *periods),
+    )
     cms = build_model(cfg).layers[0].mlp
-    u = F.rms_norm(torch.randn(2, seq, cfg.model.d_model), (cfg.model.d_model,))
+    d = cfg.model.d_model
+    gen = torch.Generator().manual_seed(3)
+    u = F.rms_norm(torch.randn(2, seq, d, generator=gen), (d,))
+    teach = torch.randn(2, seq, d, generator=gen) if update == "teach" else None
     for level in cms.levels[1:]:
         with torch.no_grad():
-            got = level.forward_updating(u, cms.eta)
-        torch.testing.assert_close(got, _reference_level(level, u, cms.eta), rtol=1e-4, atol=1e-5)
+            got = level.forward_updating(u, cms.eta, teach)
+            rates = level.rates(u, cms.eta)
+        if rate == "learned":  # data-dependent: different per token
+            assert rates.std() > 0.01 * rates.mean()
+        ref = _reference_level(level, u, cms.eta, teach)
+        torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-5)
 
 
-def test_causal_across_period_boundaries():
-    cfg = tiny_cfg("hope_attention")
+@pytest.mark.parametrize(
+    "overrides",
+    [[], ["--model.hope.update", "teach"], ["--model.hope.rate", "constant"]],
+)
+def test_causal_across_period_boundaries(overrides):
+    cfg = tiny_cfg("hope_attention", *overrides)
     model = build_model(cfg).train()
     # periods 16 and 4: cut points on, before and after boundaries
     assert_causal(model, 256, 32, [0, 3, 4, 5, 15, 16, 20, 30])
@@ -121,15 +156,22 @@ def test_budget_follows_d_ff_and_gradients_reach_every_level():
     for layer, width in enumerate(cfg.taper_plan.widths):
         cms = model.layers[layer].mlp
         assert sum(cms.widths) == width
-        assert sum(p.numel() for p in cms.parameters()) == 3 * d * width
+        gates = sum(lv.updating for lv in cms.levels) * (d + 1)  # one rate gate per updating level
+        assert gates == 2 * (d + 1)
+        matrices = [p for n, p in cms.named_parameters() if not n.split(".")[-1].startswith("rate")]
+        assert sum(p.numel() for p in matrices) == 3 * d * width
+        assert sum(p.numel() for p in cms.parameters()) == 3 * d * width + gates
     ref = count_model(cfg.with_overrides(["--model.arch", "transformer"]))
-    assert count_model(cfg).params_total == ref.params_total
+    layers = cfg.model.layers
+    assert count_model(cfg).params_total == ref.params_total + layers * 2 * (d + 1)
     ids = torch.randint(0, 256, (2, 33), generator=torch.Generator().manual_seed(0))
     from tapered_megatron.models import lm_loss
 
     lm_loss(model(ids[:, :-1]), ids[:, 1:]).backward()
     for level in model.layers[0].mlp.levels:
         assert level.w13.weight.grad.abs().sum() > 0 and level.w2.weight.grad.abs().sum() > 0
+        if level.updating:
+            assert level.rate_w.grad.abs().sum() > 0 and level.rate_b.grad.abs().sum() > 0
     assert level_widths(96, 3, 16) == [32, 32, 32] and level_widths(112, 3, 16) == [48, 32, 32]
     with pytest.raises(ValueError, match=r"hope\.levels"):
         level_widths(32, 3, 16)
@@ -141,3 +183,28 @@ def test_loss_decreases_on_real_text():
     first, last = sum(losses[:5]) / 5, sum(losses[-5:]) / 5
     print(f"hope_attention loss {first:.3f} -> {last:.3f}")
     assert last < first - 0.5
+
+
+def test_teach_signal_is_the_per_token_loss_gradient():
+    """The first pass gives every CMS the gradient of each token's next-token cross-entropy
+    w.r.t. the normalised final hidden state of the static model, over the RMS head weight."""
+    from tapered_megatron.models.hope import teach_pass
+
+    cfg = tiny_cfg("hope_attention", "--model.hope.update", "teach")
+    model = build_model(cfg)
+    ids = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(0))
+    teach_pass(model, ids)
+    signal = model.layers[0].mlp.teach_signal
+    assert all(block.mlp.teach_signal is signal for block in model.layers)
+    static = build_model(cfg.with_overrides(["--model.hope.lr", "0"]))  # same weights, no updates
+    with torch.no_grad():
+        h = static.embedding(ids)
+        for block in static.layers:
+            h = block(h)
+    x = static.head.norm(h).requires_grad_()
+    w = static.head.proj.weight.detach()
+    ce = F.cross_entropy((x @ w.T)[:, :-1].flatten(0, 1), ids[:, 1:].flatten(), reduction="sum")
+    (grad,) = torch.autograd.grad(ce, x)
+    grad[:, -1] = 0
+    torch.testing.assert_close(signal, grad / w.pow(2).mean().sqrt(), rtol=1e-4, atol=1e-6)
+    assert signal[:, :-1].norm(dim=-1).min() > 0

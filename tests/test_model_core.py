@@ -170,8 +170,12 @@ def test_bf16_autocast_trains_like_fp32(arch):
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
             loss = model(ids, ids)
         loss.backward()
-        grads = torch.cat([p.grad.flatten() for p in model.parameters()])
-        assert all(p.grad.dtype == torch.float32 for p in model.parameters())
+        # hope's level of period 64 never updates in 24 tokens: its rate gate gets no gradient
+        unused = [n for n, p in model.named_parameters() if p.grad is None]
+        assert all(".rate_" in n for n in unused), unused
+        used = [p for p in model.parameters() if p.grad is not None]
+        grads = torch.cat([p.grad.flatten() for p in used])
+        assert all(p.grad.dtype == torch.float32 for p in used)
         runs.append((loss.item(), grads))
     assert abs(runs[1][0] - runs[0][0]) < 2e-2
     assert torch.isfinite(runs[1][1]).all()

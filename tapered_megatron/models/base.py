@@ -14,7 +14,9 @@ the only list of architectures (``model.arch`` accepts exactly its keys). A reco
 * its options dataclass (frozen), parsed from the config section ``model.<section>`` of that
   architecture only (a config never carries another architecture's section);
 * a validation function for checks that need the whole config;
-* the cost model's efficiency of its mixer and whether ``torch.compile`` is supported.
+* the cost model's efficiency of its mixer and whether ``torch.compile`` is supported;
+* an optional first pass of the whole model before each forward (Hope's teach signal; it needs
+  the whole model in one process).
 
 Protocol of the two module classes (what the block, the unit table and the counters rely on):
 
@@ -62,6 +64,8 @@ from typing import TYPE_CHECKING
 from torch import nn
 
 if TYPE_CHECKING:
+    import torch
+
     from tapered_megatron.config import Config
 
 
@@ -124,6 +128,8 @@ class Architecture:
         mixer_efficiency: the mixer's achieved fraction of attention's efficiency on the same
             device (the pipeline cost model scales its mixer time by it).
         compiles: whether ``train.compile`` (``torch.compile``) is supported.
+        first_pass: ``first_pass(model, input_ids)``, run by ``LanguageModel.forward`` before
+            its pass (Hope's teach signal); ``None``: no first pass.
     """
 
     name: str
@@ -134,6 +140,7 @@ class Architecture:
     validate: Callable[[Config], None] | None = None
     mixer_efficiency: float = 1.0
     compiles: bool = False
+    first_pass: Callable[[nn.Module, torch.Tensor], None] | None = None
 
     @property
     def options_key(self) -> str | None:

@@ -16,42 +16,71 @@ Choices the paper leaves open, and ours:
   adds it to the residual stream). No extra norms inside the chain (none to budget).
 * Budget (the tapered site): level widths ``h_i`` split layer ``l``'s ``d_ff(l)`` as evenly as
   possible in units of the taper plan's rounding unit (``taper.multiple``; earlier levels get
-  the remainder), so ``sum_i h_i = d_ff(l)`` and the CMS has exactly ``3 d d_ff(l)`` parameters,
-  the SwiGLU MLP it replaces; tapered and uniform stay budget-equal. With ``K = 1`` and period 0
-  the slot *is* the SwiGLU MLP.
-* Inner objective (the paper allows any local objective): an associative next-position loss
-  ``l_t(W) = 1/2 ||f_i(u_t; W) - u_{t+1}||^2`` -- each level learns in context to map its input
-  at one position to its input at the next (the "lookahead value" of Zhao & Jones,
-  arXiv 2601.00671; an induction-style memory). It needs no outer-loss signal, so it works the
-  same in training, evaluation and generation, under pipeline parallelism, without a second pass.
-* Update: plain gradient steps with constant rate ``eta = hope.lr / d_model`` per token (the
-  inputs are RMS-normalised, so ``||u||^2 ~ d_model`` and ``hope.lr`` is the effective step on a
-  repeated input), summed over the period (the paper's sum, not a mean), all gradients taken at
-  the period-start weights. ``hope.lr = 0`` or period 0 disables updates for a level (plain MLP).
+  the remainder), so ``sum_i h_i = d_ff(l)`` and the CMS matrices have exactly ``3 d d_ff(l)``
+  parameters, the SwiGLU MLP it replaces; tapered and uniform stay budget-equal. Each updating
+  level adds a rate gate of ``d + 1`` parameters (below; 0.03 % of the level at d 1024), the same
+  in every layer, so tapered and uniform still differ by exactly ``3 d`` times the width
+  deviation. With ``K = 1`` and period 0 the slot *is* the SwiGLU MLP.
+* Inner objective, ``hope.update`` (the paper allows any local objective):
+  ``association`` (default): the next-position loss ``l_t(W) = 1/2 ||f_i(u_t; W) - u_{t+1}||^2``
+  -- each level learns in context to map its input at one position to its input at the next (the
+  "lookahead value" of Zhao & Jones, arXiv 2601.00671; an induction-style memory). It needs no
+  outer-loss signal, so it works the same in training, evaluation and generation, under pipeline
+  parallelism, in one pass.
+  ``teach``: the error of token ``t`` is the outer language-model loss's own signal, the "teach
+  signal" of the Nested Learning reference implementation (nested-learning on PyPI,
+  ``training.compute_teach_signal`` and the CMS chunk loss ``||f(u) - (f(u) - teach)||^2``):
+  ``delta_t = (softmax(z_t) - one_hot(x_{t+1})) W_head``, the gradient of token ``t``'s
+  cross-entropy w.r.t. the (normalised) final hidden state, used as every level's output error.
+  It comes from a first, no-grad pass of the whole model with static CMS levels
+  (:func:`teach_pass`, called by ``LanguageModel.forward``); the second pass is the real one.
+  Ours differs from the reference in three stated ways: the signal is per token (not divided by
+  the token count), divided by the RMS entry of ``W_head`` (so its size does not follow the head's
+  weight growth; ``||delta_t|| ~ sqrt(d) ||softmax - one_hot||``, the scale of the association
+  error), and the updates act inside the same sequence at the period boundaries (the reference
+  applies them between chunks of a stream). Causal: ``delta_t`` depends on tokens ``<= t + 1``
+  and enters the weights at the boundary after ``t``, i.e. at positions ``>= t + 1``. Costs one
+  extra forward pass; needs the whole model in one process (``parallel.pp = 1``).
+* Rate, ``hope.rate``: ``learned`` (default): per level and token, ``eta_t = (hope.lr / d_model)
+  sigmoid(u_t w_i + b_i)`` from the level's own input, as Titans computes its step size theta
+  (Behrouz et al. 2025), with ``w_i ~ normal(0, init_std)`` and ``b_i = logit(hope.rate_init)``.
+  ``constant``: ``eta = hope.lr / d_model`` for every token. The inputs are RMS-normalised, so
+  ``||u||^2 ~ d_model`` and ``hope.lr * sigmoid(.)`` is the effective step on a repeated input
+  (the fraction of the error on that input one update removes, for a linear level).
+  Defaults (``lr 1``, ``rate_init 0.5``: an effective step of 0.5 at init) were chosen so the
+  updates move the block from step 0 (the earlier constant ``0.01 / d`` changed the CMS output by
+  0.4 % at d 256 and 0.07 % at d 1024; the numbers now are in tests/test_memory_in_context.py).
+* Update: gradient steps summed over the period (the paper's sum, not a mean), all gradients
+  taken at the period-start weights; ``hope.lr = 0`` or period 0 disables updates for a level
+  (plain MLP).
 * Each token's inner gradient is clipped to norm ``sqrt(d_model)`` (norm 1 per unit-norm
   input; Frobenius over the level's three matrices). Without it a large ``hope.lr`` let the fast
   levels diverge inside a sequence (fp32 overflow within a few training steps at ``lr = 0.5``);
   with it the weights can only drift linearly in the sequence length.
-* Causality: the update applied at boundary ``(p+1) C`` uses pairs ``(u_t, u_{t+1})`` for
-  ``t`` in period ``p``, i.e. inputs at positions ``<= (p+1) C``; it first affects the output at
-  position ``(p+1) C``. Outputs at ``<= t`` never see tokens ``> t``.
-* The updates are differentiable: the outer loop learns initial weights that work well *after*
-  the in-context updates (second-order terms included, as for Titans' memory). Updated weights
-  are per sequence; a new sequence starts from the learned weights.
-* Computation: the accumulated updates are kept as factors (``W_13 = W^0 - eta sum D^T X``,
-  ``W_2 = W^0 - eta sum E^T A``) and applied in dual form (``x W^T = x W_0^T - eta (x X^T) D``);
+* Causality: the update applied at boundary ``(p+1) C`` uses pairs ``(u_t, u_{t+1})`` (or
+  ``delta_t``) for ``t`` in period ``p``, i.e. inputs at positions ``<= (p+1) C``; it first
+  affects the output at position ``(p+1) C``. Outputs at ``<= t`` never see tokens ``> t``.
+* The updates are differentiable: the outer loop learns initial weights (and the rate gates) that
+  work well *after* the in-context updates (second-order terms included, as for Titans' memory).
+  Updated weights are per sequence; a new sequence starts from the learned weights.
+* Computation: the accumulated updates are kept as factors (``W_13 = W^0 - sum r D^T X``,
+  ``W_2 = W^0 - sum r E^T A``) and applied in dual form (``x W^T = x W_0^T - (x X^T) D``);
   they are folded into per-sequence weights once ``d_model`` tokens have accumulated, which
-  bounds the per-token cost. Building per-sequence weight copies every period instead was 25x
+  bounds the per-token cost. ``x W_13^T`` for every token is one matmul before the period loop
+  (redone for the rest of the sequence after a fold), so the loop only adds the dual-form
+  corrections and ``W_2``. Building per-sequence weight copies every period instead was 25x
   slower than a static level on CPU (elementwise passes over ``B x 3 d w`` per period).
 * Tensor parallelism: every level's hidden width is split over TP ranks (``W_g, W_u``
   column-parallel, ``W_2`` row-parallel); the inner gradient needs the full level output, which
-  the row-parallel all-reduce already provides, so updates cost no extra communication.
+  the row-parallel all-reduce already provides, so updates cost no extra communication. The rate
+  gates are replicated; their gradient is summed over ranks (``copy_to_tp_region``).
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Literal
 
 import torch
 import torch.nn.functional as F
@@ -62,10 +91,17 @@ from tapered_megatron.models.attention import Attention
 from tapered_megatron.models.base import Architecture, Counts, MLPSlot, register_architecture
 from tapered_megatron.models.layers import silu_grad
 from tapered_megatron.models.mlp import SwiGLU
-from tapered_megatron.parallel.mappings import copy_to_tp_region, reduce_from_tp_region
+from tapered_megatron.parallel import (
+    copy_to_tp_region,
+    get_tensor_model_parallel_world_size,
+    reduce_from_tp_region,
+    vocab_parallel_linear_cross_entropy_mean,
+)
 
 if TYPE_CHECKING:
     from tapered_megatron.config import Config
+
+NORM_EPS = 1e-2  # added to a level input's squared norm before it divides the step (module doc)
 
 
 @dataclass(frozen=True)
@@ -74,11 +110,15 @@ class HopeOptions:
 
     levels: int = at_least(1, 3)  # K MLP levels in the chain
     periods: tuple[int, ...] = at_least(0, (0, 64, 16))  # update period per level; 0 = never
-    lr: float = at_least(0.0, 0.01)  # inner-loop update rate scale; 0 disables the updates
+    lr: float = at_least(0.0, 1.0)  # inner-loop rate scale (effective step on a repeated input)
+    rate: Literal["learned", "constant"] = "learned"  # learned: sigmoid of a map of the input
+    rate_init: float = 0.5  # learned rate: initial sigmoid value (gate bias logit(rate_init))
+    update: Literal["association", "teach"] = "association"  # next position | outer-loss signal
 
 
 def _validate(cfg: Config) -> None:
-    """One period per level; the narrowest layer splits into that many rounding units."""
+    """One period per level; the narrowest layer splits into that many rounding units; a
+    learned rate's initial value lies in (0, 1); ``teach`` needs the whole model (no pipeline)."""
     h, plan = cfg.model.hope, cfg.taper_plan
     if len(h.periods) != h.levels:
         raise ConfigError(
@@ -89,6 +129,13 @@ def _validate(cfg: Config) -> None:
             f"model.hope.levels: the narrowest layer (d_ff={min(plan.widths)}) cannot be split "
             f"into {h.levels} CMS levels of at least one rounding unit ({plan.unit}); use fewer "
             "levels, a wider model.d_ff or a smaller taper.multiple"
+        )
+    if not 0 < h.rate_init < 1:
+        raise ConfigError(f"model.hope.rate_init: {h.rate_init} must lie in (0, 1)")
+    if h.update == "teach" and cfg.parallel.pp != 1:
+        raise ConfigError(
+            "model.hope.update: teach needs a first pass of the whole model (parallel.pp = 1); "
+            "use association under pipeline parallelism"
         )
 
 
@@ -104,98 +151,146 @@ def level_widths(d_ff: int, levels: int, unit: int) -> list[int]:
     return [(base + (1 if i < extra else 0)) * unit for i in range(levels)]
 
 
+def _logit(p: float) -> float:
+    return math.log(p) - math.log1p(-p)
+
+
 class CMSLevel(SwiGLU):
     """One level of the chain: a SwiGLU of width ``d_ff`` with an update period (0: never).
 
     ``forward`` is the plain SwiGLU (static weights); :meth:`forward_updating` adds the in-context
-    updates.
+    updates. An updating level with ``hope.rate = learned`` owns its rate gate ``rate_w`` [d],
+    ``rate_b`` [1] (replicated over TP ranks).
     """
 
     def __init__(self, cfg, layer: int, d_ff: int, period: int) -> None:
         super().__init__(cfg, layer, d_ff=d_ff)
+        m, h = cfg.model, cfg.model.hope
         self.period = period
+        self.updating = period > 0 and h.lr > 0
+        self.rate_w = self.rate_b = None
+        if self.updating and h.rate == "learned":
+            self.rate_w = nn.Parameter(torch.empty(m.d_model))
+            self.rate_w.init_std = m.init_std
+            self.rate_b = nn.Parameter(torch.full((1,), _logit(h.rate_init)))
 
+    def rates(self, u: torch.Tensor, eta: float) -> torch.Tensor:
+        """Per-token step sizes [B, S]: ``eta * sigmoid(u w + b)`` (learned) or ``eta``."""
+        if self.rate_w is None:
+            return torch.full(u.shape[:-1], eta, dtype=u.dtype, device=u.device)
+        r = eta * torch.sigmoid(u @ self.rate_w.to(u.dtype) + self.rate_b.to(u.dtype))
+        return copy_to_tp_region(r)  # used on this rank's slice: sum the gradient over ranks
+
+    @torch.compiler.disable  # an outer torch.compile would unroll the loop over periods
     def forward_updating(
-        self, u: torch.Tensor, eta: float, record: list | None = None
+        self,
+        u: torch.Tensor,
+        eta: float,
+        teach: torch.Tensor | None = None,
+        record: list | None = None,
     ) -> torch.Tensor:
         """Output with in-context updates at every multiple of ``period``; ``u`` [B, S, d].
 
-        The updated weights are kept in factored form, ``W_13 = W_13^0 - eta sum D^T X`` and
-        ``W_2 = W_2^0 - eta sum E^T A`` over the tokens seen so far, and applied as
-        ``x W^T = x W_0^T - eta (x X^T) D`` (the dual form), so no per-sequence weight copy is
-        built; the factors are folded into materialised per-sequence weights once more than
-        ``d_model`` tokens have accumulated, which bounds the dual form's cost per token.
+        The error of token ``t`` is ``f(u_t) - u_{t+1}`` (association), or ``teach[:, t]`` when
+        given (the outer loss's signal). The updated weights are kept in factored form,
+        ``W_13 = W_13^0 - sum r D^T X`` and ``W_2 = W_2^0 - sum r E^T A`` over the tokens seen so
+        far (``r`` the per-token rate and clip, folded into ``D`` and ``E``), and applied as
+        ``x W^T = x W_0^T - (x X^T) D`` (the dual form), so no per-sequence weight copy is built;
+        the factors are folded into materialised per-sequence weights once ``d_model`` tokens
+        have accumulated, which bounds the dual form's cost per token.
         """
         seq, c, d = u.shape[1], self.period, u.shape[-1]
         ul = copy_to_tp_region(u)
         w13, w2 = self.w13.weight, self.w2.weight  # shared [2h, d], [d, h] until materialised
+        # per-period pieces by split (one backward concatenation, not a zero-filled full-size
+        # gradient per slice); x W_13^T for every token is one matmul
+        xs_all = ul.split(c, dim=1)
+        x_sq_all = ul.pow(2).sum(-1).split(c, dim=1)
+        rate_all = self.rates(u, eta).split(c, dim=1)
+        if teach is None:
+            err_all = u[:, 1:].split(c, dim=1)  # association targets u_{t+1}
+        else:
+            err_all = teach.to(u.dtype).split(c, dim=1)  # the error itself
+        gv_all, gv_from = (ul @ w13.mT).split(c, dim=1), 0
         xs: list[torch.Tensor] = []  # factors: X, D (for W_13) and A, E (for W_2)
         ds: list[torch.Tensor] = []
         as_: list[torch.Tensor] = []
         es: list[torch.Tensor] = []
         outs = []
-        for start in range(0, seq, c):
-            x = ul[:, start : start + c]
-            gv = x @ w13.transpose(-1, -2)
+        for p, x in enumerate(xs_all):
+            end = min((p + 1) * c, seq)
+            gv = gv_all[p - gv_from]
             if xs:
                 xp, dp, ap, ep = (torch.cat(f, dim=1) for f in (xs, ds, as_, es))
-                gv = gv - eta * ((x @ xp.transpose(1, 2)) @ dp)
+                gv = gv - (x @ xp.mT) @ dp
             g, v = gv.chunk(2, dim=-1)
             a = F.silu(g) * v
-            o = a @ w2.transpose(-1, -2)
+            o = a @ w2.mT
             if xs:
-                o = o - eta * ((a @ ap.transpose(1, 2)) @ ep)
+                o = o - (a @ ap.mT) @ ep
             out = reduce_from_tp_region(o)
             outs.append(out)
-            if start + c >= seq:
+            if end >= seq:
                 break
-            e = copy_to_tp_region(out - u[:, start + 1 : start + c + 1])
+            e = err_all[p]
+            e = copy_to_tp_region(out - e) if teach is None else e
             da = e @ w2
             if xs:
-                da = da - eta * ((e @ ep.transpose(1, 2)) @ ap)
+                da = da - (e @ ep.mT) @ ap
             dgv = torch.cat([da * v * silu_grad(g), da * F.silu(g)], dim=-1)
-            # per-token clip of the gradient norm (||d x^T|| = ||d|| ||x||), scale 1/sqrt(d)
-            sq = reduce_from_tp_region(
-                a.pow(2).sum(-1) * e.pow(2).sum(-1) + dgv.pow(2).sum(-1) * x.pow(2).sum(-1)
-            )
-            scale = torch.rsqrt((sq / d).clamp_min(1.0))[..., None]
+            # per token: the gradient's norm (||d x^T|| = ||d|| ||x||) clipped to sqrt(d), the
+            # rate, and each matrix's step divided by its input's squared norm (module doc)
+            # (full norms on every rank; the copy sums their rank-local gradients in backward)
+            a_sq, dgv_sq = copy_to_tp_region(
+                reduce_from_tp_region(torch.stack((a.pow(2).sum(-1), dgv.pow(2).sum(-1))))
+            ).unbind(0)
+            x_sq = x_sq_all[p]
+            clip = torch.rsqrt(((a_sq * e.pow(2).sum(-1) + dgv_sq * x_sq) / d).clamp_min(1.0))
+            step = clip * rate_all[p]
             xs.append(x)
-            ds.append(dgv * scale)
+            ds.append(dgv * (step / x_sq.clamp_min(NORM_EPS))[..., None])
             as_.append(a)
-            es.append(e * scale)
+            es.append(e * (step / (a_sq + NORM_EPS))[..., None])
             if record is not None and bool(ds[-1].abs().amax() + es[-1].abs().amax() > 0):
-                record.append(start + c)
+                record.append(end)
             if sum(f.shape[1] for f in xs) >= d:
                 xp, dp, ap, ep = (torch.cat(f, dim=1) for f in (xs, ds, as_, es))
-                w13 = w13 - eta * (dp.transpose(1, 2) @ xp)
-                w2 = w2 - eta * (ep.transpose(1, 2) @ ap)
+                w13 = w13 - dp.mT @ xp
+                w2 = w2 - ep.mT @ ap
                 xs, ds, as_, es = [], [], [], []
+                # the rest of the sequence with the folded weights
+                gv_all, gv_from = (ul[:, end:] @ w13.mT).split(c, dim=1), p + 1
         return torch.cat(outs, dim=1)
 
 
 class ContinuumMemory(MLPSlot):
     """The CMS MLP slot of layer ``layer``: ``forward(u [B, S, d]) -> sum_i f_i(u_{i-1})``.
 
+    With ``hope.update = teach`` the levels learn from ``self.teach_signal`` [B, S, d], which
+    :func:`teach_pass` sets before the model's forward (without it the chain is static).
     ``record_updates = True`` makes each forward store, per level, the token positions at which
     that level's weights were updated (``self.last_updates``), for tests and diagnostics.
     """
 
     def __init__(self, cfg, layer: int, d_ff: int | None = None) -> None:
         super().__init__(cfg, layer)
-        m, h = cfg.model, cfg.model.hope
+        h = cfg.model.hope
         plan = cfg.taper_plan
         d_ff = plan.widths[layer] if d_ff is None else d_ff
         self.widths = level_widths(d_ff, h.levels, plan.unit)
-        self.eta = h.lr / m.d_model
+        self.eta = h.lr
+        self.update = h.update
         self.levels = nn.ModuleList(
             CMSLevel(cfg, layer, w, p) for w, p in zip(self.widths, h.periods)
         )
+        self.teach_signal: torch.Tensor | None = None
         self.record_updates = False
         self.last_updates: list[list[int]] = []
 
     @classmethod
     def counts(cls, cfg, layer: int, dtype_bytes: int = 2, d_ff: int | None = None) -> Counts:
-        """Full-model params (exactly ``3 d d_ff(l)``), forward FLOPs/token, activation bytes."""
+        """Full-model params (``3 d d_ff(l)`` plus ``d + 1`` per learned rate gate), forward
+        FLOPs/token, activation bytes."""
         m, h = cfg.model, cfg.model.hope
         d = m.d_model
         d_ff = cfg.taper_plan.widths[layer] if d_ff is None else d_ff
@@ -207,21 +302,29 @@ class ContinuumMemory(MLPSlot):
                 # dual form over n ~ min(s, d)/2 held factor tokens: x X^T D, a A^T E, e E^T A
                 # (n (3d + 4w)), e W2 (d w) and the fold into weights every d tokens (3 d w);
                 # kept: D, E, clip scale (2w + d + 1), the three n-wide products, the folded
-                # per-sequence weights (3 d w per d tokens)
+                # per-sequence weights (3 d w per d tokens); a learned rate: d + 1 params, d MACs
                 n = min(m.seq_len, d) / 2
                 macs = 4 * d * w + n * (3 * d + 4 * w)
                 elems = 2 * w + d + 1 + 3 * n + 3 * w
-                base = base + Counts(0, 2.0 * macs, elems * dtype_bytes)
+                gate = d + 1 if h.rate == "learned" else 0
+                base = base + Counts(gate, 2.0 * (macs + gate), (elems + 1) * dtype_bytes)
             total = total + base
         return total
 
     def forward(self, u: torch.Tensor) -> torch.Tensor:
+        teach = self.teach_signal if self.update == "teach" else None
+        if teach is not None and teach.shape != u.shape:
+            raise RuntimeError(
+                f"hope teach signal of shape {tuple(teach.shape)} for input {tuple(u.shape)}: "
+                "it is set by teach_pass(model, input_ids) for this very input"
+            )
+        active = self.update == "association" or teach is not None
         total = None
         self.last_updates = []
         for level in self.levels:
             rec: list[int] = []
-            if level.period > 0 and self.eta > 0:
-                o = level.forward_updating(u, self.eta, rec if self.record_updates else None)
+            if level.updating and active:
+                o = level.forward_updating(u, self.eta, teach, rec if self.record_updates else None)
             else:
                 o = level(u)
             self.last_updates.append(rec)
@@ -230,8 +333,49 @@ class ContinuumMemory(MLPSlot):
         return total
 
 
+@torch.no_grad()
+def teach_pass(model: nn.Module, input_ids: torch.Tensor) -> None:
+    """First pass of ``hope.update = teach``: run ``model`` with static CMS levels, take the
+    per-token gradient of the next-token cross-entropy w.r.t. the normalised final hidden state
+    (``(softmax - one_hot(next id)) W_head``, zero at the last position, divided by the RMS
+    entry of ``W_head``) and hand it to every :class:`ContinuumMemory` as its teach signal."""
+    cms = [m for m in model.modules() if isinstance(m, ContinuumMemory)]
+    for c in cms:
+        c.teach_signal = None
+    h = model.embedding(input_ids)
+    for block in model.layers:
+        h = block(h)
+    head = model.head
+    target = F.pad(input_ids[:, 1:], (0, 1))
+    mask = torch.ones(input_ids.shape, device=h.device)
+    mask[:, -1] = 0
+    weight = head.proj.weight.detach()
+    with torch.enable_grad():
+        x = head.norm(h).detach().requires_grad_()
+        loss = vocab_parallel_linear_cross_entropy_mean(copy_to_tp_region(x), weight, target, mask)
+        (grad,) = torch.autograd.grad(loss, x)
+    ms = reduce_from_tp_region(weight.float().pow(2).sum())
+    ms = ms / (weight.numel() * get_tensor_model_parallel_world_size())
+    signal = grad * (mask.sum() * torch.rsqrt(ms)).to(grad.dtype)
+    for c in cms:
+        c.teach_signal = signal
+
+
+def _first_pass(model: nn.Module, input_ids: torch.Tensor) -> None:
+    """The record's first pass: :func:`teach_pass` when ``hope.update = teach``."""
+    if model.cfg.model.hope.update == "teach":
+        teach_pass(model, input_ids)
+
+
 register_architecture(
     Architecture(
-        "hope_attention", Attention, ContinuumMemory, HopeOptions, "hope", validate=_validate
+        "hope_attention",
+        Attention,
+        ContinuumMemory,
+        HopeOptions,
+        "hope",
+        validate=_validate,
+        compiles=True,  # the CMS period loop stays eager (torch.compiler.disable)
+        first_pass=_first_pass,
     )
 )

@@ -254,10 +254,13 @@ class LanguageModel(nn.Module):
         self.embedding = embedding
         self.layers = nn.ModuleList(blocks)
         self.head = head
+        self._first_pass = resolve_architecture(cfg.model.arch).first_pass
 
     def forward(
         self, input_ids: torch.Tensor, labels: torch.Tensor | tuple | None = None
     ) -> torch.Tensor:
+        if self._first_pass is not None:
+            self._first_pass(self, input_ids)
         h = self.embedding(input_ids)
         for block in self.layers:
             h = block(h)

@@ -24,8 +24,9 @@ of cumulative log-gates, masked before ``exp``, so nothing is divided by a vanis
 The read-out ``M_t(q_t)`` never materialises ``M_t``: layer by
 layer, ``M_t x_t = B_t M_0 x_t + P_t S_0 x_t - sum_i c_{t,i} delta_i (a_i . x_t)``, i.e. two
 weight matmuls plus a causally masked ``b x b`` "attention" over the chunk's gradient factors
-(the dual form of TTT). At the chunk end ``M`` and ``S`` are materialised (``delta^T diag(c) a``)
-and carried to the next chunk; the loop over chunks is the scan. No Python loop over tokens.
+(the dual form of TTT). At the chunk end ``M`` and ``S`` are materialised (one matmul per layer,
+``delta^T [c_b a | (E_b/E) a]``) and carried to the next chunk; the loop over chunks is the
+scan, one call of :func:`_chunk_step` per chunk. No Python loop over tokens.
 
 Choices the paper leaves open, and ours:
 
@@ -36,9 +37,20 @@ Choices the paper leaves open, and ours:
 * Gradients inside a chunk are w.r.t. the chunk-start weights ``M_0``; momentum ``S`` and decay
   are exact per token (not per chunk). ``S`` starts at zero for every sequence; ``M`` starts at
   learned per-head weights (meta-learned by the outer loop, through the memory updates).
+* Precision: the memory state (``M``, ``S``), the gate products and every product of the scan
+  run in fp32 whatever the activation dtype (autocast is switched off inside the scan; fp64
+  inputs stay fp64); only the read-out is cast back. Over thousands of tokens a bf16 state would
+  accumulate rounding in every decay and update; the projections around the memory still run in
+  the activation dtype. (tests: bf16 autocast vs fp64 at sequence 4096 within 1 %.)
 * ``theta_t, eta_t, alpha_t`` are per head and per token: ``sigmoid(x W + b)`` with a per-head
-  bias (the only biases in the model) initialised to ``theta ~= 0.12, eta ~= 0.88,
-  alpha ~= 0.018`` so that a fresh memory neither explodes nor forgets everything.
+  bias (the only biases in the model). ``theta ~= 0.12`` and ``eta ~= 0.88`` for every head;
+  ``alpha`` is spread over heads: the initial forgetting half-lives ``T_h`` (``alpha_h = 1 -
+  2^{-1/T_h}``) are log-spaced from ``window / 4`` to ``16 window`` tokens
+  (:func:`alpha_half_lives`), so from step 0 some heads keep what they saw for many attention
+  windows while others track the recent past. (A single init of ``alpha ~= 0.018`` for every
+  head, half-life ~38 tokens, forgot everything beyond a 1024-token window before training could
+  discover the long-range use; the spread is ours, in the spirit of the multi-timescale decays
+  of RetNet and Mamba's ``A`` init.)
 * Memory MLP: ``W_L silu(... silu(W_1 k))``, no biases, no residual, no inner norm; SiLU (whose
   derivative the explicit backward uses). Init: normal with std ``1/sqrt(fan_in)`` per head.
 * The loss is the plain sum of squares (gradient ``2 (M(k) - v)``); ``theta`` absorbs the scale.
@@ -52,13 +64,50 @@ Choices the paper leaves open, and ours:
 * MAG (default): ``o = W_o [RMSNorm_h(attn) * sigmoid(RMSNorm_h(mem))]`` with per-head RMS norms
   carrying learnable vector gains ("normalise with learnable vector-valued weights, then a
   non-linearity"); the attention branch is sliding-window causal softmax attention (window
-  ``window``, RoPE, its own q/k/v). No persistent memory tokens.
+  ``window``, RoPE, its own q/k/v); the memory reads the block input ``x``.
 * MAL: the memory layer first (``W_m RMSNorm_h(mem)``), then sliding-window attention over its
   output. LMM (memory only): ``o = W_o RMSNorm_h(mem)``.
+* MAC (memory as context, the paper's section 4.1), segments of ``window`` tokens, processed in
+  order. For segment ``s``: (1) retrieve ``h_t = M*_{s-1}(q_t)`` with the memory state at the
+  segment start (the memory's own query projection, conv and SiLU applied to ``x``; no update);
+  (2) the retrieved vectors become memory tokens in the token space (``W_h RMS_h(h)``, a
+  row-parallel map) and go through the attention's own K/V projections; (3) attention over
+  ``[persistent | memory tokens | segment]`` with a causal mask on both the memory tokens and the
+  segment (token ``t`` sees ``h_j`` and ``x_j`` for ``j <= t`` only, so it stays strictly causal:
+  ``h_j`` depends on ``x_j``); RoPE with positions local to the segment (relative positions are
+  what attention sees; the same position for ``h_j`` and ``x_j``); (4) the memory learns from
+  ``y = x + W_y attn`` in this segment (keys, values, gates and its read-out queries all come
+  from ``y``; the paper's ``y_t`` is the attention output, ours adds it to the input in residual
+  form, as a block adds its attention sub-layer: from the attention output alone, whose
+  consecutive tokens are near-identical averages, the stale chunk gradients summed over a chunk
+  overshot and a fresh memory blew up, read-out norm 2300 instead of 12 within 1024 tokens at
+  chunk 64, and a 0.2 % input change grew to 100 % of the output), and (5) the block output is
+  ``W_o [RMSNorm_h(attn) * sigmoid(RMSNorm_h(M_t(q(y_t))))]``, the paper's ``y_t (x) M*_t(y_t)``
+  in MAG's gated form. ``window`` must be a multiple of ``chunk_size`` so that segment starts are
+  chunk starts. The segment loop is sequential (segment ``s`` needs the memory written by
+  ``s - 1``); everything inside a segment is batched.
+* Persistent memory tokens (``persistent_tokens = N``, all variants with attention): ``N``
+  learned key/value pairs per head, prepended to the keys and values of every query's attention
+  (always visible, outside the window and the causal mask; the paper's "learnable
+  data-independent parameters" prepended to the sequence). Learned directly as per-head keys and
+  values (the form of titans-pytorch), not as d-dimensional tokens projected by W_K/W_V: equally
+  expressive and input-independent; their keys are not rotated by RoPE. Init normal(0,
+  ``init_std``), so they start as near-uniform, near-zero-value "sinks". The memory branch of
+  MAG/MAL does not see them (in the paper it does; a fixed prefix would only pre-load the memory
+  with the same input-independent content in every sequence).
 * Tensor parallelism: memory heads are split across TP ranks exactly like attention heads; every
-  memory computation is local to its head, so the memory adds no communication.
+  memory computation is local to its head, so the memory adds no communication (MAC: the two
+  row-parallel maps ``W_h``, ``W_y`` add one all-reduce each per segment).
 * The memory MLP is state, not the tapered site: the block's separate SwiGLU MLP tapers. The
-  MAG mixer has about 1.8x the parameters of plain attention (its own memory q/k/v).
+  MAG mixer has about 1.8x the parameters of plain attention (its own memory q/k/v); MAC adds
+  ``W_h`` and ``W_y``.
+* Speed: one kernel sequence per chunk (:func:`_chunk_step`: the key pass, the per-token clip,
+  the read-out of every layer, the chunk-end state); the first chunk uses a zero momentum
+  instead of a special case, so every chunk runs the same graph. ``train.compile`` compiles
+  that step once (``torch.compile``, shapes fixed) and keeps the loop over chunks eager, so an
+  outer ``torch.compile`` of the model never unrolls the scan (which took minutes to compile).
+  Larger chunks fill the matmuls better (the ``b x b`` dual form grows, the per-chunk state
+  materialisation is amortised): see docs/BENCHMARKS.md for the chunk-size trade-off measured.
 * titans-pytorch (the reference implementation on PyPI) takes all surprise gradients of one
   forward call w.r.t. the call's starting weights and reads out with chunk-granular weights;
   ours takes them at each chunk start and reads out per token, so chunk size 1 is exact.
@@ -68,41 +117,87 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tapered_megatron.config import at_least
+from tapered_megatron.config import ConfigError, at_least
 from tapered_megatron.models.base import Architecture, Counts, TokenMixer, register_architecture
 from tapered_megatron.models.layers import RotaryEmbedding, silu_grad
 from tapered_megatron.models.mlp import SwiGLU
 from tapered_megatron.parallel import (
     ColumnParallelLinear,
     RowParallelLinear,
+    copy_to_tp_region,
     get_tensor_model_parallel_world_size,
 )
 from tapered_megatron.parallel.layers import row_layout
 
+if TYPE_CHECKING:
+    from tapered_megatron.config import Config
+
 MAX_GRAD_NORM = 1.0  # per-token clip of the memory gradient (Frobenius, all layers)
-GATE_BIAS_INIT = {"theta": -2.0, "eta": 2.0, "alpha": -4.0}
+GATE_BIAS_INIT = {"theta": -3.0, "eta": 2.0}  # alpha: per head, see alpha_half_lives
+ALPHA_HALF_LIFE = (0.25, 16.0)  # initial forgetting half-lives, in windows, log-spaced over heads
 
 
 @dataclass(frozen=True)
 class TitansOptions:
     """``model.titans``: the neural long-term memory (tlm-spec.md section 5.3)."""
 
-    variant: Literal["mag", "mal", "lmm"] = "mag"
+    variant: Literal["mag", "mal", "mac", "lmm"] = "mag"
     memory_depth: int = at_least(2, 2)  # layers of the per-head memory MLP
     memory_expansion: int = at_least(1, 2)  # memory MLP hidden width, as a multiple of head_dim
     chunk_size: int = at_least(1, 16)  # tokens per chunk of the chunk-parallel update
     conv_size: int = at_least(1, 4)  # short causal depthwise convolution on q, k, v
-    window: int = at_least(1, 64)  # sliding-window size of the attention branch (MAG / MAL)
+    window: int = at_least(1, 64)  # attention window (MAG / MAL); MAC: segment length
+    persistent_tokens: int = at_least(0, 0)  # learned key/value pairs before every attention
+
+
+def _validate(cfg: Config) -> None:
+    """Persistent tokens need an attention (not lmm); MAC segments start at chunk starts."""
+    t = cfg.model.titans
+    if t.variant == "lmm" and t.persistent_tokens:
+        raise ConfigError(
+            "model.titans.persistent_tokens: variant lmm has no attention to prepend them to; "
+            "use 0 or another variant"
+        )
+    if t.variant == "mac" and t.window % t.chunk_size:
+        raise ConfigError(
+            f"model.titans.window ({t.window}) must be a multiple of model.titans.chunk_size "
+            f"({t.chunk_size}) for variant mac (segments start at chunk starts)"
+        )
 
 
 # --------------------------------------------------------------------------------------------
 # the memory rule
+
+
+@dataclass
+class MemoryState:
+    """The memory between chunks: per layer the weights ``M`` and momentum ``S`` stacked,
+    ``[B or 1, H, 2, out_l, in_l]`` (index 0: ``M``, 1: ``S``), in fp32 (fp64 for fp64 inputs).
+    Stacked so that the chunk-end update of both is one batched matmul (``_chunk_step``)."""
+
+    layers: list[torch.Tensor]
+
+    @property
+    def weights(self) -> list[torch.Tensor]:
+        """``M`` per layer, ``[B or 1, H, out_l, in_l]``."""
+        return [x[:, :, 0] for x in self.layers]
+
+    @classmethod
+    def initial(cls, weights: list[torch.Tensor], dtype: torch.dtype) -> MemoryState:
+        """The state at the start of a sequence: the learned weights, zero momentum."""
+        return cls(
+            [torch.stack((w, torch.zeros_like(w)), 1).unsqueeze(0).to(dtype) for w in weights]
+        )
+
+
+def _state_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
 
 
 def _mlp_forward_backward(
@@ -116,7 +211,7 @@ def _mlp_forward_backward(
     acts, pre = [k], []
     x = k
     for i, w in enumerate(weights):
-        z = x @ w.transpose(-1, -2)
+        z = x @ w.mT
         if i < len(weights) - 1:
             pre.append(z)
             x = F.silu(z)
@@ -130,6 +225,19 @@ def _mlp_forward_backward(
         deltas.append(delta)
     deltas.reverse()
     return acts, deltas
+
+
+def mlp_read(weights: list[torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+    """``M(x)`` through fixed (per-sequence) memory weights ``[B or 1, H, out, in]``; x
+    ``[B, H, n, D]``, computed in the weights' dtype with autocast off, returned in x's."""
+    out_dtype = x.dtype
+    with torch.autocast(x.device.type, enabled=False):
+        h = x.to(weights[0].dtype)
+        for i, w in enumerate(weights):
+            h = h @ w.mT
+            if i < len(weights) - 1:
+                h = F.silu(h)
+    return h.to(out_dtype)
 
 
 def _chunk_coefficients(
@@ -160,6 +268,57 @@ def _clip_scale(acts: list[torch.Tensor], deltas: list[torch.Tensor]) -> torch.T
     return MAX_GRAD_NORM / torch.sqrt(sq.clamp_min(MAX_GRAD_NORM**2))
 
 
+def _chunk_step(
+    state: list[torch.Tensor],
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    theta: torch.Tensor,
+    coef: torch.Tensor,
+    keep: torch.Tensor,
+    mom: torch.Tensor,
+    s_keep: torch.Tensor,
+    s_coef: torch.Tensor,
+) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """One chunk of the scan: read-out ``M_t(q_t)`` for its tokens and the chunk-end state.
+
+    ``state``: chunk-start ``[M | S]`` per layer (:class:`MemoryState` layout); ``q, k, v``
+    [B, H, b, D]; ``theta``, ``keep``, ``mom``, ``s_coef`` [B, H, b]; ``coef`` [B, H, b, b];
+    ``s_keep`` [B, H]. The chunk-end ``[M | S] = [[B_b, P_b], [0, E_b]] [M_0 | S_0] - updates``
+    is one ``baddbmm`` per layer (no elementwise passes over the state).
+    """
+    bsz, heads = q.shape[:2]
+    pairs = [ms.unbind(2) for ms in state]  # (M_0, S_0) per layer
+    acts, deltas = _mlp_forward_backward([m0 for m0, _ in pairs], k, v)
+    th = (theta * _clip_scale(acts, deltas))[..., None]
+    deltas = [d * th for d in deltas]  # theta_i folded into the gradient factors
+    kp, mm = keep[..., None], mom[..., None]
+    x = q
+    for layer, ((m0, s0), a, d) in enumerate(zip(pairs, acts, deltas)):
+        z = kp * (x @ m0.mT) + mm * (x @ s0.mT) - ((x @ a.mT) * coef) @ d
+        x = F.silu(z) if layer < len(state) - 1 else z
+    c_end, sc = coef[..., -1, :, None], s_coef[..., None]
+    zero = torch.zeros_like(s_keep)
+    mix = torch.stack((keep[..., -1], mom[..., -1], zero, s_keep), dim=-1).view(-1, 2, 2)
+    new = []
+    for ms, a, d in zip(state, acts, deltas):
+        upd = torch.stack((d.mT @ (c_end * a), d.mT @ (sc * a)), dim=2)  # [B, H, 2, out, in]
+        flat = ms.expand(bsz, heads, *ms.shape[2:]).reshape(bsz * heads, 2, -1)
+        new.append(torch.baddbmm(upd.view(bsz * heads, 2, -1), mix, flat, beta=-1.0).view_as(upd))
+    return x, new
+
+
+_COMPILED: dict[str, object] = {}
+
+
+def _compiled_chunk_step():
+    """:func:`_chunk_step` under ``torch.compile`` (built once per process, shapes fixed)."""
+    if "step" not in _COMPILED:
+        _COMPILED["step"] = torch.compile(_chunk_step, dynamic=False)
+    return _COMPILED["step"]
+
+
+@torch.compiler.disable
 def memory_scan(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -169,69 +328,59 @@ def memory_scan(
     alpha: torch.Tensor,
     weights: list[torch.Tensor],
     chunk_size: int,
-) -> torch.Tensor:
+    state: MemoryState | None = None,
+    compiled: bool = False,
+) -> tuple[torch.Tensor, MemoryState]:
     """Run the Titans memory over a sequence and read it out; chunk-parallel (see module doc).
 
     Args:
         q, k, v: [B, H, S, D] (q, k already l2-normalised).
         theta, eta, alpha: [B, H, S] in (0, 1): step size, momentum, forgetting.
         weights: initial memory MLP weights per head, ``[H, out_l, in_l]`` (first in = last out
-            = D).
+            = D); used when ``state`` is None (the start of a sequence).
         chunk_size: tokens per chunk ``b``; gradients inside a chunk use the chunk-start weights.
+        state: the memory to continue from (e.g. the previous MAC segment's final state).
+        compiled: run each chunk through the compiled :func:`_chunk_step`.
 
     Returns:
-        ``y`` [B, H, S, D] with ``y_t = M_t(q_t)``.
+        ``y`` [B, H, S, D] with ``y_t = M_t(q_t)`` (in q's dtype) and the state after the last
+        token (fp32, or fp64 for fp64 inputs).
+
+    Never traced by an outer ``torch.compile`` (the chunk loop would be unrolled); with
+    ``compiled`` the loop body is one compiled graph reused for every chunk.
     """
+    out_dtype = q.dtype
+    dtype = _state_dtype(q.dtype)
     bsz, heads, seq, _ = q.shape
     b = max(1, min(chunk_size, seq))
     pad = (-seq) % b
-    if pad:
-        q, k, v = (F.pad(t, (0, 0, 0, pad)) for t in (q, k, v))
-        theta, alpha = F.pad(theta, (0, pad)), F.pad(alpha, (0, pad))
-        eta = F.pad(eta, (0, pad), value=1.0)
-    n = (seq + pad) // b
-    shape = (bsz, heads, n, b)
-    # gate products in fp32 whatever the activation dtype (cumulative log sums), then cast back
-    coef, keep, mom, s_keep, s_coef = (
-        t.to(q.dtype)
-        for t in _chunk_coefficients(
-            torch.log(eta.float().clamp_min(1e-30)).reshape(shape),
-            torch.log1p(-alpha.float().clamp_max(1 - 1e-7)).reshape(shape),
+    step = _compiled_chunk_step() if compiled else _chunk_step
+    with torch.autocast(q.device.type, enabled=False):
+        q, k, v, theta, eta, alpha = (t.to(dtype) for t in (q, k, v, theta, eta, alpha))
+        if state is None:
+            state = MemoryState.initial(weights, dtype)
+        if pad:  # padded tokens: no gradient step, no forgetting, momentum kept: state exact
+            q, k, v = (F.pad(t, (0, 0, 0, pad)) for t in (q, k, v))
+            theta, alpha = F.pad(theta, (0, pad)), F.pad(alpha, (0, pad))
+            eta = F.pad(eta, (0, pad), value=1.0)
+        n = (seq + pad) // b
+        shape = (bsz, heads, n, b)
+        coef, keep, mom, s_keep, s_coef = _chunk_coefficients(
+            torch.log(eta.clamp_min(1e-30)).reshape(shape),
+            torch.log1p(-alpha.clamp_max(1 - 1e-7)).reshape(shape),
         )
-    )
-    theta = theta.reshape(shape)
-    qc, kc, vc = (t.reshape(bsz, heads, n, b, -1) for t in (q, k, v))
-    w = [x.unsqueeze(0) for x in weights]  # [1, H, out, in]
-    s: list[torch.Tensor] | None = None  # momentum; zero at the start of the sequence
-    outs = []
-    for c in range(n):
-        acts, deltas = _mlp_forward_backward(w, kc[:, :, c], vc[:, :, c])
-        th = theta[:, :, c] * _clip_scale(acts, deltas)  # [B, H, b]
-        cf = coef[:, :, c] * th[..., None, :]
-        kp, mm = keep[:, :, c, :, None], mom[:, :, c, :, None]
-        x = qc[:, :, c]
-        for layer, (wl, a, d) in enumerate(zip(w, acts, deltas)):
-            z = kp * (x @ wl.transpose(-1, -2)) - ((x @ a.transpose(-1, -2)) * cf) @ d
-            if s is not None:
-                z = z + mm * (x @ s[layer].transpose(-1, -2))
-            x = F.silu(z) if layer < len(w) - 1 else z
-        outs.append(x)
-        if c == n - 1:
-            break
-        last, sk = cf[..., -1, :, None], s_keep[:, :, c, None, None]
-        sc = (s_coef[:, :, c] * th)[..., None]
-        kb, pb = keep[:, :, c, -1, None, None], mom[:, :, c, -1, None, None]
-        new_w, new_s = [], []
-        for layer, (wl, a, d) in enumerate(zip(w, acts, deltas)):
-            upd_s = -(d.transpose(-1, -2) @ (sc * a))
-            new_w.append(kb * wl - d.transpose(-1, -2) @ (last * a))
-            new_s.append(upd_s)
-            if s is not None:
-                new_w[-1] = new_w[-1] + pb * s[layer]
-                new_s[-1] = new_s[-1] + sk * s[layer]
-        w, s = new_w, new_s
-    y = torch.stack(outs, dim=2).reshape(bsz, heads, n * b, -1)
-    return y[:, :, :seq]
+        theta = theta.reshape(shape)
+        qc, kc, vc = (t.reshape(bsz, heads, n, b, -1) for t in (q, k, v))
+        layers = state.layers
+        outs = []
+        for c in range(n):
+            y, layers = step(
+                layers, qc[:, :, c], kc[:, :, c], vc[:, :, c], theta[:, :, c], coef[:, :, c],
+                keep[:, :, c], mom[:, :, c], s_keep[:, :, c], s_coef[:, :, c],
+            )  # fmt: skip
+            outs.append(y)
+        y = torch.stack(outs, dim=2).reshape(bsz, heads, n * b, -1)[:, :, :seq]
+    return y.to(out_dtype), MemoryState(layers)
 
 
 # --------------------------------------------------------------------------------------------
@@ -259,32 +408,68 @@ def _uniform_fan_in(shape: tuple[int, ...], gen: torch.Generator) -> torch.Tenso
     return torch.empty(shape).uniform_(-bound, bound, generator=gen)
 
 
-def _gate_bias_init(shape: tuple[int, ...], gen: torch.Generator) -> torch.Tensor:
-    bias = torch.tensor([GATE_BIAS_INIT[g] for g in ("theta", "eta", "alpha")])
-    return bias.repeat_interleave(shape[0] // 3)
+def alpha_half_lives(heads: int, window: int) -> list[float]:
+    """Initial forgetting half-lives per head, in tokens: log-spaced from ``ALPHA_HALF_LIFE[0]``
+    to ``ALPHA_HALF_LIFE[1]`` windows (one head: their geometric mean)."""
+    lo, hi = (f * window for f in ALPHA_HALF_LIFE)
+    if heads == 1:
+        return [math.sqrt(lo * hi)]
+    return [lo * (hi / lo) ** (h / (heads - 1)) for h in range(heads)]
 
 
-def causal_depthwise_conv(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """Causal depthwise 1-D convolution; x [B, S, C], weight [C, K] (tap K-1 is the current)."""
-    c, width = weight.shape
-    y = F.conv1d(F.pad(x.transpose(1, 2), (width - 1, 0)), weight.unsqueeze(1), groups=c)
-    return y.transpose(1, 2)
+def gate_bias_init(heads: int, window: int) -> torch.Tensor:
+    """Full gate bias ``[theta (heads) | eta (heads) | alpha (heads)]`` (logits)."""
+    alpha = torch.tensor([1.0 - 2.0 ** (-1.0 / t) for t in alpha_half_lives(heads, window)])
+    return torch.cat(
+        (
+            torch.full((heads,), GATE_BIAS_INIT["theta"]),
+            torch.full((heads,), GATE_BIAS_INIT["eta"]),
+            torch.log(alpha) - torch.log1p(-alpha),
+        )
+    )
 
 
-def _head_rms_norm(x: torch.Tensor, gain: torch.Tensor, eps: float) -> torch.Tensor:
-    """RMS norm over each head's channels; x [B, S, H, D], gain [H * D]."""
-    x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
-    return x * gain.view(x.shape[-2], x.shape[-1])
-
-
-def sliding_window_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int
+def causal_depthwise_conv(
+    x: torch.Tensor, weight: torch.Tensor, prefix: torch.Tensor | None = None
 ) -> torch.Tensor:
-    """Causal softmax attention where token t sees tokens (t - window, t]; [B, H, S, D]."""
-    seq = q.shape[-2]
-    i = torch.arange(seq, device=q.device)
-    mask = (i[None, :] <= i[:, None]) & (i[:, None] - i[None, :] < window)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    """Causal depthwise 1-D convolution; x [B, S, C], weight [C, K] (tap K-1 is the current).
+
+    ``prefix`` [B, K-1, C]: the inputs just before ``x`` (zeros when None).
+    """
+    c, width = weight.shape
+    xt = x.transpose(1, 2)
+    xt = F.pad(xt, (width - 1, 0)) if prefix is None else torch.cat((prefix.transpose(1, 2), xt), 2)
+    return F.conv1d(xt, weight.unsqueeze(1).to(x.dtype), groups=c).transpose(1, 2)
+
+
+def _head_rms_norm(x: torch.Tensor, gain: torch.Tensor | None, eps: float) -> torch.Tensor:
+    """RMS norm over each head's channels; x [B, S, H, D], gain [H * D] (None: no gain)."""
+    x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+    return x if gain is None else x * gain.view(x.shape[-2], x.shape[-1])
+
+
+def _attend(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor,
+    persistent: torch.Tensor | None,
+) -> torch.Tensor:
+    """Softmax attention, [B, S, H, D] in and out (keys [B, S_k, H, D]), boolean ``mask``
+    [S, S_k]; ``persistent`` [H, 2, N, D] key/value pairs are prepended, visible to all."""
+    q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+    if persistent is not None:
+        p = persistent.to(k.dtype).unsqueeze(0).expand(k.shape[0], -1, -1, -1, -1)
+        k, v = torch.cat((p[:, :, 0], k), dim=2), torch.cat((p[:, :, 1], v), dim=2)
+        ones = torch.ones(mask.shape[0], persistent.shape[2], dtype=torch.bool, device=mask.device)
+        mask = torch.cat((ones, mask), dim=1)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask).transpose(1, 2)
+
+
+def window_mask(seq: int, window: int, device: torch.device | None = None) -> torch.Tensor:
+    """Boolean [seq, seq]: token t sees tokens (t - window, t]."""
+    i = torch.arange(seq, device=device)
+    return (i[None, :] <= i[:, None]) & (i[:, None] - i[None, :] < window)
 
 
 @dataclass(frozen=True)
@@ -311,7 +496,8 @@ def _dims(cfg) -> _Dims:
 class NeuralMemory(nn.Module):
     """The memory branch: q/k/v projections, conv, gates and the memory rule; heads split by TP.
 
-    ``forward(x [B, S, d]) -> [B, S, H_local, head_dim]`` (the raw read-out ``M_t(q_t)``).
+    ``forward(x [B, S, d]) -> [B, S, H_local, head_dim]`` (the raw read-out ``M_t(q_t)``);
+    :meth:`segment` continues from a given state (MAC), :meth:`queries` gives read-only queries.
     """
 
     def __init__(self, cfg) -> None:
@@ -320,6 +506,7 @@ class NeuralMemory(nn.Module):
         t = cfg.model.titans
         std = cfg.model.init_std
         self.dims, self.chunk_size = dm, t.chunk_size
+        self.compiled = cfg.train.compile
         inner = dm.heads * dm.head_dim
         tp = get_tensor_model_parallel_world_size()
         self.local_heads = dm.heads // tp
@@ -331,10 +518,8 @@ class NeuralMemory(nn.Module):
         self.gates = ColumnParallelLinear(
             dm.d, 3 * dm.heads, std=std, out_blocks=(3, dm.heads), split_dim=1
         )
-        bias = torch.tensor([GATE_BIAS_INIT[g] for g in ("theta", "eta", "alpha")])
-        self.gate_bias = _per_head(
-            (3 * dm.heads,), fn=lambda s, g: bias.repeat_interleave(s[0] // 3)
-        )
+        heads, window = dm.heads, t.window
+        self.gate_bias = _per_head((3 * heads,), fn=lambda s, g: gate_bias_init(heads, window))
         self.gate_bias.tp_layout = row_layout((3 * dm.heads,), (3, dm.heads), 1)
         self.memory = nn.ParameterList(
             _per_head((dm.heads, o, i), fn=_normal_fan_in) for o, i in dm.mem_layers
@@ -346,19 +531,54 @@ class NeuralMemory(nn.Module):
         g = g.view(*g.shape[:2], 3, self.local_heads).permute(2, 0, 3, 1)
         return g[0], g[1], g[2]
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        bsz, seq, _ = x.shape
-        h, d = self.local_heads, self.dims.head_dim
-        qkv = F.silu(causal_depthwise_conv(self.qkv(x), self.conv))
-        q, k, v = qkv.view(bsz, seq, 3, h, d).permute(2, 0, 3, 1, 4)
-        q, k = F.normalize(q, dim=-1), F.normalize(k, dim=-1)
+    def _split_heads(self, t: torch.Tensor, parts: int) -> tuple[torch.Tensor, ...]:
+        bsz, seq, _ = t.shape
+        t = t.view(bsz, seq, parts, self.local_heads, self.dims.head_dim).permute(2, 0, 3, 1, 4)
+        return tuple(t.unbind(0))
+
+    def project(
+        self, x: torch.Tensor, tail: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q, k, v [B, H, S, D] of ``x`` and the conv tail (the last K-1 projected inputs)
+        for the next call; ``tail`` continues the convolution from a previous call."""
+        pre = self.qkv(x)
+        q, k, v = self._split_heads(F.silu(causal_depthwise_conv(pre, self.conv, tail)), 3)
+        width = self.conv.shape[1]
+        hist = pre if tail is None else torch.cat((tail, pre), dim=1)
+        if hist.shape[1] < width - 1:
+            hist = F.pad(hist, (0, 0, width - 1 - hist.shape[1], 0))
+        tail = hist[:, hist.shape[1] - (width - 1) :]
+        return F.normalize(q, dim=-1), F.normalize(k, dim=-1), v, tail
+
+    def queries(self, x: torch.Tensor) -> torch.Tensor:
+        """Read-only queries of ``x`` [B, H, S, D]: the memory's q projection, conv and SiLU."""
+        n = self.local_heads * self.dims.head_dim
+        pre = F.linear(copy_to_tp_region(x), self.qkv.weight[:n])
+        (q,) = self._split_heads(F.silu(causal_depthwise_conv(pre, self.conv[:n])), 1)
+        return F.normalize(q, dim=-1)
+
+    def initial_state(self, dtype: torch.dtype) -> MemoryState:
+        """The memory at the start of a sequence (learned weights, zero momentum)."""
+        return MemoryState.initial(list(self.memory), _state_dtype(dtype))
+
+    def segment(
+        self, x: torch.Tensor, state: MemoryState | None, tail: torch.Tensor | None
+    ) -> tuple[torch.Tensor, MemoryState, torch.Tensor]:
+        """Learn from and read out ``x`` [B, S, d], continuing from ``state`` and conv ``tail``
+        (None: the start of a sequence); returns the read-out [B, S, H, D], state and tail."""
+        q, k, v, tail = self.project(x, tail)
         theta, eta, alpha = self.gate_values(x)
-        y = memory_scan(q, k, v, theta, eta, alpha, list(self.memory), self.chunk_size)
-        return y.transpose(1, 2)
+        y, state = memory_scan(
+            q, k, v, theta, eta, alpha, list(self.memory), self.chunk_size, state, self.compiled
+        )
+        return y.transpose(1, 2), state, tail
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.segment(x, None, None)[0]
 
 
 class TitansMixer(TokenMixer):
-    """Titans token mixer (MAG default; MAL and LMM by ``cfg.model.titans.variant``).
+    """Titans token mixer (MAG default; MAL, MAC and LMM by ``cfg.model.titans.variant``).
 
     ``forward(x [B, S, d]) -> [B, S, d]`` where ``x`` is the block's normalised input.
     """
@@ -376,16 +596,22 @@ class TitansMixer(TokenMixer):
         self.memory = NeuralMemory(cfg)
         self.mem_norm = _per_head((inner,))
         nn.init.ones_(self.mem_norm)
-        if t.variant in ("mag", "mal"):
+        self.persistent = None
+        if t.variant != "lmm":
             self.attn_qkv = ColumnParallelLinear(
                 dm.d, 3 * inner, std=std, out_blocks=(3, inner), split_dim=1
             )
             self.rope = RotaryEmbedding(dm.head_dim, m.seq_len, m.rope_theta)
-        if t.variant == "mag":
+            if t.persistent_tokens:
+                self.persistent = _per_head((m.heads, 2, t.persistent_tokens, dm.head_dim), std=std)
+        if t.variant in ("mag", "mac"):
             self.attn_norm = _per_head((inner,))
             nn.init.ones_(self.attn_norm)
         if t.variant == "mal":
             self.mem_out = RowParallelLinear(inner, dm.d, std=out_std)
+        if t.variant == "mac":
+            self.mem_tokens = RowParallelLinear(inner, dm.d, std=std)  # W_h
+            self.attn_proj = RowParallelLinear(inner, dm.d, std=std)  # W_y
         self.out = RowParallelLinear(inner, dm.d, std=out_std)
 
     @classmethod
@@ -412,30 +638,85 @@ class TitansMixer(TokenMixer):
         # the b x b score rows per layer, and M, S at each chunk boundary (2P per b tokens)
         mem_elems = h * (3 * hidden + 3 * dm.head_dim + b * dm.depth + b + 2 * mem_p / b)
         elems = d + 9 * inner + 6 * h + mem_elems + 2 * inner
-        if t.variant in ("mag", "mal"):
-            ctx = sum(min(i + 1, t.window) for i in range(s)) / s
-            params += 3 * d * inner
+        if t.variant != "lmm":
+            n_p = t.persistent_tokens
+            if t.variant == "mac":  # persistent + memory tokens and the segment, causal in both
+                seg = [min(t.window, s - i) for i in range(0, s, t.window)]
+                ctx = n_p + sum(2 * c * (c + 1) / 2 for c in seg) / s
+            else:
+                ctx = n_p + sum(min(i + 1, t.window) for i in range(s)) / s
+            params += 3 * d * inner + 2 * n_p * inner
             flops += 2.0 * 3 * d * inner + 2 * 2 * inner * ctx
             elems += 5 * inner + h  # q k v after RoPE, attention output, log-sum-exp
-        if t.variant == "mag":
+        if t.variant in ("mag", "mac"):
             params += inner
             elems += 2 * inner  # normalised attention output, sigmoid gate
         if t.variant == "mal":
             params += inner * d
             flops += 2.0 * inner * d
             elems += d
+        if t.variant == "mac":
+            # W_h, W_y; per token: retrieval q projection + conv + memory read, W_h, the K/V
+            # projections of the memory tokens, W_y
+            params += 2 * inner * d
+            retrieve = d * inner + inner * t.conv_size + h * mem_p
+            flops += 2.0 * (retrieve + inner * d + 2 * d * inner + inner * d)
+            elems += 2 * inner + h * hidden + 3 * d + 2 * inner  # query, read, tokens, k/v, y
         params += inner * d  # output projection
         flops += 2.0 * inner * d
         return Counts(int(params), float(flops), float(elems * dtype_bytes))
 
-    def _attention(self, x: torch.Tensor) -> torch.Tensor:
+    def _qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         bsz, seq, _ = x.shape
-        q, k, v = self.attn_qkv(x).view(bsz, seq, 3, self.local_heads, self.head_dim).unbind(2)
-        q, k, v = (t.transpose(1, 2) for t in (self.rope(q), self.rope(k), v))
-        return sliding_window_attention(q, k, v, self.window).transpose(1, 2)
+        qkv = self.attn_qkv(x).view(bsz, seq, 3, self.local_heads, self.head_dim)
+        return qkv.unbind(2)
+
+    def _attention(self, x: torch.Tensor) -> torch.Tensor:
+        """Sliding-window attention of ``x`` (MAG, MAL), persistent tokens in front."""
+        q, k, v = self._qkv(x)
+        mask = window_mask(x.shape[1], self.window, x.device)
+        return _attend(self.rope(q), self.rope(k), v, mask, self.persistent)
+
+    def _mac(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Memory as context, segment by segment (module doc); returns the attention output and
+        the memory read-out, both [B, S, H, D]."""
+        bsz, seq, _ = x.shape
+        h, hd, n = self.local_heads, self.head_dim, self.local_heads * self.head_dim
+        queries = self.memory.queries(x)
+        aq, ak, av = self._qkv(x)
+        kv_weight = self.attn_qkv.weight[n:]  # this rank's k and v rows
+        state, tail = None, None
+        attn, read = [], []
+        for start in range(0, seq, self.window):
+            end = min(start + self.window, seq)
+            c = end - start
+            if state is None:
+                state = self.memory.initial_state(x.dtype)
+            hm = mlp_read(state.weights, queries[:, :, start:end]).transpose(1, 2)
+            tokens = self.mem_tokens(_head_rms_norm(hm, None, self.eps).reshape(bsz, c, n))
+            mk, mv = F.linear(copy_to_tp_region(tokens), kv_weight).view(bsz, c, 2, h, hd).unbind(2)
+            tril = torch.ones(c, c, dtype=torch.bool, device=x.device).tril()
+            a = _attend(
+                self.rope(aq[:, start:end]),
+                torch.cat((self.rope(mk), self.rope(ak[:, start:end])), dim=1),
+                torch.cat((mv, av[:, start:end]), dim=1),
+                torch.cat((tril, tril), dim=1),
+                self.persistent,
+            )
+            y = x[:, start:end] + self.attn_proj(a.reshape(bsz, c, n))  # residual form
+            r, state, tail = self.memory.segment(y, state, tail)
+            attn.append(a)
+            read.append(r)
+        return torch.cat(attn, dim=1), torch.cat(read, dim=1)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         bsz, seq, _ = x.shape
+        if self.variant == "mac":
+            attn, mem = self._mac(x)
+            o = _head_rms_norm(attn, self.attn_norm, self.eps) * torch.sigmoid(
+                _head_rms_norm(mem, self.mem_norm, self.eps)
+            )
+            return self.out(o.reshape(bsz, seq, -1))
         mem = _head_rms_norm(self.memory(x), self.mem_norm, self.eps)
         if self.variant == "mag":
             attn = _head_rms_norm(self._attention(x), self.attn_norm, self.eps)
@@ -453,6 +734,8 @@ register_architecture(
         TitansMixer,
         SwiGLU,
         options=TitansOptions,
+        validate=_validate,
         mixer_efficiency=0.6,  # chunked memory scan: small batched matmuls and a Python loop
+        compiles=True,  # the chunk step compiles on its own; the chunk loop stays eager
     )
 )

@@ -1,0 +1,189 @@
+"""Associative recall beyond the attention window: can the in-context memory carry what the
+window cannot see? Trains small models of each memory architecture and a transformer with the
+same sliding window and the same training budget on CPU, then reports recall accuracy.
+
+Task (fresh random sequences every step): ``pairs`` key/value pairs ``k_1 v_1 ... k_n v_n``
+(keys and values drawn at random without repetition from their own vocabularies), a ``gap`` of
+random filler tokens longer than the window, then every key again in a random order, each
+followed by its value. The loss and the accuracy are on the queried values only, so a model can
+only score above chance (1 / values) by recalling a pair it saw at least ``gap`` tokens earlier,
+i.e. beyond its attention window.
+
+Models (one shape: d_model 64, 2 layers, 2 heads, d_ff 176, cosine taper; the block's attention
+restricted to a sliding window of ``window`` tokens in every model):
+
+* transformer: our transformer with its attention replaced by sliding-window attention;
+* titans MAG (window attention + memory), titans MAC (segments of ``window`` tokens), defaults
+  otherwise (chunk 8);
+* hope_attention: its attention replaced by the same sliding-window attention, CMS periods
+  0 / 16 / 8, learned rates, the association update.
+
+Same steps, batch, learning rate (AdamW), seed and data for all; parameter counts reported (the
+Titans mixers carry their own memory projections, so they are larger).
+
+Usage::
+
+    python scripts/bench_memory_recall.py [--steps 300] [--threads 2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import time
+from datetime import datetime, timezone
+
+import torch
+import torch.nn.functional as F
+
+from tapered_megatron.config import load_config
+from tapered_megatron.models import build_model, lm_loss
+from tapered_megatron.models.attention import Attention
+from tapered_megatron.models.titans import window_mask
+
+FILLER, KEYS, VALUES = 64, 64, 64  # token ranges: [0, 64) filler, [64, 128) keys, [128, 192)
+
+
+class WindowAttention(Attention):
+    """Our causal attention restricted to a sliding window (token t sees (t - window, t])."""
+
+    window = 16
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, _ = x.shape
+        hd = self.head_dim
+        q, _, k, v = (
+            self.qkv(x)
+            .view(b, s, self.heads, self.per_head)
+            .split((hd, self.gate_dim, hd, hd), dim=-1)
+        )
+        q, k, v = (t.transpose(1, 2) for t in (self.rope(q), self.rope(k), v))
+        mask = window_mask(s, self.window, x.device)
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask).transpose(1, 2)
+        return self.out(o.reshape(b, s, self.heads * hd))
+
+
+def make_batch(batch: int, pairs: int, gap: int, gen: torch.Generator):
+    """Token ids ``[batch, 4 pairs + gap + 1]`` and the 0/1 loss mask of the next-token targets
+    (1 where the target is a queried value)."""
+    keys = torch.stack([torch.randperm(KEYS, generator=gen)[:pairs] for _ in range(batch)])
+    values = torch.stack([torch.randperm(VALUES, generator=gen)[:pairs] for _ in range(batch)])
+    keys, values = keys + FILLER, values + FILLER + KEYS
+    order = torch.stack([torch.randperm(pairs, generator=gen) for _ in range(batch)])
+    store = torch.stack((keys, values), dim=-1).flatten(1)
+    query = torch.stack((keys.gather(1, order), values.gather(1, order)), dim=-1).flatten(1)
+    filler = torch.randint(0, FILLER, (batch, gap), generator=gen)
+    ids = torch.cat((store, filler, query, torch.zeros(batch, 1, dtype=torch.long)), dim=1)
+    mask = torch.zeros(batch, ids.shape[1] - 1)
+    start = 2 * pairs + gap  # targets at positions start+1, start+3, ... are the queried values
+    mask[:, start::2] = 1
+    return ids, mask
+
+
+def build(arch: str, window: int, seq: int, *extra: str) -> torch.nn.Module:
+    """A small model of ``arch``; transformer and hope_attention get window attention."""
+    own = {  # a config carries only its own architecture's settings
+        "titans": ["--model.titans.window", str(window), "--model.titans.chunk_size", "8"],
+        "hope_attention": ["--model.hope.periods", "0", "16", "8"],
+    }
+    cfg = load_config(
+        "quickstart",
+        [
+            "--model.arch", arch, "--model.d_model", "64", "--model.layers", "2",
+            "--model.heads", "2", "--model.d_ff", "176", "--model.vocab_size", "192",
+            "--model.make_vocab_size_divisible_by", "64", "--model.seq_len", str(seq),
+            *own.get(arch, []), *extra,
+        ],
+    )  # fmt: skip
+    model = build_model(cfg)
+    if arch in ("transformer", "hope_attention"):
+        WindowAttention.window = window
+        for i, block in enumerate(model.layers):
+            windowed = WindowAttention(cfg, i)
+            windowed.load_state_dict(block.mixer.state_dict())  # the same initial weights
+            block.mixer = windowed
+    return model
+
+
+def train_and_eval(model, a: argparse.Namespace) -> dict:
+    """AdamW on fresh batches; returns the last losses, eval accuracy and seconds."""
+    gen = torch.Generator().manual_seed(a.seed)
+    opt = torch.optim.AdamW(model.parameters(), lr=a.lr, weight_decay=0.0)
+    t0 = time.perf_counter()
+    losses = []
+    for _ in range(a.steps):
+        ids, mask = make_batch(a.batch, a.pairs, a.gap, gen)
+        loss = lm_loss(model(ids[:, :-1]), (ids[:, 1:], mask))
+        opt.zero_grad()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        losses.append(loss.item())
+    seconds = time.perf_counter() - t0
+    eval_gen = torch.Generator().manual_seed(a.seed + 1)
+    hits = total = 0
+    with torch.no_grad():
+        for _ in range(a.eval_batches):
+            ids, mask = make_batch(a.batch, a.pairs, a.gap, eval_gen)
+            pred = model(ids[:, :-1]).argmax(-1)
+            hits += ((pred == ids[:, 1:]) & (mask > 0)).sum().item()
+            total += mask.sum().item()
+    tail = losses[-20:]
+    return {
+        "recall_accuracy": round(hits / total, 4),
+        "final_loss": round(sum(tail) / len(tail), 4),
+        "first_loss": round(losses[0], 4),
+        "train_s": round(seconds, 1),
+        "params": sum(p.numel() for p in model.parameters()),
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--steps", type=int, default=300)
+    ap.add_argument("--batch", type=int, default=32)
+    ap.add_argument("--pairs", type=int, default=8)
+    ap.add_argument("--gap", type=int, default=48, help="filler tokens between pairs and queries")
+    ap.add_argument("--window", type=int, default=16)
+    ap.add_argument("--lr", type=float, default=3e-3)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--eval-batches", type=int, default=16)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--models", nargs="+", default=["transformer", "mag", "mac", "hope"])
+    a = ap.parse_args(argv)
+    if a.gap < a.window:
+        ap.error("--gap must be at least --window: the task is recall beyond the window")
+    torch.set_num_threads(a.threads)
+    seq = 4 * a.pairs + a.gap
+    specs = {
+        "transformer": ("transformer",),
+        "mag": ("titans",),
+        "mac": ("titans", "--model.titans.variant", "mac"),
+        "hope": ("hope_attention",),
+    }
+    results = {}
+    for name in a.models:
+        torch.manual_seed(a.seed)
+        results[name] = train_and_eval(build(specs[name][0], a.window, seq, *specs[name][1:]), a)
+        print(name, results[name], flush=True)
+    print(
+        json.dumps(
+            {
+                "bench": "memory_recall",
+                "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+                "machine": f"{platform.machine()} {platform.processor() or ''}".strip(),
+                "torch": torch.__version__,
+                "threads": a.threads,
+                "task": {"pairs": a.pairs, "gap": a.gap, "window": a.window, "seq": seq,
+                         "chance": round(1 / VALUES, 4)},
+                "train": {"steps": a.steps, "batch": a.batch, "lr": a.lr, "seed": a.seed},
+                "results": results,
+            }
+        )
+    )  # fmt: skip
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
