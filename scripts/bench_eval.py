@@ -115,13 +115,14 @@ def main(argv: list[str] | None = None) -> int:
     from tapered_megatron.data import IndexedDataset, prepare_sample_corpus
     from tapered_megatron.hf.modeling import TaperedForCausalLM
 
+    from safetensors.torch import load_file
+
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(a.model) if a.model else train_and_export(Path(tmp), a.train_iters)
         loaded = load_export(out)
+        state = load_file(str(out / "model.safetensors"))
     cfg, ours = loaded.cfg, loaded.module
-    from safetensors.torch import load_file
-
-    llama = to_llama(cfg, load_file(str(out / "model.safetensors")))
+    llama = to_llama(cfg, state)
     prefix = prepare_sample_corpus(cfg.data.cache_dir, cfg.model.vocab_size)[1]
     stream = torch.as_tensor(IndexedDataset(prefix).tokens(0, a.tokens + 1).astype("int64"))
     seq, v = cfg.model.seq_len, cfg.model.vocab_size

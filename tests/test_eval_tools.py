@@ -228,3 +228,22 @@ def test_generate_cli_greedy_with_and_without_cache(export, capsys):
     assert capsys.readouterr().out == cached
     assert cached.startswith("To be, or not") and len(cached) > len("To be, or not\n")
     assert main([*args[:4], "--max-new-tokens", "5", "--temperature", "0.8", "--seed", "1"]) == 0
+
+
+def test_fused_loss_makes_no_gradients_under_no_grad(monkeypatch):
+    """Evaluation (perplexity, validation) runs the fused LM-head loss without its in-forward
+    gradient products; training still makes them."""
+    from tapered_megatron.parallel import cross_entropy
+
+    calls = []
+    real = cross_entropy._ce_grad_
+    monkeypatch.setattr(cross_entropy, "_ce_grad_", lambda *a: calls.append(1) or real(*a))
+    model = build_model(tiny_config("transformer"))
+    ids = torch.randint(0, VOCAB, (2, 32), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        evaluated = model(ids[:, :-1], ids[:, 1:])
+    assert not calls
+    trained = model(ids[:, :-1], ids[:, 1:])
+    trained.backward()
+    assert calls and model.head.proj.weight.grad is not None
+    assert evaluated.item() == pytest.approx(trained.item(), abs=1e-6)

@@ -97,9 +97,8 @@ class _LinearCEMean(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, h, weight, target, token_weight, chunk_tokens):
+    def forward(ctx, h, weight, target, token_weight, chunk_tokens, need_grad):
         n, vocab_local = h.shape[0], weight.shape[0]
-        need_grad = ctx.needs_input_grad[0] or ctx.needs_input_grad[1]
         chunk = max(1, min(n, chunk_tokens))
         buf = torch.empty(chunk, vocab_local, dtype=torch.float32, device=h.device)
         loss = torch.zeros((), dtype=torch.float32, device=h.device)
@@ -141,6 +140,7 @@ class _LinearCEMean(torch.autograd.Function):
             None,
             None,
             None,
+            None,
         )
 
 
@@ -158,8 +158,9 @@ def vocab_parallel_linear_cross_entropy_mean(
     ``h`` ``[..., d]`` is already in the TP region (after ``copy_to_tp_region``), ``weight`` is
     this rank's vocabulary rows ``[vocab/tp, d]``, ``target`` and ``loss_mask`` are ``[...]``.
     ``chunk_tokens`` defaults to the most tokens whose fp32 logits fit in :data:`CHUNK_BYTES`.
-    Gradients are made in the forward pass when either input requires them, so the memory of
-    the loss is two gradient-sized tensors instead of the logits.
+    Gradients are made in the forward pass when either input requires them and grad mode is
+    on (not under ``torch.no_grad``, e.g. in validation), so the memory of the loss is two
+    gradient-sized tensors instead of the logits.
     """
     h2 = h.reshape(-1, h.shape[-1])
     target = target.reshape(-1)
@@ -171,8 +172,10 @@ def vocab_parallel_linear_cross_entropy_mean(
     if chunk_tokens is None:
         chunk_tokens = CHUNK_BYTES // (4 * weight.shape[0])
     h2, weight = autocast_operands(h2, weight)
+    # forward runs with grad mode off: decide here (no gradients made under no_grad / eval)
+    need_grad = torch.is_grad_enabled() and (h2.requires_grad or weight.requires_grad)
     with autocast_off(h.device):
-        return _LinearCEMean.apply(h2, weight, target, token_weight, chunk_tokens)
+        return _LinearCEMean.apply(h2, weight, target, token_weight, chunk_tokens, need_grad)
 
 
 def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
