@@ -56,8 +56,11 @@ def test_hope_teach_signal_runs_under_transformers(tok, tmp_path):
     from tapered_megatron.models.hope import ContinuumMemory
 
     out, ours = tiny_export(
-        tmp_path / "teach", "hope_attention", tok, "--model.hope.update", "teach"
-    )
+        tmp_path / "teach",
+        "hope_attention",
+        tok,
+        *("--model.hope.update", "teach", "--model.hope.lr", "1", "--model.hope.rate_init", "0.9"),
+    )  # large initial steps, so the teach signal visibly moves a fresh model
     hf = transformers.AutoModelForCausalLM.from_pretrained(out, trust_remote_code=True)
     ids = _ids(3)
     with torch.no_grad():
