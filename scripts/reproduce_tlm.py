@@ -27,6 +27,7 @@ import json
 import os
 import platform
 import shlex
+import signal
 import sys
 import time
 from datetime import datetime, timezone
@@ -170,15 +171,19 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.time()
     (out / "command.json").write_text(json.dumps({"command": meta["command"]}))
     log(f"reproduce_tlm: {meta['command']} | {len(runs)} runs, {jobs} at a time | out {out}")
-    failed = ex.train_all(settings, runs, jobs, log)
-    missing = ex.evaluate_all(settings, runs, only, log)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # so `finally` records the time
+    try:
+        failed = ex.train_all(settings, runs, jobs, log)
+        missing = ex.evaluate_all(settings, runs, only, log)
+    finally:  # an interrupted invocation's time counts too (SIGKILL aside)
+        wall = _total_wall(out, time.time() - t0)
     if failed:
         log(f"{failed} run(s) failed; rerun the same command to retry them")
     if not a.no_report:
         from tapered_megatron.eval import report
 
         report.sync_records(settings, runs, results / "results" / "runs")
-        meta.update(wall_s=_total_wall(out, time.time() - t0), missing_tools=sorted(missing))
+        meta.update(wall_s=wall, missing_tools=sorted(missing))
         log(f"wrote {report.write_results(results, meta)}")
     log(f"finished in {time.time() - t0:.0f} s")
     return 1 if failed else 0
@@ -211,8 +216,11 @@ def _report_only(settings: ex.Settings, runs: list, results: Path, meta: dict) -
 
 
 def _command(argv: list[str] | None) -> str:
+    """The invocation as RESULTS.md shows it (``--no-report`` dropped: the same runs)."""
     args = sys.argv[1:] if argv is None else argv
-    return shlex.join(["python", "scripts/reproduce_tlm.py", *args])
+    return shlex.join(
+        ["python", "scripts/reproduce_tlm.py", *(x for x in args if x != "--no-report")]
+    )
 
 
 def _total_wall(out: Path, this_s: float) -> float:
