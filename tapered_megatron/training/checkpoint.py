@@ -22,6 +22,7 @@ import os
 import re
 import shutil
 import signal
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -109,9 +110,12 @@ def save(
     iteration: int,
     consumed_samples: int,
     extra: dict[str, Any] | None = None,
+    also: Callable[[Path, dict[str, Any]], None] | None = None,
 ) -> Path:
     """Save a checkpoint on every rank, then mark it complete and point ``latest`` at it.
 
+    ``also(tag_dir, client_state)`` writes more files into the checkpoint before it is marked
+    complete (the trainer's layout-free copy, :mod:`tapered_megatron.training.reshard`).
     Collective: every rank must call it. Returns the checkpoint directory.
     """
     save_dir = Path(cfg.train.save_dir)
@@ -127,6 +131,8 @@ def save(
     crash_point("rank_files")
     tag_dir.mkdir(parents=True, exist_ok=True)
     torch.save(rng_state(), tag_dir / f"rng_rank{_rank():05d}.pt")
+    if also is not None:
+        also(tag_dir, client)
     _barrier()
     if _rank() == 0:
         (tag_dir / "config.yaml").write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))

@@ -30,7 +30,7 @@ from tapered_megatron.config import Config
 from tapered_megatron.eval import validation_loss
 from tapered_megatron.models import build_model, count_model, lm_loss
 from tapered_megatron.pipeline.clock import StageClock
-from tapered_megatron.training import checkpoint, optim
+from tapered_megatron.training import checkpoint, optim, reshard
 from tapered_megatron.training.launch import Layout
 from tapered_megatron.training.logger import TrainLogger
 
@@ -60,7 +60,7 @@ class Trainer:
                 self.log(
                     f"{where[0] / tag} is partial (no complete marker: a save cut short); ignored"
                 )
-            client = checkpoint.load(self.engine, *where)
+            client = self._load(*where)
             self.iteration = int(client["iteration"])
             self.consumed = int(client["consumed_samples"])
             self.log(f"resumed from {where[0] / where[1]} at iteration {self.iteration}")
@@ -156,6 +156,24 @@ class Trainer:
             partition_kwargs={"dp": lay.dp, "zero_stage": stage},
         )
 
+    def _load(self, load_dir: Path, tag: str) -> dict[str, Any]:
+        """DeepSpeed's own files when the layout is the one saved, else the layout-free copy."""
+        now = reshard.layout_of(self.engine, self.cfg, self.layout)
+        saved = reshard.saved_layout(load_dir / tag)
+        if saved is None or saved == now:
+            return checkpoint.load(self.engine, load_dir, tag)
+        self.log(
+            f"layout change: checkpoint {load_dir / tag} was saved under {reshard.describe(saved)}"
+            f", resuming under {reshard.describe(now)} (resharded from its universal/ copy)"
+        )
+        return reshard.load(self.engine, self.cfg, load_dir / tag)
+
+    def _save(self, it: int) -> Path:
+        def universal(tag_dir: Path, client: dict[str, Any]) -> None:
+            reshard.save(self.engine, self.cfg, self.layout, tag_dir, client)
+
+        return checkpoint.save(self.engine, self.cfg, it, self.consumed, also=universal)
+
     # ------------------------------------------------------------------ loop
     def _train_step(
         self, batches: Iterator[tuple], want_norm: bool, it: int = 0
@@ -247,7 +265,7 @@ class Trainer:
                 self.logger.val(it, record["val_loss"])
             metrics.write(record)
             if cadence.save(it):
-                self.log(f"saved checkpoint {checkpoint.save(self.engine, cfg, it, self.consumed)}")
+                self.log(f"saved checkpoint {self._save(it)}")
             if cadence.stop(it):
                 self.log(f"train.exit_interval={cadence.exit_every}: stopping at iteration {it}")
                 break

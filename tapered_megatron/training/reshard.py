@@ -1,0 +1,208 @@
+"""Layout-free checkpoints: resume a run under another (TP, PP, DP, ZeRO stage, pipeline unit).
+
+DeepSpeed's own checkpoint files are per rank of one layout. Beside them every checkpoint holds
+a ``universal/`` folder that no layout owns: per parameter, keyed by its canonical name (its name
+in the single :class:`~tapered_megatron.models.LanguageModel`, ``layers.3.mlp.w13.weight``), the
+FULL fp32 weight and the full AdamW moments (``exp_avg``, ``exp_avg_sq``), plus ``meta.pt``: the
+layout it was saved under, the optimizer step, the LR scheduler state and the iteration /
+consumed samples. Model shapes depend on the config alone (issue 13 item 1), so the full tensors
+fit any layout; the TP split of each parameter is read from its ``tp_layout`` (see
+:mod:`tapered_megatron.parallel.layers`).
+
+Save (collective): each rank reads the DP-full tensors of its own parameters through DeepSpeed's
+documented fragment API (``deepspeed.utils.safe_get_full_fp32_param`` /
+``safe_get_full_optimizer_state``; plain ``param`` / ``optimizer.state`` without ZeRO),
+gathers the TP pieces, and the (TP rank 0, DP rank 0) rank of each pipeline stage writes them.
+Load: each rank cuts its TP piece of every parameter it holds and hands it to the engine through
+the matching setters. RNG: rank ``r`` restores the saved states of rank ``r mod old world``.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import deepspeed
+import torch
+import torch.distributed as dist
+from deepspeed.utils import (
+    safe_get_full_fp32_param,
+    safe_get_full_optimizer_state,
+    safe_set_full_fp32_param,
+    safe_set_full_optimizer_state,
+)
+
+from tapered_megatron import parallel
+from tapered_megatron.parallel.layers import shard, unshard
+
+DIRNAME = "universal"
+MOMENTS = ("exp_avg", "exp_avg_sq")
+LAYOUT_KEYS = ("tp", "pp", "dp", "zero_stage", "pipeline_unit")
+
+
+def layout_of(engine: Any, cfg: Any, layout: Any) -> dict[str, Any]:
+    """The parallel layout a checkpoint is saved or loaded under."""
+    return {
+        "tp": layout.tp,
+        "pp": layout.pp,
+        "dp": layout.dp,
+        "zero_stage": int(engine.zero_optimization_stage()),
+        "pipeline_unit": cfg.parallel.pipeline_unit if layout.pp > 1 else "none",
+    }
+
+
+def describe(rec: dict[str, Any]) -> str:
+    """``TP2 PP1 DP1 ZeRO-1 unit none``."""
+    return (
+        f"TP{rec['tp']} PP{rec['pp']} DP{rec['dp']} ZeRO-{rec['zero_stage']} "
+        f"unit {rec['pipeline_unit']}"
+    )
+
+
+def canonical_parameters(engine: Any, cfg: Any) -> list[tuple[str, torch.nn.Parameter]]:
+    """This rank's parameters under their names in the single model.
+
+    A pipeline stage names parameters ``<spec index>.<name in the unit>``; spec ``k`` is unit
+    ``k`` of ``units(cfg)``: the embedding, a block of layer ``i`` or the head.
+    """
+    from tapered_megatron.models import units
+
+    named = list(engine.module.named_parameters())
+    if not hasattr(engine.module, "_layer_specs"):  # the single model
+        return named
+    table = units(cfg, cfg.parallel.pipeline_unit)
+    out = []
+    for name, p in named:
+        idx, rest = name.split(".", 1)
+        u = table[int(idx)]
+        prefix = f"layers.{u.layer}" if u.layer is not None else u.kind
+        out.append((f"{prefix}.{rest}", p))
+    return out
+
+
+def _base_optimizer(engine: Any) -> torch.optim.Optimizer:
+    opt = engine.optimizer
+    return opt.optimizer if hasattr(opt, "optimizer") else opt
+
+
+def _zero(p: torch.nn.Parameter) -> bool:
+    return hasattr(p, "ds_id") or getattr(p, "_hp_mapping", None) is not None
+
+
+def _tp_full(t: torch.Tensor, p: torch.nn.Parameter) -> torch.Tensor:
+    """The full tensor from this rank's TP piece (collective over the TP group)."""
+    layout = getattr(p, "tp_layout", None)
+    tp = parallel.get_tensor_model_parallel_world_size()
+    if layout is None or tp == 1:
+        return t
+    pieces = [torch.empty_like(t) for _ in range(tp)]
+    dist.all_gather(pieces, t.contiguous(), group=parallel.get_tensor_model_parallel_group())
+    return unshard(pieces, layout)
+
+
+def _tp_piece(full: torch.Tensor, p: torch.nn.Parameter) -> torch.Tensor:
+    layout = getattr(p, "tp_layout", None)
+    tp = parallel.get_tensor_model_parallel_world_size()
+    if layout is None or tp == 1:
+        return full
+    return shard(full, layout, parallel.get_tensor_model_parallel_rank(), tp)
+
+
+def _step(opt: torch.optim.Optimizer) -> float:
+    for s in opt.state.values():
+        if "step" in s:
+            return float(s["step"])
+    return 0.0
+
+
+def save(engine: Any, cfg: Any, layout: Any, tag_dir: Path, client: dict[str, Any]) -> None:
+    """Write ``tag_dir/universal`` (collective: every rank calls it, before ``complete``)."""
+    out = tag_dir / DIRNAME
+    out.mkdir(parents=True, exist_ok=True)
+    opt = _base_optimizer(engine)
+    writer = (
+        parallel.get_tensor_model_parallel_rank() == 0 and parallel.get_data_parallel_rank() == 0
+    )
+    for name, p in canonical_parameters(engine, cfg):
+        if _zero(p):
+            w = safe_get_full_fp32_param(p)
+            moments = [safe_get_full_optimizer_state(p, k) for k in MOMENTS]
+        else:
+            state = opt.state.get(p, {})
+            w = p.detach().float()
+            moments = [state[k] if k in state else torch.zeros_like(w) for k in MOMENTS]
+        shape = p.ds_shape if hasattr(p, "ds_shape") else p.shape  # ZeRO-3: p is a stub
+        full = [_tp_full(t.detach().float().reshape(shape), p) for t in (w, *moments)]
+        if writer:
+            torch.save(dict(zip(("fp32", *MOMENTS), full)), out / f"{name}.pt")
+    if dist.get_rank() == 0:
+        meta = {
+            "layout": layout_of(engine, cfg, layout),
+            "world_size": dist.get_world_size(),
+            "step": _step(opt),
+            "lr_scheduler": engine.lr_scheduler.state_dict() if engine.lr_scheduler else None,
+            "client": client,
+        }
+        torch.save(meta, out / "meta.pt")
+        (out / "layout.json").write_text(json.dumps(meta["layout"]) + "\n")
+
+
+def _load_scheduler(engine: Any, state: dict[str, Any] | None) -> None:
+    """Restore the LR schedule and put its current rate into every optimizer group. A stage of
+    another layout may hold another number of groups (empty ones are dropped); all groups share
+    one schedule, so per-group lists are cut or repeated to the new count."""
+    sched = engine.lr_scheduler
+    if sched is None or state is None:
+        return
+    groups = engine.optimizer.param_groups
+    state = dict(state)
+    for key in ("base_lrs", "_last_lr", "lr_lambdas"):
+        if isinstance(state.get(key), list) and state[key]:
+            state[key] = state[key][:1] * len(groups)
+    sched.load_state_dict(state)
+    if hasattr(sched, "get_last_lr"):
+        for g, lr in zip(groups, sched.get_last_lr()):
+            g["lr"] = lr
+
+
+def saved_layout(tag_dir: Path) -> dict[str, Any] | None:
+    """The layout a checkpoint was saved under (``None`` when it has no universal copy)."""
+    f = tag_dir / DIRNAME / "layout.json"
+    return json.loads(f.read_text()) if f.exists() else None
+
+
+def load(engine: Any, cfg: Any, tag_dir: Path) -> dict[str, Any]:
+    """Load ``tag_dir/universal`` into ``engine`` (any layout); return the client state."""
+    from tapered_megatron.training.checkpoint import set_rng_state
+
+    src = tag_dir / DIRNAME
+    meta = torch.load(src / "meta.pt", weights_only=False)
+    opt = _base_optimizer(engine)
+    for name, p in canonical_parameters(engine, cfg):
+        f = src / f"{name}.pt"
+        if not f.exists():
+            raise FileNotFoundError(f"{f}: the checkpoint has no parameter {name}")
+        rec = torch.load(f, weights_only=True)
+        w, *moments = (_tp_piece(rec[k], p) for k in ("fp32", *MOMENTS))
+        if _zero(p):
+            safe_set_full_fp32_param(p, w)
+            for k, m in zip(MOMENTS, moments):
+                safe_set_full_optimizer_state(p, m, k)
+            z3 = hasattr(p, "ds_id")
+            with deepspeed.zero.GatheredParameters([p], modifier_rank=0, enabled=z3):
+                p.data.copy_(w.to(p.dtype))  # the model's own copy (the engine's is above)
+        else:
+            with torch.no_grad():
+                p.copy_(w.to(p.dtype))
+            opt.state[p] = dict(zip(MOMENTS, moments))
+    for s in opt.state.values():  # every AdamW state entry carries the step count
+        s["step"] = torch.tensor(meta["step"], dtype=torch.float32)
+    _load_scheduler(engine, meta["lr_scheduler"])
+    client = dict(meta["client"])
+    engine.global_steps = int(client["iteration"])
+    engine.global_samples = int(client["consumed_samples"])
+    rng = tag_dir / f"rng_rank{dist.get_rank() % meta['world_size']:05d}.pt"
+    if rng.exists():
+        set_rng_state(torch.load(rng, weights_only=False))
+    return client
