@@ -27,6 +27,7 @@ import deepspeed
 import torch
 import torch.distributed as dist
 from deepspeed.utils import (
+    lazy_init_hp_params_optimizer_state,
     safe_get_full_fp32_param,
     safe_get_full_optimizer_state,
     safe_set_full_fp32_param,
@@ -86,8 +87,37 @@ def _base_optimizer(engine: Any) -> torch.optim.Optimizer:
     return opt.optimizer if hasattr(opt, "optimizer") else opt
 
 
+def _link_optimizer_state(engine: Any) -> torch.optim.Optimizer:
+    """Make the AdamW moments of every optimized tensor exist and be visible through DeepSpeed's
+    fragment API; return the torch optimizer.
+
+    Torch's AdamW creates its state at its first step, so a fresh engine (resume) has none:
+    zero moments are created here (the values are set right after). ZeRO-1/2 links each
+    parameter's view into the flat partition's state once, after the step of the FIRST param
+    group, when the other groups have no state yet (DeepSpeed 0.19), so the no-decay group's
+    parameters would have no moments to read: the links are remade for every group here.
+    """
+    opt, zero = _base_optimizer(engine), engine.optimizer
+    if hasattr(zero, "fp32_partitioned_groups_flat"):  # ZeRO-3 empties the groups between steps
+        tensors = list(zero.fp32_partitioned_groups_flat)
+    else:
+        tensors = [p for group in opt.param_groups for p in group["params"]]
+    for p in tensors:
+        state = opt.state[p]
+        if any(k not in state for k in MOMENTS):
+            state["step"] = torch.tensor(0.0)
+            for k in MOMENTS:
+                state[k] = torch.zeros_like(p, memory_format=torch.preserve_format)
+    if hasattr(zero, "single_partition_of_fp32_groups"):  # ZeRO-1/2
+        for lp, hp in zip(zero.bit16_groups, zero.single_partition_of_fp32_groups):
+            lazy_init_hp_params_optimizer_state(lp, hp, opt.state)
+    return opt
+
+
 def _zero(p: torch.nn.Parameter) -> bool:
-    return hasattr(p, "ds_id") or getattr(p, "_hp_mapping", None) is not None
+    """Whether DeepSpeed's fragment API owns ``p`` (ZeRO-3, or ZeRO-1/2 where every parameter
+    has ``_hp_mapping``, ``None`` on a rank whose partition holds none of it)."""
+    return hasattr(p, "ds_id") or hasattr(p, "_hp_mapping")
 
 
 def _tp_full(t: torch.Tensor, p: torch.nn.Parameter) -> torch.Tensor:
@@ -120,7 +150,7 @@ def save(engine: Any, cfg: Any, layout: Any, tag_dir: Path, client: dict[str, An
     """Write ``tag_dir/universal`` (collective: every rank calls it, before ``complete``)."""
     out = tag_dir / DIRNAME
     out.mkdir(parents=True, exist_ok=True)
-    opt = _base_optimizer(engine)
+    opt = _link_optimizer_state(engine)
     writer = (
         parallel.get_tensor_model_parallel_rank() == 0 and parallel.get_data_parallel_rank() == 0
     )
@@ -129,9 +159,8 @@ def save(engine: Any, cfg: Any, layout: Any, tag_dir: Path, client: dict[str, An
             w = safe_get_full_fp32_param(p)
             moments = [safe_get_full_optimizer_state(p, k) for k in MOMENTS]
         else:
-            state = opt.state.get(p, {})
             w = p.detach().float()
-            moments = [state[k] if k in state else torch.zeros_like(w) for k in MOMENTS]
+            moments = [opt.state[p][k] for k in MOMENTS]
         shape = p.ds_shape if hasattr(p, "ds_shape") else p.shape  # ZeRO-3: p is a stub
         full = [_tp_full(t.detach().float().reshape(shape), p) for t in (w, *moments)]
         if writer:
@@ -178,7 +207,7 @@ def load(engine: Any, cfg: Any, tag_dir: Path) -> dict[str, Any]:
 
     src = tag_dir / DIRNAME
     meta = torch.load(src / "meta.pt", weights_only=False)
-    opt = _base_optimizer(engine)
+    opt = _link_optimizer_state(engine)
     for name, p in canonical_parameters(engine, cfg):
         f = src / f"{name}.pt"
         if not f.exists():
@@ -195,7 +224,8 @@ def load(engine: Any, cfg: Any, tag_dir: Path) -> dict[str, Any]:
         else:
             with torch.no_grad():
                 p.copy_(w.to(p.dtype))
-            opt.state[p] = dict(zip(MOMENTS, moments))
+                for k, m in zip(MOMENTS, moments):
+                    opt.state[p][k].copy_(m)
     for s in opt.state.values():  # every AdamW state entry carries the step count
         s["step"] = torch.tensor(meta["step"], dtype=torch.float32)
     _load_scheduler(engine, meta["lr_scheduler"])
