@@ -30,13 +30,19 @@ PP2_SUBLAYER_Z1 = (
     ["--parallel.pp", "2", "--parallel.pipeline_unit", "sublayer"],
 )
 DP2_Z3 = (2, "zero3.json", [])
+ONE_Z0 = (1, "zero0.json", [])
+DP3_Z3 = (3, "zero3.json", [])
 TITANS = ["--model.arch", "titans", "--model.titans.chunk_size", "8"]
+GB12 = ["--train.global_batch_size", "12"]  # DP3: sizes not a multiple of 3 (padded partitions)
 
+# case: (saved under, resumed under, arguments of every run incl. the reference)
 CASES = {
     "pp2-sublayer-zero1->dp2-zero3": (PP2_SUBLAYER_Z1, DP2_Z3, []),
     "tp2->tp1-pp2-dp2": (TP2, TP1_PP2_DP2, []),
     "titans:pp2-sublayer-zero1->dp2-zero3": (PP2_SUBLAYER_Z1, DP2_Z3, TITANS),
     "titans:tp2->tp1-pp2-dp2": (TP2, TP1_PP2_DP2, TITANS),
+    "zero0->dp3-zero3": (ONE_Z0, DP3_Z3, GB12),  # ZeRO-0 save, uneven ZeRO-3 load
+    "dp3-zero3->zero0": (DP3_Z3, ONE_Z0, GB12),  # uneven ZeRO-3 save, ZeRO-0 load
 }
 DEFAULT = {"pp2-sublayer-zero1->dp2-zero3"}
 
@@ -55,18 +61,18 @@ def _ds(name: str, tmp_path) -> str:
     "case", [c if c in DEFAULT else pytest.param(c, marks=pytest.mark.slow) for c in CASES]
 )
 def test_resume_under_another_layout(case, corpus, tmp_path):  # noqa: F811
-    (n0, ds0, x0), (n1, ds1, x1), arch = CASES[case]
+    (n0, ds0, x0), (n1, ds1, x1), common = CASES[case]
     ref_dir = tmp_path / "ref"
     ref_dir.mkdir()
-    launch_ranks(1, corpus, ref_dir, "zero0.json", arch, timeout=T)
+    launch_ranks(1, corpus, ref_dir, "zero0.json", common, timeout=T)
     ref = [r["loss"] for r in metrics(ref_dir)]
     run = tmp_path / "run"
     run.mkdir()
     launch_ranks(
-        n0, corpus, run, _ds(ds0, tmp_path), [*x0, *arch, "--train.exit_interval", "10"], T
+        n0, corpus, run, _ds(ds0, tmp_path), [*x0, *common, "--train.exit_interval", "10"], T
     )
     assert (run / "ckpt" / "global_step10" / "universal" / "meta.pt").exists()
-    launch_ranks(n1, corpus, run, _ds(ds1, tmp_path), [*x1, *arch, "--resume", "auto"], T)
+    launch_ranks(n1, corpus, run, _ds(ds1, tmp_path), [*x1, *common, "--resume", "auto"], T)
     got = metrics(run)
     assert [r["iteration"] for r in got] == list(range(1, 21))
     assert_close([r["loss"] for r in got[10:]], ref[10:], rtol=RTOL)

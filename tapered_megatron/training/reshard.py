@@ -1,25 +1,28 @@
 """Layout-free checkpoints: resume a run under another (TP, PP, DP, ZeRO stage, pipeline unit).
 
-DeepSpeed's own checkpoint files are per rank of one layout. Beside them every checkpoint holds
-a ``universal/`` folder that no layout owns: per parameter, keyed by its canonical name (its name
-in the single :class:`~tapered_megatron.models.LanguageModel`, ``layers.3.mlp.w13.weight``), the
-FULL fp32 weight and the full AdamW moments (``exp_avg``, ``exp_avg_sq``), plus ``meta.pt``: the
-layout it was saved under, the optimizer step, the LR scheduler state and the iteration /
-consumed samples. Model shapes depend on the config alone (issue 13 item 1), so the full tensors
-fit any layout; the TP split of each parameter is read from its ``tp_layout`` (see
-:mod:`tapered_megatron.parallel.layers`).
+DeepSpeed's own checkpoint files are per rank of one layout. Beside them a checkpoint holds
+(``train.universal_checkpoint``, on by default) a ``universal/`` folder that no layout owns: per
+parameter, keyed by its canonical name (its name in the single
+:class:`~tapered_megatron.models.LanguageModel`, ``layers.3.mlp.w13.weight``), the FULL fp32
+weight and the full AdamW moments (``exp_avg``, ``exp_avg_sq``), plus ``meta.pt``: the layout it
+was saved under, the world size, the optimizer step, the LR scheduler state and the client state
+(iteration, consumed samples). Model shapes depend on the config alone (issue 13 item 1), so
+the full tensors fit any layout; the TP split of each parameter is read from its ``tp_layout``
+(see :mod:`tapered_megatron.parallel.layers`). It costs 12 bytes per parameter on disk.
 
 Save (collective): each rank reads the DP-full tensors of its own parameters through DeepSpeed's
-documented fragment API (``deepspeed.utils.safe_get_full_fp32_param`` /
-``safe_get_full_optimizer_state``; plain ``param`` / ``optimizer.state`` without ZeRO),
-gathers the TP pieces, and the (TP rank 0, DP rank 0) rank of each pipeline stage writes them.
-Load: each rank cuts its TP piece of every parameter it holds and hands it to the engine through
-the matching setters. RNG: rank ``r`` restores the saved states of rank ``r mod old world``.
+fragment API (``deepspeed.utils.safe_get_full_fp32_param`` / ``safe_get_full_optimizer_state``;
+plain ``param`` / ``optimizer.state`` without ZeRO), gathers the TP pieces, and the (TP rank 0,
+DP rank 0) rank of each pipeline stage writes them.
+Load: each rank cuts its TP piece of every parameter it holds and hands it to the engine (ZeRO
+partitions, the model's own copy, AdamW state with the saved step), restores the LR schedule
+and the engine's step / sample counters. The data position is the client state's consumed
+samples (the sampler starts there under any DP). RNG: rank ``r`` restores the saved states of
+rank ``r mod old world``.
 """
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
@@ -36,29 +39,14 @@ from deepspeed.utils import (
 
 from tapered_megatron import parallel
 from tapered_megatron.parallel.layers import shard, unshard
+from tapered_megatron.training.checkpoint import (
+    UNIVERSAL,
+    UNIVERSAL_META,
+    has_universal,
+    set_rng_state,
+)
 
-DIRNAME = "universal"
 MOMENTS = ("exp_avg", "exp_avg_sq")
-LAYOUT_KEYS = ("tp", "pp", "dp", "zero_stage", "pipeline_unit")
-
-
-def layout_of(engine: Any, cfg: Any, layout: Any) -> dict[str, Any]:
-    """The parallel layout a checkpoint is saved or loaded under."""
-    return {
-        "tp": layout.tp,
-        "pp": layout.pp,
-        "dp": layout.dp,
-        "zero_stage": int(engine.zero_optimization_stage()),
-        "pipeline_unit": cfg.parallel.pipeline_unit if layout.pp > 1 else "none",
-    }
-
-
-def describe(rec: dict[str, Any]) -> str:
-    """``TP2 PP1 DP1 ZeRO-1 unit none``."""
-    return (
-        f"TP{rec['tp']} PP{rec['pp']} DP{rec['dp']} ZeRO-{rec['zero_stage']} "
-        f"unit {rec['pipeline_unit']}"
-    )
 
 
 def canonical_parameters(engine: Any, cfg: Any) -> list[tuple[str, torch.nn.Parameter]]:
@@ -146,9 +134,11 @@ def _step(opt: torch.optim.Optimizer) -> float:
     return 0.0
 
 
-def save(engine: Any, cfg: Any, layout: Any, tag_dir: Path, client: dict[str, Any]) -> None:
+def save(
+    engine: Any, cfg: Any, layout: dict[str, Any], tag_dir: Path, client: dict[str, Any]
+) -> None:
     """Write ``tag_dir/universal`` (collective: every rank calls it, before ``complete``)."""
-    out = tag_dir / DIRNAME
+    out = tag_dir / UNIVERSAL
     out.mkdir(parents=True, exist_ok=True)
     opt = _link_optimizer_state(engine)
     writer = (
@@ -167,14 +157,37 @@ def save(engine: Any, cfg: Any, layout: Any, tag_dir: Path, client: dict[str, An
             torch.save(dict(zip(("fp32", *MOMENTS), full)), out / f"{name}.pt")
     if dist.get_rank() == 0:
         meta = {
-            "layout": layout_of(engine, cfg, layout),
+            "layout": layout,
             "world_size": dist.get_world_size(),
             "step": _step(opt),
             "lr_scheduler": engine.lr_scheduler.state_dict() if engine.lr_scheduler else None,
             "client": client,
         }
-        torch.save(meta, out / "meta.pt")
-        (out / "layout.json").write_text(json.dumps(meta["layout"]) + "\n")
+        torch.save(meta, out / UNIVERSAL_META)
+
+
+def _set_full(p: torch.nn.Parameter, value: torch.Tensor, key: str | None) -> None:
+    """Set this rank's part of the fp32 weight (``key`` None) or of moment ``key`` of ``p`` from
+    the tensor of the whole parameter (its TP piece); every DP rank calls it.
+
+    ZeRO-3: DeepSpeed's setter cuts the value into DP-size pieces without the padding of the
+    last one and fails when the size is not a multiple of the DP size (DP3 after losing a
+    node); the partition is written here the way DeepSpeed lays it out (equal padded pieces).
+    """
+    if not hasattr(p, "ds_id"):  # ZeRO-1/2: the fragment of each rank
+        if key is None:
+            safe_set_full_fp32_param(p, value)
+        else:
+            safe_set_full_optimizer_state(p, value, key)
+        return
+    zero = p._z3_optimizer
+    part, group = zero._get_fp32_opt_state_partition(p, False, optim_state_key=key)
+    n, rank = part.numel(), zero._get_param_partition_rank(p)
+    mine = value.reshape(-1)[n * rank : n * (rank + 1)]
+    part.data.zero_()
+    part.data[: mine.numel()].copy_(mine)
+    if zero._swappable_optimizer_subgroup(group):
+        zero._optimizer_states_and_gradient_swap_out(group)
 
 
 def _load_scheduler(engine: Any, state: dict[str, Any] | None) -> None:
@@ -195,18 +208,15 @@ def _load_scheduler(engine: Any, state: dict[str, Any] | None) -> None:
             g["lr"] = lr
 
 
-def saved_layout(tag_dir: Path) -> dict[str, Any] | None:
-    """The layout a checkpoint was saved under (``None`` when it has no universal copy)."""
-    f = tag_dir / DIRNAME / "layout.json"
-    return json.loads(f.read_text()) if f.exists() else None
-
-
 def load(engine: Any, cfg: Any, tag_dir: Path) -> dict[str, Any]:
     """Load ``tag_dir/universal`` into ``engine`` (any layout); return the client state."""
-    from tapered_megatron.training.checkpoint import set_rng_state
-
-    src = tag_dir / DIRNAME
-    meta = torch.load(src / "meta.pt", weights_only=False)
+    src = tag_dir / UNIVERSAL
+    if not has_universal(tag_dir):
+        raise FileNotFoundError(
+            f"{tag_dir} has no {UNIVERSAL}/ copy (saved with train.universal_checkpoint false): it "
+            "resumes only under the layout it was saved under (its layout.json)"
+        )
+    meta = torch.load(src / UNIVERSAL_META, weights_only=False)
     opt = _link_optimizer_state(engine)
     for name, p in canonical_parameters(engine, cfg):
         f = src / f"{name}.pt"
@@ -215,9 +225,8 @@ def load(engine: Any, cfg: Any, tag_dir: Path) -> dict[str, Any]:
         rec = torch.load(f, weights_only=True)
         w, *moments = (_tp_piece(rec[k], p) for k in ("fp32", *MOMENTS))
         if _zero(p):
-            safe_set_full_fp32_param(p, w)
-            for k, m in zip(MOMENTS, moments):
-                safe_set_full_optimizer_state(p, m, k)
+            for k, t in zip((None, *MOMENTS), (w, *moments)):
+                _set_full(p, t, k)
             z3 = hasattr(p, "ds_id")
             with deepspeed.zero.GatheredParameters([p], modifier_rank=0, enabled=z3):
                 p.data.copy_(w.to(p.dtype))  # the model's own copy (the engine's is above)

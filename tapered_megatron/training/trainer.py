@@ -158,21 +158,26 @@ class Trainer:
 
     def _load(self, load_dir: Path, tag: str) -> dict[str, Any]:
         """DeepSpeed's own files when the layout is the one saved, else the layout-free copy."""
-        now = reshard.layout_of(self.engine, self.cfg, self.layout)
-        saved = reshard.saved_layout(load_dir / tag)
+        now = checkpoint.layout_record(self.cfg, self.ds_config, self.layout)
+        saved = checkpoint.saved_layout(load_dir / tag)
         if saved is None or saved == now:
             return checkpoint.load(self.engine, load_dir, tag)
         self.log(
-            f"layout change: checkpoint {load_dir / tag} was saved under {reshard.describe(saved)}"
-            f", resuming under {reshard.describe(now)} (resharded from its universal/ copy)"
+            f"layout change: checkpoint {load_dir / tag} was saved under "
+            f"{checkpoint.describe_layout(saved)}, resuming under "
+            f"{checkpoint.describe_layout(now)} (resharded from its universal/ copy)"
         )
         return reshard.load(self.engine, self.cfg, load_dir / tag)
 
     def _save(self, it: int) -> Path:
-        def universal(tag_dir: Path, client: dict[str, Any]) -> None:
-            reshard.save(self.engine, self.cfg, self.layout, tag_dir, client)
+        """A checkpoint of iteration ``it``, with its layout and (if on) the universal copy."""
+        record = checkpoint.layout_record(self.cfg, self.ds_config, self.layout)
 
-        return checkpoint.save(self.engine, self.cfg, it, self.consumed, also=universal)
+        def universal(tag_dir: Path, client: dict[str, Any]) -> None:
+            reshard.save(self.engine, self.cfg, record, tag_dir, client)
+
+        also = universal if self.cfg.train.universal_checkpoint else None
+        return checkpoint.save(self.engine, self.cfg, it, self.consumed, also=also, layout=record)
 
     # ------------------------------------------------------------------ loop
     def _train_step(
