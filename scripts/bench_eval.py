@@ -112,10 +112,10 @@ def main(argv: list[str] | None = None) -> int:
     a = ap.parse_args(argv)
     if a.threads:
         torch.set_num_threads(a.threads)
+    from safetensors.torch import load_file
+
     from tapered_megatron.data import IndexedDataset, prepare_sample_corpus
     from tapered_megatron.hf.modeling import TaperedForCausalLM
-
-    from safetensors.torch import load_file
 
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(a.model) if a.model else train_and_export(Path(tmp), a.train_iters)

@@ -185,6 +185,9 @@ class EvalConfig:
 
     interval: int = 100  # 0: never
     iters: int = 10
+    # more token-file prefixes (all their documents) whose loss is measured at each evaluation
+    extra_paths: tuple[str, ...] = ()
+    alignment: bool = False  # rho_block / rho_mlp per layer on the validation batches
 
 
 @dataclass(frozen=True)
@@ -576,6 +579,12 @@ def validate(cfg: Config) -> None:
         cfg.taper_plan  # noqa: B018 - computed once here so a bad taper fails at load time
     except TaperError as e:
         raise ConfigError(str(e)) from None
+    names = [Path(x).name for x in cfg.eval.extra_paths]
+    _require(
+        len(set(names)) == len(names),
+        f"eval.extra_paths: prefixes must have distinct file names (they name the logged "
+        f"losses), got {', '.join(names)}; rename or link one of them",
+    )
     if arch.validate is not None:
         arch.validate(cfg)
 

@@ -179,21 +179,21 @@ def _own_scores(model, tok: str, limit: int) -> dict[str, dict[str, float]]:
 
 @pytest.fixture(scope="module")
 def harness(export, tmp_path_factory):
-    """The real ``lm_eval`` command line on the export, both local tasks, 12 items each."""
+    """The real ``lm_eval`` command line on the export, both local tasks, 8 items each."""
     pytest.importorskip("lm_eval")
     out, _ = export
     res = tmp_path_factory.mktemp("lm_eval")
     _run("-m", "lm_eval", "--model", "hf", "--model_args",
          f"pretrained={out},trust_remote_code=True", "--tasks",
          "tm_shakespeare_nextline,tm_shakespeare_lastword", "--include_path", str(TASKS),
-         "--limit", "12", "--batch_size", "4", "--output_path", str(res))  # fmt: skip
+         "--limit", "8", "--batch_size", "4", "--output_path", str(res))  # fmt: skip
     (path,) = res.rglob("results_*.json")
     return json.loads(path.read_text())["results"]
 
 
 def test_lm_eval_cli_accuracy_equals_own_scorer(harness, export, tok):
     _, model = export
-    own = _own_scores(model, tok, 12)
+    own = _own_scores(model, tok, 8)
     for task, metrics in own.items():
         for name, value in metrics.items():
             assert harness[task][f"{name},none"] == pytest.approx(value, abs=1e-9), (task, name)
@@ -204,12 +204,12 @@ def test_zeroshot_wrapper_writes_json_and_markdown(harness, export, tmp_path):
     from tapered_megatron.eval.zeroshot import main
 
     out, _ = export
-    assert main(["--model", str(out), "--limit", "12", "--batch-size", "4",
+    assert main(["--model", str(out), "--limit", "8", "--batch-size", "4",
                  "--output", str(tmp_path)]) == 0  # fmt: skip
     got = json.loads((tmp_path / "zeroshot.json").read_text())
     assert set(got["tasks"]) == {"tm_shakespeare_nextline", "tm_shakespeare_lastword"}
     for task, m in got["tasks"].items():
-        assert m["n"] == 12
+        assert m["n"] == 8
         assert m["acc"] == harness[task]["acc,none"]
     assert got["tasks"]["tm_shakespeare_lastword"]["acc_norm"] is None
     assert got["average_acc"] == pytest.approx(np.mean([m["acc"] for m in got["tasks"].values()]))

@@ -50,6 +50,30 @@ def test_from_pretrained_logits_equal_our_module(arch, exports):
         assert abs(labels_loss.item() - ours(ids[:, :-1], ids[:, 1:]).item()) <= 1e-5
 
 
+def test_hope_teach_signal_runs_under_transformers(tok, tmp_path):
+    """``hope.update = teach`` needs the first pass of the whole model; the HF forward runs it
+    (logits equal ours, and differ from the chain without the teach signal)."""
+    from tapered_megatron.models.hope import ContinuumMemory
+
+    out, ours = tiny_export(
+        tmp_path / "teach", "hope_attention", tok, "--model.hope.update", "teach"
+    )
+    hf = transformers.AutoModelForCausalLM.from_pretrained(out, trust_remote_code=True)
+    ids = _ids(3)
+    with torch.no_grad():
+        want = ours(ids)[..., :VOCAB]
+        got = hf(ids).logits
+        for m in ours.modules():
+            if isinstance(m, ContinuumMemory):
+                m.teach_signal = None
+        h = ours.embedding(ids)
+        for block in ours.layers:
+            h = block(h)
+        static = ours.head(h).logits()[..., :VOCAB]
+    assert (got - want).abs().max().item() <= 1e-5
+    assert (static - want).abs().max().item() > 1e-3
+
+
 @pytest.mark.parametrize("arch", ["transformer", "gated_attention"])
 def test_kv_cache_steps_equal_full_forward(arch, exports):
     out, _ = exports[arch]

@@ -72,9 +72,8 @@ def test_updates_start_exactly_at_the_first_boundary():
 def _reference_level(level, u: torch.Tensor, eta: float, teach=None) -> torch.Tensor:
     """The CMS rule written plainly: per-sequence weights, per-token autograd gradients of
     ``1/2 ||f(u_t) - u_{t+1}||^2`` (or of ``<f(u_t), teach_t>``: output error ``teach_t``) clipped
-    to norm ``sqrt(d)``, scaled by the token's rate and divided by the squared norm of each
-    matrix's input (``u_t`` for W_13, ``a_t`` for W_2), summed over the period, applied at its
-    end."""
+    to norm ``sqrt(d)``, scaled by the token's rate and divided by the squared norm of the
+    level's input ``u_t``, summed over the period, applied at its end."""
     d, c = u.shape[-1], level.period
     rates = level.rates(u, eta).detach()
     outs = []
@@ -99,9 +98,9 @@ def _reference_level(level, u: torch.Tensor, eta: float, teach=None) -> torch.Te
                 g13, g2 = torch.autograd.grad(inner, (p13, p2))
                 norm = torch.sqrt(g13.pow(2).sum() + g2.pow(2).sum())
                 step = min(1.0, d**0.5 / norm.item()) * rates[b, t]
-                a_sq = (F.silu(gate) * up).pow(2).sum().detach()
-                acc13 = acc13 + step / u[b, t].pow(2).sum().clamp_min(NORM_EPS) * g13
-                acc2 = acc2 + step / (a_sq + NORM_EPS) * g2
+                u_sq = u[b, t].pow(2).sum().clamp_min(NORM_EPS)
+                acc13 = acc13 + step / u_sq * g13
+                acc2 = acc2 + step / u_sq * g2
         outs.append(torch.stack(rows))
     return torch.stack(outs)
 

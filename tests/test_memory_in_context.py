@@ -2,7 +2,7 @@
 key/value pairs repeated), the in-context updates change the output of the memory module by a
 stated amount (Titans: relative to the mixer output without updates; Hope: relative to the CMS
 input, since the static CMS output of a fresh model is small), and the memory's recall error
-falls from one repetition to the next.
+falls from one repetition to the next (Hope: only slightly at init, see its test).
 
 Titans: the memory branch (``NeuralMemory``) of one mixer and the whole mixer; recall error =
 ``||M_{t-1}(k_t) - v_t||^2 / ||v_t||^2`` with the mixer's own keys and values. Hope-attention:
@@ -100,6 +100,11 @@ def test_hope_cms_moves_the_block_and_recalls(shape):
         cms.eta = 0.0
         off = cms(u)
     change = ((on - off).norm() / u.norm()).item()  # the static CMS output is small at init
-    print(f"hope {shape}: CMS output change / input {change:.3f}, recall error per repeat {recall}")
-    assert change > 0.1  # measured 1.34 (quickstart), 0.12 (440m)
-    assert recall[-1] < 0.75 * recall[0]  # measured 1.01 -> 0.39, 1.00 -> 0.69
+    print(f"hope {shape}: CMS output change / input {change:.5f}, recall error per repeat {recall}")
+    # At the defaults (effective step 0.01 at init, hope.py module doc) a fresh CMS moves by
+    # 1.5e-4 (quickstart) and 2.7e-4 (440m) of its input and its recall barely moves (1.0001 ->
+    # 0.9998): W_2's input is small at init, so are its updates. Larger initial steps made
+    # training worse at the tlm_cpu scale (validation loss 5.48 vs 5.08 after 120 iterations);
+    # the updates matter once the outer loop has learned to use them (5.41 without them).
+    assert 5e-5 < change < 5e-3
+    assert recall[-1] < recall[0]

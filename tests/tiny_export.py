@@ -37,9 +37,12 @@ def tiny_config(arch: str, tokenizer: str | None = None, *overrides: str) -> Con
     )  # fmt: skip
 
 
-def tiny_export(out: Path, arch: str, tokenizer: str | None) -> tuple[Path, LanguageModel]:
-    """A random-init model of ``arch`` written as an export; returns (export dir, module)."""
-    cfg = tiny_config(arch, tokenizer)
+def tiny_export(
+    out: Path, arch: str, tokenizer: str | None, *overrides: str
+) -> tuple[Path, LanguageModel]:
+    """A random-init model of ``arch`` (config ``overrides``) written as an export; returns
+    (export dir, module)."""
+    cfg = tiny_config(arch, tokenizer, *overrides)
     model = build_model(cfg).eval()
     write_export(out, cfg, dict(model.state_dict()), Provenance("tests"), tokenizer)
     return out, model

@@ -7,7 +7,7 @@ comparable and a resumed run logs what the uninterrupted one did.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -21,13 +21,14 @@ def validation_loss(
     iters: int,
     grad_accum: int,
     dp_group: Any = None,
+    after_micro_batch: Callable[[], None] | None = None,
 ) -> float:
     """Mean token loss over ``iters`` global batches of ``(inputs, labels)`` micro-batches.
 
     A pipeline engine (``engine.eval_batch``) runs ``grad_accum`` micro-batches per call and
     returns the loss already averaged over data-parallel ranks; a plain engine is run here
     micro-batch by micro-batch with the model's own loss ``engine(inputs, labels)`` and averaged
-    over ``dp_group``.
+    over ``dp_group``; ``after_micro_batch()`` is called after each of its micro-batches.
     Collective over all ranks of the run.
     """
     was_training = engine.module.training
@@ -42,6 +43,8 @@ def validation_loss(
         for _ in range(iters * grad_accum):
             x, y = next(batches)
             total += float(engine(x, y))
+            if after_micro_batch is not None:
+                after_micro_batch()
         t = total.to(next(engine.module.parameters()).device) / (iters * grad_accum)
         if dist.is_initialized():
             dist.all_reduce(t, group=dp_group)

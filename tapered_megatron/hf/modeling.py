@@ -24,7 +24,7 @@ from transformers.cache_utils import DynamicCache
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from tapered_megatron.hf.configuration import TaperedConfig
-from tapered_megatron.models import LanguageModel, build_model
+from tapered_megatron.models import LanguageModel, build_model, resolve_architecture
 from tapered_megatron.models.attention import Attention
 from tapered_megatron.models.layers import RotaryEmbedding, rope_tables
 
@@ -78,7 +78,9 @@ class TaperedForCausalLM(PreTrainedModel, GenerationMixin):
     def __init__(self, config: TaperedConfig) -> None:
         super().__init__(config)
         cfg = config.run_config()
-        self.arch = cfg.model.arch
+        self.arch, self.cfg = cfg.model.arch, cfg
+        # e.g. Hope's teach signal: a pass of the whole model before the real one
+        self._first_pass = resolve_architecture(cfg.model.arch).first_pass
         lm = build_model(cfg)  # random init from the run's seed; from_pretrained loads over it
         self.embedding, self.layers, self.head = lm.embedding, lm.layers, lm.head
         self.post_init()
@@ -135,6 +137,8 @@ class TaperedForCausalLM(PreTrainedModel, GenerationMixin):
                 h = z + block.mlp(block.mlp_norm(z))
         else:
             cache = None
+            if self._first_pass is not None:
+                self._first_pass(self, input_ids)
             for block in self.layers:
                 h = block(h)
         if logits_to_keep > 0 and labels is None:

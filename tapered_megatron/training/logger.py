@@ -24,6 +24,8 @@ from deepspeed.accelerator import get_accelerator
 from tapered_megatron.accelerator import lookup, on_cpu
 from tapered_megatron.accelerator import product_name as device_product_name
 from tapered_megatron.config import Config
+from tapered_megatron.eval.alignment import LayerAlignment
+from tapered_megatron.eval.alignment import figure as alignment_figure
 
 __all__ = ["TrainLogger", "device_product_name", "memory_gb", "peak_tflops", "probe_tflops"]
 
@@ -162,14 +164,34 @@ class TrainLogger:
         )
         return out
 
-    def val(self, it: int, loss: float) -> None:
-        """Log a validation result."""
+    def val(self, it: int, loss: float, dataset: str = "") -> None:
+        """Log a validation result: of the validation split, or of ``eval.extra_paths``'
+        ``dataset`` (tensorboard ``val/<dataset>/loss``)."""
         ppl = math.exp(min(loss, 30.0))
+        tag = f"val/{dataset}/" if dataset else "val/"
         if self.writer is not None:
-            self.writer.add_scalar("val/loss", loss, it)
-            self.writer.add_scalar("val/ppl", ppl, it)
+            self.writer.add_scalar(tag + "loss", loss, it)
+            self.writer.add_scalar(tag + "ppl", ppl, it)
             self.writer.flush()
-        self.print(f"validation at iter {it} | loss {loss:.4f} | ppl {ppl:.2f}")
+        on = f" on {dataset}" if dataset else ""
+        self.print(f"validation{on} at iter {it} | loss {loss:.4f} | ppl {ppl:.2f}")
+
+    def alignment(self, it: int, rows: list[LayerAlignment]) -> None:
+        """Log per-layer ``rho_block`` / ``rho_mlp`` (``eval.alignment``): a scalar per layer
+        and a figure of both curves against depth."""
+        if self.writer is not None:
+            for r in rows:
+                self.writer.add_scalar(f"alignment/rho_block/layer_{r.layer:03d}", r.rho_block, it)
+                self.writer.add_scalar(f"alignment/rho_mlp/layer_{r.layer:03d}", r.rho_mlp, it)
+            import matplotlib.pyplot as plt
+
+            fig = alignment_figure(rows, f"{self.cfg.model.arch}, iteration {it}")
+            self.writer.add_figure("alignment/rho", fig, it)
+            plt.close(fig)
+            self.writer.flush()
+        block = " ".join(f"{r.rho_block:.2f}" for r in rows)
+        mlp = " ".join(f"{r.rho_mlp:.2f}" for r in rows)
+        self.print(f"alignment at iter {it} | rho_block by layer {block} | rho_mlp {mlp}")
 
     def close(self) -> None:
         """Flush and close the event file."""

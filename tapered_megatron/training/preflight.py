@@ -47,9 +47,12 @@ def check_inputs(cfg: Config, ds_config: dict[str, Any], layout: Any = None) -> 
 
 
 def check_data(cfg: Config) -> None:
-    """``data.path``: blend weights, each prefix's .idx/.bin (MMIDIDX validation), sample size."""
-    from tapered_megatron.data import IndexedDataset, IndexedDatasetError, parse_blend
+    """``data.path``: blend weights, each prefix's .idx/.bin (MMIDIDX validation), sample size;
+    the same for every prefix of ``eval.extra_paths``."""
+    from tapered_megatron.data import parse_blend
 
+    for prefix in cfg.eval.extra_paths:
+        _check_prefix(cfg, "eval.extra_paths", prefix)
     if not cfg.data.path:
         return  # the sample corpus shipped in the repo, built on first use
     try:
@@ -59,24 +62,32 @@ def check_data(cfg: Config) -> None:
             f"data.path: {e}; write a prefix or 'w1 prefix1 w2 prefix2 ...' "
             "with finite weights >= 0 and a positive sum"
         ) from None
-    need = cfg.model.seq_len + 1
     for weight, prefix in pairs:
-        try:
-            ds = IndexedDataset(prefix)
-        except IndexedDatasetError as e:
-            raise ConfigError(
-                f"data.path: {e}; point --data.path at a complete .bin/.idx pair "
-                "(re-run data_tools/tokenize.py to rebuild it)"
-            ) from None
-        except OSError as e:
-            raise ConfigError(
-                f"data.path: cannot read {prefix}.idx/.bin ({e.strerror}); fix its permissions"
-            ) from None
-        if weight > 0 and ds.num_tokens < need:
-            raise ConfigError(
-                f"data.path: {prefix} holds {ds.num_tokens} tokens, fewer than one sample of "
-                f"model.seq_len + 1 = {need}; use more data or a smaller --model.seq_len"
-            )
+        _check_prefix(cfg, "data.path", prefix, sampled=weight > 0)
+
+
+def _check_prefix(cfg: Config, key: str, prefix: str, sampled: bool = True) -> None:
+    """One token-file pair of ``key``: readable, valid, and (when ``sampled``) holding at least
+    one sample of ``model.seq_len + 1`` tokens."""
+    from tapered_megatron.data import IndexedDataset, IndexedDatasetError
+
+    try:
+        ds = IndexedDataset(prefix)
+    except IndexedDatasetError as e:
+        raise ConfigError(
+            f"{key}: {e}; point --{key} at a complete .bin/.idx pair "
+            "(re-run data_tools/tokenize.py to rebuild it)"
+        ) from None
+    except OSError as e:
+        raise ConfigError(
+            f"{key}: cannot read {prefix}.idx/.bin ({e.strerror}); fix its permissions"
+        ) from None
+    need = cfg.model.seq_len + 1
+    if sampled and ds.num_tokens < need:
+        raise ConfigError(
+            f"{key}: {prefix} holds {ds.num_tokens} tokens, fewer than one sample of "
+            f"model.seq_len + 1 = {need}; use more data or a smaller --model.seq_len"
+        )
 
 
 def check_tokenizer(cfg: Config) -> None:

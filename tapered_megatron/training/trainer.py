@@ -14,8 +14,8 @@ import math
 import os
 import time
 from collections import deque
-from collections.abc import Iterator
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +28,7 @@ from deepspeed.runtime.utils import is_model_parallel_parameter
 from tapered_megatron import parallel
 from tapered_megatron.config import Config
 from tapered_megatron.eval import validation_loss
+from tapered_megatron.eval.alignment import AlignmentProbe
 from tapered_megatron.models import build_model, count_model, lm_loss
 from tapered_megatron.pipeline.clock import StageClock
 from tapered_megatron.training import checkpoint, optim, reshard
@@ -50,6 +51,7 @@ class Trainer:
         self.clock = StageClock() if self.pipeline else None  # per-stage compute time
 
         self.train_ds, self.valid_ds = self._build_data()
+        self.extra_ds = self._build_extra_data()
         self.engine = self._build_engine()
         optim.skip_nonfinite_steps(self.engine)
         self.nan_iters = injected_nan_iterations()
@@ -98,8 +100,32 @@ class Trainer:
             log=self.log,
         )
         if n_eval and valid is None:
-            self.log(f"data.split={d.split!r} leaves no validation documents: evaluation is off")
+            self.log(f"data.split={d.split!r} leaves no validation documents: no validation loss")
         return train, valid
+
+    def _build_extra_data(self) -> dict[str, Any]:
+        """``eval.extra_paths``: file name -> a dataset over all the prefix's documents (the
+        first ``eval.iters`` global batches are read at each evaluation)."""
+        from tapered_megatron import data
+
+        cfg = self.cfg
+        if cfg.eval.interval <= 0:
+            return {}
+        n = cfg.eval.iters * self.layout.global_batch_size
+        out = {}
+        for prefix in cfg.eval.extra_paths:
+            _, valid, _ = data.build_gpt_datasets(
+                prefix,
+                "0,1,0",
+                cfg.model.seq_len,
+                cfg.data.seed,
+                (0, n, 0),
+                cfg.data.cache_dir,
+                vocab_size=cfg.model.vocab_size,
+                log=self.log,
+            )
+            out[Path(prefix).name] = valid
+        return out
 
     def _batches(self, dataset: Any, total: int, consumed: int) -> Iterator[tuple]:
         """Endless ``(inputs, labels)`` micro-batches of this DP rank, starting at ``consumed``."""
@@ -212,14 +238,32 @@ class Trainer:
             total /= self.layout.dp
         return total.item(), norm
 
-    def _validate(self) -> float:
-        lay = self.layout
-        n = self.cfg.eval.iters * lay.global_batch_size
-        batches = self._batches(self.valid_ds, n, 0)
-        loss = validation_loss(
-            self.engine, batches, self.cfg.eval.iters, lay.grad_accum, self.dp_group
-        )
-        return loss
+    def _validate(self) -> dict[str, Any]:
+        """The validation loss (``val_loss``), each ``eval.extra_paths`` dataset's loss
+        (``extra_val_loss``) and, with ``eval.alignment``, the per-layer alignment measured
+        on the validation batches (``alignment``). Collective over all ranks."""
+        cfg, lay = self.cfg, self.layout
+        n = cfg.eval.iters * lay.global_batch_size
+        out: dict[str, Any] = {}
+
+        def loss(dataset: Any, after: Callable[[], None] | None = None) -> float:
+            batches = self._batches(dataset, n, 0)
+            return validation_loss(
+                self.engine, batches, cfg.eval.iters, lay.grad_accum, self.dp_group, after
+            )
+
+        if self.valid_ds is not None and cfg.eval.alignment:
+            probe = AlignmentProbe(
+                self.engine.module, cfg.model.layers, self.device, commit_each_pass=self.pipeline
+            )
+            with probe:
+                out["val_loss"] = loss(self.valid_ds, probe.commit)
+            out["alignment"] = probe.result(all_ranks=True)
+        elif self.valid_ds is not None:
+            out["val_loss"] = loss(self.valid_ds)
+        if self.extra_ds:
+            out["extra_val_loss"] = {name: loss(ds) for name, ds in self.extra_ds.items()}
+        return out
 
     def fit(self) -> list[float]:
         """Train to ``train.iters``; return the per-iteration training losses of this run."""
@@ -231,7 +275,7 @@ class Trainer:
             f"x accumulation {lay.grad_accum} | zero stage {self.engine.zero_optimization_stage()}"
         )
         self.log(cfg.taper_plan.table())
-        cadence = Cadence.of(cfg, can_eval=self.valid_ds is not None)
+        cadence = Cadence.of(cfg, can_eval=self.valid_ds is not None or bool(self.extra_ds))
         batches = self._batches(self.train_ds, cadence.iters * lay.global_batch_size, self.consumed)
         metrics = _MetricsFile(cfg.logging.metrics_file if self.rank == 0 else "")
         window = _Window(lay.global_batch_size * cfg.model.seq_len)
@@ -266,8 +310,7 @@ class Trainer:
                 stages = self._gather_stage_ms(window.iters) if self.pipeline else None
                 self.logger.train(it, window.mean_loss, lr, gnorm, *window.take(), stages)
             if cadence.evaluate(it):
-                record["val_loss"] = self._validate()
-                self.logger.val(it, record["val_loss"])
+                record.update(self._evaluate(it))
             metrics.write(record)
             if cadence.save(it):
                 self.log(f"saved checkpoint {self._save(it)}")
@@ -277,6 +320,29 @@ class Trainer:
         self.logger.close()
         metrics.close()
         return losses
+
+    def _evaluate(self, it: int) -> dict[str, Any]:
+        """Run :meth:`_validate`, log its results; return them as metrics-file fields."""
+        results = self._validate()
+        record: dict[str, Any] = {}
+        if "val_loss" in results:
+            record["val_loss"] = results["val_loss"]
+            self.logger.val(it, results["val_loss"])
+        for name, value in results.get("extra_val_loss", {}).items():
+            self.logger.val(it, value, name)
+        if "extra_val_loss" in results:
+            record["extra_val_loss"] = results["extra_val_loss"]
+        if "alignment" in results:
+            rows = results["alignment"]
+            self.logger.alignment(it, rows)
+            record["alignment"] = [
+                {
+                    k: (None if isinstance(v, float) and math.isnan(v) else v)
+                    for k, v in asdict(r).items()
+                }
+                for r in rows
+            ]
+        return record
 
     def _gather_stage_ms(self, iters: int) -> list[float]:
         """Per-stage compute ms per iteration (max over the ranks of each stage)."""
