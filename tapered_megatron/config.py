@@ -168,6 +168,9 @@ class TrainConfig:
     save_interval: int = at_least(0, 0)  # 0: only at the end
     save_dir: str = "checkpoints/quickstart"
     keep_last: int = at_least(1, 2)
+    # also save universal/ (full fp32 weights + Adam moments per parameter, +12 bytes/param on
+    # disk) so the checkpoint resumes under any other parallel layout; false: same layout only
+    universal_checkpoint: bool = True
     resume: str = ""  # "" (fresh), "auto" (newest complete checkpoint in save_dir) or a path
     exit_interval: int = at_least(0, 0)  # stop (after saving) at multiples of it; 0: never
     compile: bool = False  # torch.compile via DeepSpeed's engine.compile (where arch compiles)

@@ -8,6 +8,7 @@ written to ``train.save_dir``. One case also runs as a separate ``python pretrai
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import shutil
 import subprocess
@@ -19,7 +20,7 @@ import pytest
 import torch.distributed as dist
 import yaml
 
-from tapered_megatron.config import load_config
+from tapered_megatron.config import ConfigError, load_config
 
 ROOT = Path(__file__).resolve().parents[1]
 MAIN = ROOT / "pretrain" / "main.py"
@@ -82,15 +83,23 @@ def _truncate(prefix: str, tmp: Path, ext: str) -> str:
     return p
 
 
-def _saved_checkpoint(tmp: Path, overrides: list[str]) -> Path:
-    """A save dir whose complete checkpoint recorded another model (d_model 64)."""
+TP2_LAYOUT = {"tp": 2, "pp": 1, "dp": 1, "zero_stage": 1, "pipeline_unit": "none"}
+
+
+def _saved_checkpoint(
+    tmp: Path, overrides: list[str], d_model: str = "64", layout: dict | None = None
+) -> Path:
+    """A save dir whose complete checkpoint recorded another model (d_model 64) or, with
+    ``layout``, the same model saved under that parallel layout without a universal/ copy."""
     save = tmp / "old"
     tag = save / "global_step5"
     tag.mkdir(parents=True)
     skip = {"--ds_config", "--model.d_model"}
     args = [x for k, v in zip(TINY[::2], TINY[1::2]) if k not in skip for x in (k, v)]
-    cfg = load_config("quickstart", [*args, *overrides, "--model.d_model", "64"])
+    cfg = load_config("quickstart", [*args, *overrides, "--model.d_model", d_model])
     (tag / "config.yaml").write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
+    if layout is not None:
+        (tag / "layout.json").write_text(json.dumps(layout))
     (tag / "complete").write_text("{}\n")
     (save / "latest").write_text("global_step5")
     return save
@@ -160,6 +169,15 @@ CASES = {
         ],
         "model.d_model 64 in the checkpoint, 32 here",
     ),
+    "resume under another layout without universal/": (
+        lambda c, t, k: [
+            "--data.path",
+            c,
+            "--resume",
+            str(_saved_checkpoint(t, ["--data.path", c], "32", TP2_LAYOUT)),
+        ],
+        "saved under TP2 PP1 DP1 ZeRO-1 unit none without a universal/ copy",
+    ),
 }
 
 
@@ -197,3 +215,24 @@ def test_bad_input_in_a_real_process(tmp_path):
     assert len(lines) == 1 and "index file not found" in lines[0], p.stderr
     assert "re-run data_tools/tokenize.py" in lines[0]
     assert not (tmp_path / "save").exists()
+
+
+def test_layout_change_needs_the_universal_copy(corpus, tmp_path):
+    """Pre-flight lets a checkpoint of another layout through when it holds universal/; one
+    written before layout.json is judged by the TP / PP of its config."""
+    from tapered_megatron.training import launch, preflight
+
+    save = _saved_checkpoint(tmp_path, ["--data.path", corpus], "32", TP2_LAYOUT)
+    base = [*TINY[2:], "--data.path", corpus]
+    cfg = load_config("quickstart", [*base, "--train.resume", str(save)])
+    ds, layout = launch.resolve(cfg, launch.load_ds_config(TINY[1]), 1)
+    with pytest.raises(ConfigError, match="cannot resume under TP1 PP1 DP1 ZeRO-0 unit none"):
+        preflight.check_resume(cfg, ds, layout)
+    (save / "global_step5" / "universal").mkdir()
+    (save / "global_step5" / "universal" / "meta.pt").write_bytes(b"")
+    preflight.check_resume(cfg, ds, layout)  # a layout change is allowed with the copy
+
+    old = _saved_checkpoint(tmp_path / "x", ["--data.path", corpus, "--parallel.tp", "2"], "32")
+    cfg = load_config("quickstart", [*base, "--train.resume", str(old)])
+    with pytest.raises(ConfigError, match="saved under TP2 PP1 unit none without"):
+        preflight.check_resume(cfg, ds, layout)

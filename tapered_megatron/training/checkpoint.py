@@ -6,6 +6,8 @@ Layout of ``train.save_dir``::
         rng_rank00000.pt ...   RNG states of every rank (python, numpy, torch, accelerator)
         config.yaml            the resolved configuration of the run
         taper_plan.json        the taper plan (widths per layer)
+        layout.json            the parallel layout it was saved under (TP, PP, DP, ZeRO, unit)
+        universal/             layout-free copy (train.universal_checkpoint; see reshard.py)
         complete               written by rank 0 after every rank finished writing
     latest                     "global_step100", replaced atomically after ``complete``
 
@@ -22,6 +24,7 @@ import os
 import re
 import shutil
 import signal
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +38,8 @@ from tapered_megatron.config import Config
 
 COMPLETE = "complete"
 LATEST = "latest"
+LAYOUT = "layout.json"
+UNIVERSAL, UNIVERSAL_META = "universal", "meta.pt"  # the layout-free copy (reshard.py)
 _TAG = re.compile(r"^global_step(\d+)$")
 
 
@@ -49,6 +54,35 @@ def iteration_of(tag: str) -> int:
     if m is None:
         raise ValueError(f"{tag!r} is not a global_stepN checkpoint tag")
     return int(m.group(1))
+
+
+def layout_record(cfg: Config, ds_config: dict[str, Any], layout: Any) -> dict[str, Any]:
+    """The parallel layout a checkpoint is saved or resumed under (``layout.json``)."""
+    return {
+        "tp": layout.tp,
+        "pp": layout.pp,
+        "dp": layout.dp,
+        "zero_stage": int(ds_config.get("zero_optimization", {}).get("stage", 0)),
+        "pipeline_unit": cfg.parallel.pipeline_unit if layout.pp > 1 else "none",
+    }
+
+
+def describe_layout(rec: dict[str, Any]) -> str:
+    """``TP2 PP1 DP1 ZeRO-1 unit none`` (keys a record lacks are left out)."""
+    names = (("tp", "TP{}"), ("pp", "PP{}"), ("dp", "DP{}"), ("zero_stage", "ZeRO-{}"))
+    words = [fmt.format(rec[k]) for k, fmt in names if k in rec]
+    return " ".join([*words, f"unit {rec.get('pipeline_unit', 'none')}"])
+
+
+def saved_layout(tag_dir: Path) -> dict[str, Any] | None:
+    """The layout a checkpoint was saved under; ``None`` for one written before ``layout.json``."""
+    f = tag_dir / LAYOUT
+    return json.loads(f.read_text()) if f.exists() else None
+
+
+def has_universal(tag_dir: Path) -> bool:
+    """Whether a checkpoint holds the layout-free copy (``train.universal_checkpoint``)."""
+    return (tag_dir / UNIVERSAL / UNIVERSAL_META).exists()
 
 
 def rng_state() -> dict[str, Any]:
@@ -109,9 +143,14 @@ def save(
     iteration: int,
     consumed_samples: int,
     extra: dict[str, Any] | None = None,
+    also: Callable[[Path, dict[str, Any]], None] | None = None,
+    layout: dict[str, Any] | None = None,
 ) -> Path:
     """Save a checkpoint on every rank, then mark it complete and point ``latest`` at it.
 
+    ``also(tag_dir, client_state)`` writes more files into the checkpoint before it is marked
+    complete (the trainer's layout-free copy, :mod:`tapered_megatron.training.reshard`);
+    ``layout`` (:func:`layout_record`) is written as ``layout.json``.
     Collective: every rank must call it. Returns the checkpoint directory.
     """
     save_dir = Path(cfg.train.save_dir)
@@ -127,10 +166,14 @@ def save(
     crash_point("rank_files")
     tag_dir.mkdir(parents=True, exist_ok=True)
     torch.save(rng_state(), tag_dir / f"rng_rank{_rank():05d}.pt")
+    if also is not None:
+        also(tag_dir, client)
     _barrier()
     if _rank() == 0:
         (tag_dir / "config.yaml").write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
         (tag_dir / "taper_plan.json").write_text(json.dumps(cfg.taper_plan.to_dict(), indent=1))
+        if layout is not None:
+            (tag_dir / LAYOUT).write_text(json.dumps(layout) + "\n")
         crash_point("complete")
         _write_atomic(
             tag_dir / COMPLETE,

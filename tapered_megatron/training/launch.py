@@ -222,7 +222,7 @@ def setup(argv: list[str] | None = None) -> tuple[argparse.Namespace, Config, di
     args, overrides = parse_args(argv)
     cfg = load_config(args.config, overrides)
     ds, layout = resolve(cfg, load_ds_config(args.ds_config), env_world_size())
-    check_inputs(cfg, ds)
+    check_inputs(cfg, ds, layout)
     return args, cfg, ds, layout
 
 

@@ -10,7 +10,8 @@ Checked: the dataset files (missing, unreadable, corrupt or truncated index, tru
 oversized data, fewer tokens than one sample), blend weights, the tokenizer (missing, unreadable,
 larger than ``model.vocab_size``), ``train.save_dir`` (writable, enough free disk for the next
 checkpoint from the parameter and optimizer bytes) and ``train.resume`` (exists, complete, same
-model and taper as this run).
+model and taper as this run; saved under this run's parallel layout unless it holds the
+layout-free ``universal/`` copy).
 """
 
 from __future__ import annotations
@@ -28,16 +29,21 @@ from tapered_megatron.config import Config, ConfigError, load_saved_config
 # (and, with fp16/bf16 weights, the fp32 master copy).
 _FP32_CKPT_BYTES = 4 + 8
 _HALF_CKPT_BYTES = 2 + 12
+# ... plus, with train.universal_checkpoint, the layout-free copy: fp32 weight + two moments.
+_UNIVERSAL_CKPT_BYTES = 12
 # Sections whose values fix the parameter shapes: a checkpoint of another shape cannot load.
 _SHAPE_SECTIONS = ("model", "taper")
 
 
-def check_inputs(cfg: Config, ds_config: dict[str, Any]) -> None:
-    """Raise :class:`ConfigError` for the first bad input of ``cfg``; touch nothing."""
+def check_inputs(cfg: Config, ds_config: dict[str, Any], layout: Any = None) -> None:
+    """Raise :class:`ConfigError` for the first bad input of ``cfg``; touch nothing.
+
+    ``layout`` (:class:`~tapered_megatron.training.launch.Layout`) is the run's parallel layout;
+    with it, resuming under another layout needs a checkpoint holding ``universal/``."""
     check_data(cfg)
     check_tokenizer(cfg)
     check_save_dir(cfg, ds_config)
-    check_resume(cfg)
+    check_resume(cfg, ds_config, layout)
 
 
 def check_data(cfg: Config) -> None:
@@ -119,11 +125,14 @@ def _existing_ancestor(path: Path) -> Path:
 
 
 def checkpoint_bytes(cfg: Config, ds_config: dict[str, Any]) -> int:
-    """Estimated size of one checkpoint: parameters x (weight + optimizer state) bytes."""
+    """Estimated size of one checkpoint: parameters x (weight + optimizer state) bytes, and the
+    universal copy when ``train.universal_checkpoint`` is on."""
     from tapered_megatron.models import count_model
 
     half = any(ds_config.get(h, {}).get("enabled") is True for h in ("fp16", "bf16"))
     per_param = _HALF_CKPT_BYTES if half else _FP32_CKPT_BYTES
+    if cfg.train.universal_checkpoint:
+        per_param += _UNIVERSAL_CKPT_BYTES
     return int(count_model(cfg).params_total) * per_param
 
 
@@ -160,8 +169,9 @@ def _differences(a: Any, b: Any, prefix: str) -> list[str]:
     return [] if a == b else [f"{prefix} {b!r} in the checkpoint, {a!r} here"]
 
 
-def check_resume(cfg: Config) -> None:
-    """``train.resume`` names a complete checkpoint whose model and taper match ``cfg``."""
+def check_resume(cfg: Config, ds_config: dict[str, Any] | None = None, layout: Any = None) -> None:
+    """``train.resume`` names a complete checkpoint whose model and taper match ``cfg``; one
+    saved under another parallel layout than ``layout`` holds the layout-free copy."""
     from tapered_megatron.training import checkpoint
 
     if not cfg.train.resume:
@@ -194,4 +204,28 @@ def check_resume(cfg: Config) -> None:
             + "; ".join(diff[:4])
             + (f"; {len(diff) - 4} more" if len(diff) > 4 else "")
             + f"); use the checkpoint's settings (see {saved_file}) or another --train.save_dir"
+        )
+    if layout is not None:
+        _check_layout_change(
+            where[0] / where[1], saved, checkpoint.layout_record(cfg, ds_config or {}, layout)
+        )
+
+
+def _check_layout_change(tag_dir: Path, saved_cfg: dict[str, Any], now: dict[str, Any]) -> None:
+    """A checkpoint without ``universal/`` loads only under the layout it was saved under (its
+    ``layout.json``; for one written before that file, the TP / PP / unit of its config)."""
+    from tapered_megatron.training import checkpoint
+
+    if checkpoint.has_universal(tag_dir):
+        return
+    then = checkpoint.saved_layout(tag_dir)
+    if then is None:
+        par = (saved_cfg or {}).get("parallel", {})
+        then = {"tp": par.get("tp", 1), "pp": par.get("pp", 1)}
+        then["pipeline_unit"] = par.get("pipeline_unit", "none") if then["pp"] > 1 else "none"
+    if any(then[k] != now[k] for k in then):
+        raise ConfigError(
+            f"train.resume: {tag_dir} was saved under {checkpoint.describe_layout(then)} without a "
+            f"universal/ copy (train.universal_checkpoint false, or an older checkpoint), so it "
+            f"cannot resume under {checkpoint.describe_layout(now)}; launch with the saved layout"
         )

@@ -31,7 +31,7 @@ from tapered_megatron.eval import validation_loss
 from tapered_megatron.eval.alignment import AlignmentProbe
 from tapered_megatron.models import build_model, count_model, lm_loss
 from tapered_megatron.pipeline.clock import StageClock
-from tapered_megatron.training import checkpoint, optim
+from tapered_megatron.training import checkpoint, optim, reshard
 from tapered_megatron.training.launch import Layout
 from tapered_megatron.training.logger import TrainLogger
 
@@ -62,7 +62,7 @@ class Trainer:
                 self.log(
                     f"{where[0] / tag} is partial (no complete marker: a save cut short); ignored"
                 )
-            client = checkpoint.load(self.engine, *where)
+            client = self._load(*where)
             self.iteration = int(client["iteration"])
             self.consumed = int(client["consumed_samples"])
             self.log(f"resumed from {where[0] / where[1]} at iteration {self.iteration}")
@@ -182,6 +182,29 @@ class Trainer:
             partition_kwargs={"dp": lay.dp, "zero_stage": stage},
         )
 
+    def _load(self, load_dir: Path, tag: str) -> dict[str, Any]:
+        """DeepSpeed's own files when the layout is the one saved, else the layout-free copy."""
+        now = checkpoint.layout_record(self.cfg, self.ds_config, self.layout)
+        saved = checkpoint.saved_layout(load_dir / tag)
+        if saved is None or saved == now:
+            return checkpoint.load(self.engine, load_dir, tag)
+        self.log(
+            f"layout change: checkpoint {load_dir / tag} was saved under "
+            f"{checkpoint.describe_layout(saved)}, resuming under "
+            f"{checkpoint.describe_layout(now)} (resharded from its universal/ copy)"
+        )
+        return reshard.load(self.engine, self.cfg, load_dir / tag)
+
+    def _save(self, it: int) -> Path:
+        """A checkpoint of iteration ``it``, with its layout and (if on) the universal copy."""
+        record = checkpoint.layout_record(self.cfg, self.ds_config, self.layout)
+
+        def universal(tag_dir: Path, client: dict[str, Any]) -> None:
+            reshard.save(self.engine, self.cfg, record, tag_dir, client)
+
+        also = universal if self.cfg.train.universal_checkpoint else None
+        return checkpoint.save(self.engine, self.cfg, it, self.consumed, also=also, layout=record)
+
     # ------------------------------------------------------------------ loop
     def _train_step(
         self, batches: Iterator[tuple], want_norm: bool, it: int = 0
@@ -290,7 +313,7 @@ class Trainer:
                 record.update(self._evaluate(it))
             metrics.write(record)
             if cadence.save(it):
-                self.log(f"saved checkpoint {checkpoint.save(self.engine, cfg, it, self.consumed)}")
+                self.log(f"saved checkpoint {self._save(it)}")
             if cadence.stop(it):
                 self.log(f"train.exit_interval={cadence.exit_every}: stopping at iteration {it}")
                 break
