@@ -104,7 +104,7 @@ def test_activation_checkpointing_same_gradients():
         model = set_activation_checkpointing(build_model(cfg), on)
         model(ids, ids).backward()
         grads.append({n: p.grad.clone() for n, p in model.named_parameters()})
-    ckpt_cfg = tiny("transformer", "--parallel.activation_checkpointing", "true")
+    ckpt_cfg = tiny("transformer", "--train.checkpoint_activations", "true")
     assert all(b.activation_checkpointing for b in build_model(ckpt_cfg).layers)
     for name in grads[0]:
         torch.testing.assert_close(grads[0][name], grads[1][name], atol=1e-6, rtol=0)
