@@ -22,9 +22,9 @@ from typing import Any
 import deepspeed
 import torch
 import torch.distributed as dist
-from torch import nn
 from deepspeed.accelerator import get_accelerator
 from deepspeed.runtime.utils import is_model_parallel_parameter
+from torch import nn
 
 from tapered_megatron import parallel
 from tapered_megatron.config import Config
