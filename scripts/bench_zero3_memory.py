@@ -40,7 +40,11 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 MiB = 2**20
-REDUCE_BUCKET = 50_000_000  # elements
+ZERO3_BOUNDS = {
+    "reduce_bucket_size": 50_000_000,  # elements
+    "stage3_max_live_parameters": 100_000_000,
+    "stage3_max_reuse_distance": 100_000_000,
+}
 
 
 def _status_kib(key: str) -> int:
@@ -65,9 +69,10 @@ def bench_config(
     over = ["--model.seq_len", str(seq_len), "--train.micro_batch_size", "1", *(extra or [])]
     cfg = load_config(name, over)
     ds = json.loads((ROOT / "ds_configs" / "zero3.json").read_text())
-    # a reduce bucket below the model size, as in any multi-billion run (DeepSpeed's default of
-    # 5e8 elements would hold every gradient of a model this size before reducing any)
-    ds["zero_optimization"]["reduce_bucket_size"] = REDUCE_BUCKET
+    # Buckets and live-parameter bounds below the model size, as in any multi-billion run:
+    # DeepSpeed's defaults (5e8-element reduce bucket, 1e9 live / reuse-distance parameters)
+    # would hold every gradient, and keep every gathered weight, of a model this size.
+    ds["zero_optimization"].update(ZERO3_BOUNDS)
     ds.update(
         train_micro_batch_size_per_gpu=1,
         gradient_accumulation_steps=1,
