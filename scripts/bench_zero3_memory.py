@@ -1,11 +1,13 @@
 """Peak memory per rank of a ZeRO-3 run: the whole-model build against ``deepspeed.zero.Init``.
 
     python scripts/bench_zero3_memory.py [--config transformer_760m] [--ranks 4] [--seq-len 128]
-        [--builds whole,zero_init] [--min-free-gib 2] [--section.key value ...]
+        [--builds whole,zero_init] [--stop-after model|step] [--min-free-gib 2]
+        [--section.key value ...]
 
 For each build, ``--ranks`` real gloo ranks (CPU, one thread each) train the preset under ZeRO-3
-(``ds_configs/zero3.json``, fp32, AdamW, micro-batch 1, the sequence cut to ``--seq-len``) for one
-step on random tokens, exactly as the trainer builds it:
+(``ds_configs/zero3.json`` with a 5e7-element reduce bucket, fp32, AdamW, micro-batch 1, the
+sequence cut to ``--seq-len``; ``--section.key value`` overrides the preset) for one step on
+random tokens (``--stop-after model``: the model build only), exactly as the trainer builds it:
 
 * ``whole``: every rank builds the whole model (``build_model``, the trainer before ``zero.Init``)
   and ``deepspeed.initialize`` partitions it;
@@ -40,11 +42,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 MiB = 2**20
-ZERO3_BOUNDS = {
-    "reduce_bucket_size": 50_000_000,  # elements
-    "stage3_max_live_parameters": 100_000_000,
-    "stage3_max_reuse_distance": 100_000_000,
-}
+REDUCE_BUCKET = 50_000_000  # elements
 
 
 def _status_kib(key: str) -> int:
@@ -69,10 +67,9 @@ def bench_config(
     over = ["--model.seq_len", str(seq_len), "--train.micro_batch_size", "1", *(extra or [])]
     cfg = load_config(name, over)
     ds = json.loads((ROOT / "ds_configs" / "zero3.json").read_text())
-    # Buckets and live-parameter bounds below the model size, as in any multi-billion run:
-    # DeepSpeed's defaults (5e8-element reduce bucket, 1e9 live / reuse-distance parameters)
-    # would hold every gradient, and keep every gathered weight, of a model this size.
-    ds["zero_optimization"].update(ZERO3_BOUNDS)
+    # A reduce bucket below the model size, as in any multi-billion run: DeepSpeed's default
+    # (5e8 elements) would hold every gradient of a model this size before reducing any.
+    ds["zero_optimization"]["reduce_bucket_size"] = REDUCE_BUCKET
     ds.update(
         train_micro_batch_size_per_gpu=1,
         gradient_accumulation_steps=1,
