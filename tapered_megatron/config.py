@@ -495,8 +495,15 @@ def load_saved_config(path: str | Path) -> Config:
     """The resolved config a checkpoint saved (``config.yaml``), validated like a preset.
 
     Checkpoints written before the architecture records carried every architecture's settings;
-    the settings owned by another architecture than the saved ``model.arch`` are dropped."""
+    the settings owned by another architecture than the saved ``model.arch`` are dropped. Keys
+    saved under an old name (:data:`RENAMED`) move to the new one."""
     data = _load_yaml(str(path))
+    for old, new in RENAMED.items():
+        (sec, key), (new_sec, new_key) = old.split("."), new.split(".")
+        section = dict(data.get(sec) or {})
+        if key in section:
+            data[sec] = section
+            data[new_sec] = {**(data.get(new_sec) or {}), new_key: section.pop(key)}
     model = dict(data.get("model") or {})
     reg = _registry()
     try:

@@ -193,8 +193,10 @@ def test_saved_config_of_an_older_checkpoint_loads(tmp_path):
     old["model"]["titans"] = {"chunk_size": 16, "window": 64}
     old["model"]["hope"] = {"levels": 3, "periods": [0, 64, 16]}
     old["model"]["gate"] = "elementwise"
+    del old["train"]["checkpoint_activations"]
+    old["parallel"]["activation_checkpointing"] = True  # the key's name before the rename
     path = tmp_path / "config.yaml"
     path.write_text(yaml.safe_dump(old))
-    assert load_saved_config(path) == cfg
+    assert load_saved_config(path) == cfg.with_overrides(["--train.checkpoint_activations", "true"])
     with pytest.raises(ConfigError, match="a config carries only its own"):
         load_config(str(path))
