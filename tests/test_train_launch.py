@@ -144,6 +144,7 @@ SLOW_LAYOUTS = {
     "pp2-dp2": (4, "pipeline.json", ["--parallel.pp", "2"]),
     "tp2-pp2": (4, "pipeline.json", ["--parallel.pp", "2", "--parallel.tp", "2"]),
     "tp2-dp2-zero2": (4, "zero2.json", ["--parallel.tp", "2"]),
+    "tp2-dp2-zero3": (4, "zero3.json", ["--parallel.tp", "2"]),  # zero.Init over the DP group
     "pp2-sublayer": (2, "pipeline.json", ["--parallel.pp", "2", "--parallel.pipeline_unit",
                                            "sublayer"]),
     "dp2-accum2": (2, "zero1.json", ["--train.micro_batch_size", "2"]),

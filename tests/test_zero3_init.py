@@ -1,9 +1,9 @@
 """ZeRO-3 built partitioned (``deepspeed.zero.Init``) and activation checkpointing everywhere.
 
-* Two real gloo ranks build the model under ``zero.Init`` (the trainer's
-  :func:`build_partitioned`): no rank holds a whole parameter after the build, each holds about
-  half of the elements, and the full weights gathered afterwards equal the single-process
-  :func:`build_model` of the same seed (bitwise; in bf16 equal to its cast).
+* Real gloo ranks (DP2; slow: TP2 x DP2) build the model under ``zero.Init`` (the trainer's
+  :func:`build_partitioned`): no rank holds a whole parameter after the build, each holds 1/dp
+  of the elements, and the full weights gathered afterwards (and joined over TP) equal the
+  single-process :func:`build_model` of the same seed (bitwise; in bf16 equal to its cast).
 * ``train.checkpoint_activations`` gives the same loss and gradients as the plain model for every
   architecture, in the single model and in the pipeline units (sub-layer units chained by hand).
 """
@@ -31,17 +31,19 @@ def tiny(arch: str, *extra: str):
     return load_config("quickstart", [*for_arch(arch, TINY), *extra])
 
 
-def _zero3_worker(rank: int, world: int, arch: str, bf16: bool) -> dict:
+def _zero3_worker(rank: int, world: int, arch: str, bf16: bool, tp: int = 1) -> dict:
     import deepspeed
+    import torch.distributed as dist
 
     from tapered_megatron import parallel
     from tapered_megatron.training.trainer import build_partitioned, is_zero3_partitioned
 
-    parallel.init_model_parallel(1, 1)
+    parallel.init_model_parallel(tp, 1)
+    dp = world // tp
     ds = {
         "train_micro_batch_size_per_gpu": 1,
         "gradient_accumulation_steps": 1,
-        "train_batch_size": world,
+        "train_batch_size": dp,
         "bf16": {"enabled": bf16},
         "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0},
     }
@@ -51,34 +53,45 @@ def _zero3_worker(rank: int, world: int, arch: str, bf16: bool) -> dict:
         "partitioned": is_zero3_partitioned(model),
         "held_after_build": sum(p.data.numel() for p in params),  # 0: nothing but partitions
         "partition_elems": sum(p.ds_tensor.numel() for p in params),
-        "full_elems": sum(p.ds_numel for p in params),
+        "full_elems": sum(p.ds_numel for p in params),  # this TP rank's tensors
+        "dp": dp,
     }
-    with deepspeed.zero.GatheredParameters(params):
+    with deepspeed.zero.GatheredParameters(params):  # over this rank's DP group
+        full = {}
+        for name, p in model.named_parameters():
+            layout = getattr(p, "tp_layout", None)
+            t = p.detach().float()
+            if tp > 1 and layout is not None:
+                parts = [torch.empty_like(t) for _ in range(tp)]
+                dist.all_gather(
+                    parts, t.contiguous(), group=parallel.get_tensor_model_parallel_group()
+                )
+                t = parallel.unshard(parts, layout)
+            full[name] = t.numpy().copy()  # numpy travels back through the queue
         if rank == 0:
-            # numpy arrays travel back through the queue (shared tensors do not outlive the rank)
-            out["full"] = {
-                n: p.detach().float().numpy().copy() for n, p in model.named_parameters()
-            }
+            out["full"] = full
             out["dtype"] = str(params[0].dtype)
     return out
 
 
 @pytest.mark.distributed
 @pytest.mark.parametrize(
-    "arch,bf16",
+    "arch,bf16,world,tp",
     [
-        ("transformer", False),
-        ("transformer", True),
-        pytest.param("titans", False, marks=pytest.mark.slow),
+        ("transformer", False, 2, 1),
+        ("transformer", True, 2, 1),
+        pytest.param("titans", False, 2, 1, marks=pytest.mark.slow),
+        pytest.param("transformer", False, 4, 2, marks=pytest.mark.slow),  # TP2 x DP2
     ],
 )
-def test_zero3_init_gathers_the_single_process_weights(arch, bf16):
-    ranks = run_workers(_zero3_worker, 2, arch, bf16)
+def test_zero3_init_gathers_the_single_process_weights(arch, bf16, world, tp):
+    ranks = run_workers(_zero3_worker, world, arch, bf16, tp)
     reference = dict(build_model(tiny(arch)).named_parameters())
     for r in ranks:
         assert r["partitioned"] and r["held_after_build"] == 0
-        # each rank keeps half of every parameter (plus at most one padding element)
-        assert r["full_elems"] / 2 <= r["partition_elems"] <= r["full_elems"] / 2 + len(reference)
+        # each rank keeps 1/dp of every (TP-local) parameter, plus at most one padding element
+        n, dp = r["full_elems"], r["dp"]
+        assert n / dp <= r["partition_elems"] <= n / dp + len(reference)
     full = ranks[0]["full"]
     assert full.keys() == reference.keys()
     dtype = torch.bfloat16 if bf16 else torch.float32

@@ -395,7 +395,11 @@ def build_partitioned(cfg: Config, ds_config: dict[str, Any]) -> nn.Module:
     if ds_config.get("zero_optimization", {}).get("stage", 0) != 3:
         return build_model(cfg)
     deepspeed.init_distributed(dist.get_backend())  # zero.Init reads the world from it
-    with deepspeed.zero.Init(config_dict_or_path=ds_config, mpu=parallel.topology):
+    with deepspeed.zero.Init(
+        config_dict_or_path=ds_config,
+        mpu=parallel.topology,  # batch keys checked against the DP size
+        data_parallel_group=parallel.get_data_parallel_group(),  # zero.Init's default: the world
+    ):
         return build_model(cfg)
 
 
