@@ -133,7 +133,6 @@ class ParallelConfig:
     pp: int = at_least(1, 1)
     partition: Partition = "balanced"
     pipeline_unit: PipelineUnit = "layer"  # sublayer: mixer and MLP as separate pipeline units
-    activation_checkpointing: bool = False
 
 
 @dataclass(frozen=True)
@@ -177,6 +176,7 @@ class TrainConfig:
     max_skipped_steps: int = at_least(1, 10)  # consecutive non-finite steps that stop the run
     loss_spike_factor: float = at_least(0, 3.0)  # log a loss above this x running mean; 0: off
     collective_timeout_s: float = at_least(1, 600.0)  # a collective waiting longer ends the job
+    checkpoint_activations: bool = False  # recompute each block / pipeline unit in backward
 
 
 @dataclass(frozen=True)
@@ -318,12 +318,18 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
     raise ConfigError(f"{key}: unsupported type {tp}")
 
 
+#: Keys that were renamed: old dotted key -> new one (the old key fails with the new name).
+RENAMED = {"parallel.activation_checkpointing": "train.checkpoint_activations"}
+
+
 def _from_dict(cls: type, data: dict[str, Any], prefix: str = "", extra: tuple = ()) -> Any:
     """``cls(**data)`` with every value type-checked (``Literal`` choices and ``at_least``
     bounds included); ``extra`` are further keys valid here, named in the unknown-key error."""
     hints = typing.get_type_hints(cls)
     fields = {f.name: f for f in dataclasses.fields(cls) if not f.metadata.get("derived")}
     for k in data:
+        if prefix + k in RENAMED:
+            raise ConfigError(f"{prefix}{k} was renamed: use {RENAMED[prefix + k]}")
         if k not in fields:
             valid = ", ".join(sorted([*fields, *extra]))
             raise ConfigError(f"{prefix}{k}: unknown key; valid keys here: {valid}")
@@ -495,8 +501,15 @@ def load_saved_config(path: str | Path) -> Config:
     """The resolved config a checkpoint saved (``config.yaml``), validated like a preset.
 
     Checkpoints written before the architecture records carried every architecture's settings;
-    the settings owned by another architecture than the saved ``model.arch`` are dropped."""
+    the settings owned by another architecture than the saved ``model.arch`` are dropped. Keys
+    saved under an old name (:data:`RENAMED`) move to the new one."""
     data = _load_yaml(str(path))
+    for old, new in RENAMED.items():
+        (sec, key), (new_sec, new_key) = old.split("."), new.split(".")
+        section = dict(data.get(sec) or {})
+        if key in section:
+            data[sec] = section
+            data[new_sec] = {**(data.get(new_sec) or {}), new_key: section.pop(key)}
     model = dict(data.get("model") or {})
     reg = _registry()
     try:

@@ -280,7 +280,7 @@ def ds_config(cfg: Any, best: Candidate, dev: costlib.Device) -> dict[str, Any]:
     if dev.precision == "bf16":
         out["data_types"] = {"grad_accum_dtype": "fp32"}
     if best.pp > 1:
-        # checkpointing is done by the model's own units (--parallel.activation_checkpointing)
+        # checkpointing is done by the model's own units (--train.checkpoint_activations)
         out["pipeline"] = {
             "stages": best.pp,
             "activation_checkpoint_interval": 0,
@@ -297,7 +297,7 @@ def overrides(cfg: Any, best: Candidate) -> list[str]:
         "--parallel.pp", str(best.pp),
         "--parallel.partition", "balanced",
         "--parallel.pipeline_unit", best.unit,
-        "--parallel.activation_checkpointing", str(best.checkpointing).lower(),
+        "--train.checkpoint_activations", str(best.checkpointing).lower(),
         "--train.micro_batch_size", str(best.micro_batch_size),
         "--train.global_batch_size", str(best.micro_batch_size * best.grad_accum * best.dp),
     ]  # fmt: skip

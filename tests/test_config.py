@@ -40,7 +40,7 @@ def test_overrides_apply_with_types():
             "--taper.ratio",
             "1.25",
             "0.75",
-            "--parallel.activation_checkpointing",
+            "--train.checkpoint_activations",
             "true",
             "--model.titans.chunk_size",
             "8",
@@ -48,7 +48,7 @@ def test_overrides_apply_with_types():
     )
     assert cfg.model.arch == "titans" and cfg.taper.schedule == "uniform"
     assert cfg.train.iters == 20 and cfg.taper.ratio == (1.25, 0.75)
-    assert cfg.parallel.activation_checkpointing is True and cfg.model.titans.chunk_size == 8
+    assert cfg.train.checkpoint_activations is True and cfg.model.titans.chunk_size == 8
     assert set(cfg.taper_plan.widths) == {cfg.model.d_ff}
     again = cfg.with_overrides(["--train.iters", "5"])
     assert again.train.iters == 5 and again.model.arch == "titans"
@@ -66,7 +66,11 @@ def test_public_entry_point():
         (["--model.foo", "1"], r"model\.foo: unknown key"),
         (["--modle.arch", "titans"], r"modle: unknown key"),
         (["--train.iters", "ten"], r"train\.iters: expected an integer"),
-        (["--parallel.activation_checkpointing", "maybe"], r"activation_checkpointing: expected"),
+        (["--train.checkpoint_activations", "maybe"], r"checkpoint_activations: expected"),
+        (
+            ["--parallel.activation_checkpointing", "true"],
+            r"parallel\.activation_checkpointing was renamed: use train\.checkpoint_activations",
+        ),
         (["--model.arch", "mamba"], r"model\.arch: unknown architecture"),
         (["--model.heads", "5"], r"model\.heads"),
         (["--parallel.tp", "4"], r"parallel\.tp"),
@@ -189,8 +193,10 @@ def test_saved_config_of_an_older_checkpoint_loads(tmp_path):
     old["model"]["titans"] = {"chunk_size": 16, "window": 64}
     old["model"]["hope"] = {"levels": 3, "periods": [0, 64, 16]}
     old["model"]["gate"] = "elementwise"
+    del old["train"]["checkpoint_activations"]
+    old["parallel"]["activation_checkpointing"] = True  # the key's name before the rename
     path = tmp_path / "config.yaml"
     path.write_text(yaml.safe_dump(old))
-    assert load_saved_config(path) == cfg
+    assert load_saved_config(path) == cfg.with_overrides(["--train.checkpoint_activations", "true"])
     with pytest.raises(ConfigError, match="a config carries only its own"):
         load_config(str(path))

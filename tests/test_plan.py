@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from dataclasses import replace
 
 import pytest
 
@@ -120,3 +121,17 @@ def test_planner_and_balancer_choose_the_same_stages(preset) -> None:
             assert tuple(parts) == cand.parts, (pp, ckpt, unit)
             checked += 1
     assert checked >= 3
+
+
+def test_zero3_unit_peak_holds_its_gathered_weights_and_gradient() -> None:
+    """Under ZeRO-3 a unit's transient adds its full weights (gathered) and full gradient
+    (before the reduce-scatter); the head's gradient is already counted in its activations."""
+    cfg = load_config("quickstart")
+    dev = costlib.get_device("cpu")
+    base = costlib.RunShape(micro_batch_size=1, seq_len=64, dp=4, precision="fp32")
+    z2 = costlib.unit_costs(cfg, base, dev)
+    z3 = costlib.unit_costs(cfg, replace(base, zero_stage=3), dev)
+    for a, b in zip(z2, z3, strict=True):
+        per = 4 if a.kind == "head" else 8  # fp32 weights (+ fp32 gradient)
+        assert b.peak - a.peak == pytest.approx(a.params * per)
+        assert b.static == pytest.approx(a.params * 16 / 4)  # fp32 weights, grads, Adam / dp

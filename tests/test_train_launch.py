@@ -144,12 +144,13 @@ SLOW_LAYOUTS = {
     "pp2-dp2": (4, "pipeline.json", ["--parallel.pp", "2"]),
     "tp2-pp2": (4, "pipeline.json", ["--parallel.pp", "2", "--parallel.tp", "2"]),
     "tp2-dp2-zero2": (4, "zero2.json", ["--parallel.tp", "2"]),
+    "tp2-dp2-zero3": (4, "zero3.json", ["--parallel.tp", "2"]),  # zero.Init over the DP group
     "pp2-sublayer": (2, "pipeline.json", ["--parallel.pp", "2", "--parallel.pipeline_unit",
                                            "sublayer"]),
     "dp2-accum2": (2, "zero1.json", ["--train.micro_batch_size", "2"]),
-    "dp2-actckpt": (2, "zero1.json", ["--parallel.activation_checkpointing", "true"]),
+    "dp2-actckpt": (2, "zero1.json", ["--train.checkpoint_activations", "true"]),
     "pp2-actckpt": (2, "pipeline.json", ["--parallel.pp", "2",
-                                         "--parallel.activation_checkpointing", "true"]),
+                                         "--train.checkpoint_activations", "true"]),
     "compiled": (1, "zero0.json", ["--train.compile", "true"]),
 }  # fmt: skip
 

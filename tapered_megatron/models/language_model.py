@@ -79,7 +79,7 @@ class Block(nn.Module):
 
     Parameter names are the same whichever halves are built (``mixer_norm``, ``mixer``,
     ``mlp_norm``, ``mlp``), so a sub-layer unit's weights are the whole block's. Activation
-    checkpointing starts from ``cfg.parallel.activation_checkpointing``
+    checkpointing starts from ``cfg.train.checkpoint_activations``
     (:func:`set_activation_checkpointing` flips it).
     """
 
@@ -88,7 +88,7 @@ class Block(nn.Module):
         arch = resolve_architecture(cfg.model.arch)
         m = cfg.model
         self.layer, self.halves = layer, tuple(halves)
-        self.activation_checkpointing = cfg.parallel.activation_checkpointing
+        self.activation_checkpointing = cfg.train.checkpoint_activations
         if "mixer" in halves:
             self.mixer_norm = RMSNorm(m.d_model, m.norm_eps)
             self.mixer = arch.mixer(cfg, layer)

@@ -8,7 +8,9 @@ Initialisation (:func:`init_parameters`) is layout-invariant: for each parameter
 ``init_std`` (or ``init_fn``) attribute, the FULL tensor is drawn on the CPU from a generator
 seeded by ``(seed, canonical name)`` and this rank keeps its shard. The same seed therefore gives
 the same full weights at any TP size, on any pipeline stage and in either module form.
-Parameters without those attributes (norm gains) keep their constructor value.
+Parameters without those attributes (norm gains) keep their constructor value. Under
+``deepspeed.zero.Init`` (ZeRO-3 built partitioned) each rank writes only its own ZeRO partition
+of the full tensor, so no rank ever holds the whole model.
 
 Layers: :class:`ColumnParallelLinear` (output features split; input replicated),
 :class:`RowParallelLinear` (input features split; partial outputs summed), and
@@ -17,8 +19,9 @@ Layers: :class:`ColumnParallelLinear` (output features split; input replicated),
 
 from __future__ import annotations
 
+import contextlib
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -120,16 +123,59 @@ def init_parameters(module: nn.Module, seed: int, prefix: str = "") -> None:
         if p.is_meta or (fn is None and std is None):
             continue
         layout: TPLayout | None = getattr(p, "tp_layout", None)
-        shape = layout.full_shape if layout is not None else tuple(p.shape)
-        gen = param_generator(seed, prefix + name)
-        if fn is not None:
-            full = fn(shape, gen)
-        else:
-            full = torch.empty(shape, dtype=torch.float32, device="cpu")
-            full.normal_(0.0, std, generator=gen)
+        zero3 = hasattr(p, "ds_id")  # built under deepspeed.zero.Init: p holds no data
+        shape = layout.full_shape if layout is not None else tuple(p.ds_shape if zero3 else p.shape)
+        with _outside_zero_init(zero3):  # drawn in fp32 on the CPU whatever zero.Init patches
+            gen = param_generator(seed, prefix + name)
+            if fn is not None:
+                full = fn(shape, gen)
+            else:
+                full = torch.empty(shape, dtype=torch.float32, device="cpu")
+                full.normal_(0.0, std, generator=gen)
         local = shard(full, layout, rank, tp) if layout is not None else full
         with torch.no_grad():
+            if zero3:
+                _write_zero3_partition(p, local)
+            else:
+                p.copy_(local.to(p.dtype))
+
+
+@contextlib.contextmanager
+def _outside_zero_init(active: bool) -> Iterator[None]:
+    """Lift ``deepspeed.zero.Init``'s tensor-constructor patches (which would cast to the
+    training dtype and move to the accelerator) for the block, when ``active``."""
+    if not active:
+        yield
+        return
+    from deepspeed.runtime.zero.partition_parameters import (
+        restore_init_context,
+        shutdown_init_context,
+    )
+
+    shutdown_init_context()
+    try:
+        yield
+    finally:
+        restore_init_context()
+
+
+def _write_zero3_partition(p: nn.Parameter, local: torch.Tensor) -> None:
+    """Put this data-parallel rank's ZeRO-3 partition of ``local`` (the TP-local full tensor)
+    into ``p.ds_tensor``: the flat slice DeepSpeed's own partitioning keeps, so the whole tensor
+    is never gathered. Falls back to gathering the one parameter where the partition lives
+    elsewhere (NVMe offload, a secondary hpZ copy)."""
+    part = p.ds_tensor
+    if getattr(part, "final_location", None) is not None or p.ds_secondary_tensor is not None:
+        from deepspeed.zero import GatheredParameters
+
+        with GatheredParameters([p], modifier_rank=0):
             p.copy_(local.to(p.dtype))
+        return
+    n = part.numel()
+    flat = local.reshape(-1)
+    start = min(n * p.ds_zero_partition_rank, flat.numel())
+    piece = flat[start : start + n]
+    part.narrow(0, 0, piece.numel()).copy_(piece.to(part.dtype))
 
 
 class ColumnParallelLinear(nn.Module):

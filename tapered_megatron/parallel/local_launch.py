@@ -5,13 +5,16 @@ Used by the distributed tests and the benchmark scripts to stand in for ranks on
 ``run_workers(fn, world_size, *args)`` spawns ``world_size`` fresh interpreters, initialises
 ``torch.distributed`` (gloo, CPU) in each, calls ``fn(rank, world_size, *args)`` and returns the
 list of per-rank return values (anything picklable). A failure on any rank fails the caller with
-that rank's traceback. ``fn`` must be a module-level function of an importable module.
+that rank's traceback, and a rank that dies without reporting (killed, out of memory) fails it
+at once. ``fn`` must be a module-level function of an importable module.
 """
 
 from __future__ import annotations
 
 import os
+import queue as queue_mod
 import socket
+import time
 import traceback
 from collections.abc import Callable
 from typing import Any
@@ -63,9 +66,19 @@ def run_workers(fn: Callable, world_size: int, *args: Any, timeout: float = 300)
     for p in procs:
         p.start()
     results: dict[int, Any] = {}
+    deadline = time.monotonic() + timeout
     try:
-        for _ in procs:
-            rank, ok, value = queue.get(timeout=timeout)
+        while len(results) < world_size:
+            try:
+                rank, ok, value = queue.get(timeout=1.0)
+            except queue_mod.Empty:
+                dead = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0)]
+                if dead:  # killed (e.g. out of memory) before it could report
+                    code = procs[dead[0]].exitcode
+                    raise RuntimeError(f"rank {dead[0]} died (exit code {code})") from None
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"ranks did not finish within {timeout} s") from None
+                continue
             if not ok:
                 raise RuntimeError(f"rank {rank} failed:\n{value}")
             results[rank] = value

@@ -236,7 +236,7 @@ def analyse(
         zero_stage=zero_stage,
         precision=dev.precision,
         checkpointing=(
-            cfg.parallel.activation_checkpointing if checkpointing is None else checkpointing
+            cfg.train.checkpoint_activations if checkpointing is None else checkpointing
         ),
         pipeline=pp > 1,
     )

@@ -35,7 +35,9 @@ Memory of stage ``j`` under 1F1B with ``M`` micro-batches (stage ``j`` of ``P`` 
 * transient: while one unit runs backward, its activation gradients (about the size of what it
   saved; under checkpointing its recomputed activations) live next to everything in flight.
   The head's fused loss keeps its fp32 weight gradient per micro-batch in flight and works
-  through one chunk of fp32 logits at a time; no logits-sized tensor exists.
+  through one chunk of fp32 logits at a time; no logits-sized tensor exists. Under ZeRO-3 a
+  unit's transient also holds its gathered full weights and its full gradient (before the
+  reduce-scatter).
 """
 
 from __future__ import annotations
@@ -271,6 +273,11 @@ def unit_costs(
             # and works through one chunk of fp32 logits (at most CHUNK_BYTES) at a time.
             act += 4.0 * vocab_local * cfg.model.d_model
             peak = min(float(CHUNK_BYTES), 4.0 * vocab_local * tok)
+        if shape.zero_stage >= 3:
+            # ZeRO-3 gathers the unit's full weights while it runs, and its full gradient
+            # exists until the reduce-scatter (the head's is already in ``act``).
+            grads = 0.0 if u.kind == "head" else elem
+            peak += c.params / shape.tp * (elem + grads)
         out.append(
             UnitCost(
                 name=u.name,

@@ -18,7 +18,7 @@ def no_decay(name: str, param: nn.Parameter) -> bool:
     """
     return (
         getattr(param, "_no_weight_decay", False)
-        or param.ndim < 2
+        or len(getattr(param, "ds_shape", param.shape)) < 2  # ZeRO-3 partitioned: ds_shape
         or name.endswith("bias")
         or "norm" in name.lower()
     )

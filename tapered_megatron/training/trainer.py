@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 from deepspeed.accelerator import get_accelerator
 from deepspeed.runtime.utils import is_model_parallel_parameter
+from torch import nn
 
 from tapered_megatron import parallel
 from tapered_megatron.config import Config
@@ -146,11 +147,13 @@ class Trainer:
 
     def _build_engine(self) -> Any:
         cfg, ds = self.cfg, self.ds_config
+        mpu = parallel.topology if not self.pipeline and self.layout.tp > 1 else None
         if self.pipeline:
             model = self._pipeline_module()
         else:
-            model = build_model(cfg)
-        model.to(self.device)
+            model = build_partitioned(cfg, ds)
+        if not is_zero3_partitioned(model):
+            model.to(self.device)
         groups = optim.param_groups(model, cfg.train.weight_decay)
         kwargs: dict[str, Any] = {"model": model, "config": ds}
         if "optimizer" in ds:
@@ -159,8 +162,8 @@ class Trainer:
             kwargs["optimizer"] = optim.build_optimizer(model, cfg.train)
         if "scheduler" not in ds:
             kwargs["lr_scheduler"] = lambda opt: optim.build_scheduler(opt, cfg.train)
-        if not self.pipeline and self.layout.tp > 1:
-            kwargs["mpu"] = parallel.topology  # DeepSpeed's mpu protocol (TP-aware ZeRO, norms)
+        if mpu is not None:
+            kwargs["mpu"] = mpu  # DeepSpeed's mpu protocol (TP-aware ZeRO, norms)
         engine, *_ = deepspeed.initialize(**kwargs)
         if cfg.train.compile:
             engine.compile()
@@ -470,6 +473,28 @@ class _Health:
                 )
         self.recent.append(loss)
         return note, ""
+
+
+def build_partitioned(cfg: Config, ds_config: dict[str, Any]) -> nn.Module:
+    """The single model of ``cfg``; under ZeRO stage 3 built inside ``deepspeed.zero.Init``, so
+    each parameter is partitioned over the data-parallel ranks as soon as its module exists and
+    no rank ever holds the whole model (each rank writes only its own partition of the
+    layout-invariant init). Partitions span this rank's data-parallel group (call
+    :func:`parallel.init_model_parallel` first). Other stages: :func:`build_model` as is."""
+    if ds_config.get("zero_optimization", {}).get("stage", 0) != 3:
+        return build_model(cfg)
+    deepspeed.init_distributed(dist.get_backend())  # zero.Init reads the world from it
+    with deepspeed.zero.Init(
+        config_dict_or_path=ds_config,
+        mpu=parallel.topology,  # batch keys checked against the DP size
+        data_parallel_group=parallel.get_data_parallel_group(),  # zero.Init's default: the world
+    ):
+        return build_model(cfg)
+
+
+def is_zero3_partitioned(model: nn.Module) -> bool:
+    """Whether ``model``'s parameters were partitioned by ``deepspeed.zero.Init``."""
+    return any(hasattr(p, "ds_id") for p in model.parameters())
 
 
 def injected_nan_iterations() -> frozenset[int]:
