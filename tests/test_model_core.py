@@ -110,6 +110,36 @@ def test_activation_checkpointing_same_gradients():
         torch.testing.assert_close(grads[0][name], grads[1][name], atol=1e-6, rtol=0)
 
 
+def test_dropout_option():
+    """``model.dropout``: off by default (no random numbers drawn), random in training mode,
+    inactive in eval mode, replayed exactly by activation checkpointing, bounds checked."""
+    ids = torch.randint(0, 256, (2, 16))
+    plain = build_model(tiny())
+    state = torch.get_rng_state()
+    ref = plain(ids, ids)
+    assert torch.equal(torch.get_rng_state(), state), "dropout 0 must draw nothing"
+    cfg = tiny("transformer", "--model.dropout", "0.2")
+    model = build_model(cfg)
+    first, second = model(ids, ids), model(ids, ids)
+    assert first != ref and second != first  # a new mask each pass
+    torch.manual_seed(5)
+    again = model(ids, ids)
+    torch.manual_seed(5)
+    assert torch.equal(model(ids, ids), again)  # masks come from the default generator
+    assert torch.equal(model.eval()(ids, ids), ref)
+    grads = []
+    for on in (False, True):
+        model = set_activation_checkpointing(build_model(cfg), on)
+        torch.manual_seed(7)
+        model(ids, ids).backward()
+        grads.append([p.grad for p in model.parameters()])
+    for a, b in zip(*grads):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=0)
+    for bad, why in (("1", "must be below 1"), ("-0.1", "must be >= 0")):
+        with pytest.raises(ConfigError, match=f"model.dropout.*{why}"):
+            tiny("transformer", "--model.dropout", bad)
+
+
 @pytest.mark.parametrize("masked", [False, True])
 @pytest.mark.parametrize("chunk_bytes", [None, 7 * 256 * 4])  # default (one chunk), 7 tokens
 def test_fused_chunked_loss_equals_logits_path(masked, chunk_bytes, monkeypatch):

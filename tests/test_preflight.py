@@ -82,14 +82,16 @@ def _truncate(prefix: str, tmp: Path, ext: str) -> str:
     return p
 
 
-def _saved_checkpoint(tmp: Path, overrides: list[str]) -> Path:
-    """A save dir whose complete checkpoint recorded another model (d_model 64)."""
+def _saved_checkpoint(
+    tmp: Path, overrides: list[str], change: tuple[str, str] = ("--model.d_model", "64")
+) -> Path:
+    """A save dir whose complete checkpoint recorded another model (by default d_model 64)."""
     save = tmp / "old"
     tag = save / "global_step5"
     tag.mkdir(parents=True)
-    skip = {"--ds_config", "--model.d_model"}
+    skip = {"--ds_config", change[0]}
     args = [x for k, v in zip(TINY[::2], TINY[1::2]) if k not in skip for x in (k, v)]
-    cfg = load_config("quickstart", [*args, *overrides, "--model.d_model", "64"])
+    cfg = load_config("quickstart", [*args, *overrides, *change])
     (tag / "config.yaml").write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
     (tag / "complete").write_text("{}\n")
     (save / "latest").write_text("global_step5")
@@ -197,3 +199,18 @@ def test_bad_input_in_a_real_process(tmp_path):
     assert len(lines) == 1 and "index file not found" in lines[0], p.stderr
     assert "re-run data_tools/tokenize.py" in lines[0]
     assert not (tmp_path / "save").exists()
+
+
+def test_resume_may_change_dropout_only(corpus, tmp_path):
+    """``model.dropout`` changes no weight: a resume with another value passes the check; any
+    other model key still fails it."""
+    from tapered_megatron.config import ConfigError
+    from tapered_megatron.training.preflight import check_resume
+
+    save = _saved_checkpoint(tmp_path, ["--data.path", corpus], ("--model.dropout", "0.1"))
+    args = [x for k, v in zip(TINY[::2], TINY[1::2]) if k != "--ds_config" for x in (k, v)]
+    args += ["--train.resume", str(save)]
+    check_resume(load_config("quickstart", args))
+    other = load_config("quickstart", [*args, "--model.norm_eps", "1e-6"])
+    with pytest.raises(ConfigError, match=r"model\.norm_eps 1e-05 in the checkpoint, 1e-06 here"):
+        check_resume(other)

@@ -30,6 +30,8 @@ _FP32_CKPT_BYTES = 4 + 8
 _HALF_CKPT_BYTES = 2 + 12
 # Sections whose values fix the parameter shapes: a checkpoint of another shape cannot load.
 _SHAPE_SECTIONS = ("model", "taper")
+# Keys of those sections a resumed run may change (training-time only: no weight depends on them).
+_FREE_ON_RESUME = ("model.dropout",)
 
 
 def check_inputs(cfg: Config, ds_config: dict[str, Any]) -> None:
@@ -150,7 +152,8 @@ def _differences(a: Any, b: Any, prefix: str) -> list[str]:
 
 
 def check_resume(cfg: Config) -> None:
-    """``train.resume`` names a complete checkpoint whose model and taper match ``cfg``."""
+    """``train.resume`` names a complete checkpoint whose model and taper match ``cfg``
+    (``model.dropout`` may change)."""
     from tapered_megatron.training import checkpoint
 
     if not cfg.train.resume:
@@ -176,7 +179,12 @@ def check_resume(cfg: Config) -> None:
             f"train.resume: cannot read {saved_file} ({e}); resume from another checkpoint"
         ) from None
     here = cfg.to_dict()
-    diff = [d for s in _SHAPE_SECTIONS for d in _differences(here.get(s), (saved or {}).get(s), s)]
+    diff = [
+        d
+        for s in _SHAPE_SECTIONS
+        for d in _differences(here.get(s), (saved or {}).get(s), s)
+        if d.split(" ", 1)[0] not in _FREE_ON_RESUME
+    ]
     if diff:
         raise ConfigError(
             f"train.resume: {where[0] / where[1]} was saved with another model ("
