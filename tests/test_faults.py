@@ -19,6 +19,7 @@ import torch
 from test_train_launch import MAIN, _common, _env, _popen, corpus, metrics
 
 from tapered_megatron.parallel.local_launch import free_port
+from tapered_megatron.training.heartbeat import Heartbeat, period_for
 from tapered_megatron.training.trainer import _Health
 
 __all__ = ["corpus"]  # the module fixture, shared with test_train_launch
@@ -220,7 +221,8 @@ def _wait_for_iterations(out: Path, n: int, procs: list, limit: float = 300) -> 
 @pytest.mark.parametrize("sig", [signal.SIGSTOP, signal.SIGKILL])
 def test_a_stopped_or_killed_rank_ends_the_job(sig, corpus, tmp_path):
     """Rank 1 stopped (SIGSTOP: collective timeout 20 s) or killed (kill -9) after iteration 2:
-    rank 0 exits non-zero within the timeout plus a margin, and no process is left behind."""
+    rank 0 exits non-zero within the timeout plus a margin, naming rank 1, and no process is
+    left behind."""
     extra = ["--train.iters", "2000", "--train.collective_timeout_s", "20"]
     extra += ["--eval.interval", "0", "--logging.interval", "1"]
     procs = _start_dp2(corpus, tmp_path, extra)
@@ -228,13 +230,35 @@ def test_a_stopped_or_killed_rank_ends_the_job(sig, corpus, tmp_path):
         _wait_for_iterations(tmp_path, 2, procs)
         t = time.time()
         os.kill(procs[1].pid, sig)
-        procs[0].communicate(timeout=60 + (20 if sig == signal.SIGSTOP else 0))
+        log = procs[0].communicate(timeout=60 + (20 if sig == signal.SIGSTOP else 0))[0]
         took = time.time() - t
-        assert procs[0].returncode != 0
+        (tmp_path / "log.txt").write_text(log)
+        print(f"{signal.Signals(sig).name}: rank 0 exited after {took:.1f} s: {log[-400:]}")
+        assert procs[0].returncode == 1, log[-3000:]
         assert took < (80 if sig == signal.SIGSTOP else 60), took
+        last = log.strip().splitlines()[-1]
+        assert last.startswith("error: rank 0: rank 1 stopped responding"), log[-3000:]
     finally:
         for p in procs:
             if p.poll() is None:
                 p.kill()
             p.communicate()
     assert all(p.poll() is not None for p in procs)
+
+
+def test_heartbeat_names_the_rank_that_stopped():
+    """Three ranks' heartbeats in one store: the rank whose beating stops is named, the live
+    ones are not."""
+    store = torch.distributed.HashStore()
+    beats = [Heartbeat(store, r, 3, period=0.5).start() for r in range(3)]
+    try:
+        assert beats[0].unresponsive() == []
+        beats[2].stop()
+        time.sleep(0.6)  # its thread ends within one period
+        assert beats[0].unresponsive() == [2]
+        assert "rank 2 stopped responding" in beats[1].describe()
+        assert beats[2].describe() == ""  # the others still beat
+    finally:
+        for b in beats:
+            b.stop()
+    assert period_for(20) == 2.0 and period_for(600) == 10.0 and period_for(1) == 1.0
