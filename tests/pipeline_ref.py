@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
 import torch
 
 
@@ -36,10 +37,11 @@ def canonical_names(module: torch.nn.Module, cfg: Any) -> dict[torch.nn.Paramete
     return out
 
 
-def stage_grads(module: torch.nn.Module, cfg: Any, opt: KeepGrads) -> dict[str, torch.Tensor]:
-    """The gradients ``opt`` kept, by single-model name."""
+def stage_grads(module: torch.nn.Module, cfg: Any, opt: KeepGrads) -> dict[str, np.ndarray]:
+    """The gradients ``opt`` kept, by single-model name (numpy: they leave the worker process
+    by value, not as shared-memory handles that die with it)."""
     names = canonical_names(module, cfg)
-    return {names[p]: g for p, g in opt.kept.items()}
+    return {names[p]: g.numpy() for p, g in opt.kept.items()}
 
 
 def reference(cfg: Any, batches: list[tuple[torch.Tensor, torch.Tensor]], lr: float = 0.0):
