@@ -259,6 +259,8 @@ def init_distributed(timeout_s: float | None = None) -> Heartbeat | None:
         )
     if timeout_s is not None:  # the default of every later new_group (read when it is called)
         distributed_c10d.default_pg_timeout = timedelta(seconds=timeout_s)
+        if isinstance(distributed_c10d.default_pg_nccl_timeout, timedelta):  # NCCL's own
+            distributed_c10d.default_pg_nccl_timeout = timedelta(seconds=timeout_s)
     deepspeed.init_distributed(
         dist_backend=get_accelerator().communication_backend_name(),
         distributed_port=int(os.environ.get("MASTER_PORT", 29500)),
