@@ -36,14 +36,27 @@ def main(argv: list[str] | None = None) -> int:
 
     from tapered_megatron.training.trainer import TrainingStopped, run
 
-    launch.init_distributed(cfg.train.collective_timeout_s)
+    beat = launch.init_distributed(cfg.train.collective_timeout_s)
     try:
         run(cfg, ds, layout, T0)
     except TrainingStopped as e:
         if launch.env_rank() == 0:
             print(f"error: {e}", file=sys.stderr, flush=True)
         return 1
+    except Exception as e:  # a failed or timed-out collective: name the rank that went quiet
+        why = beat.describe() if beat is not None else ""
+        if not why:
+            raise
+        first = (str(e).strip().splitlines() or [""])[0][:200]
+        print(
+            f"error: rank {dist.get_rank()}: {why}; stopping ({type(e).__name__}: {first})",
+            file=sys.stderr,
+            flush=True,
+        )
+        return 1
     finally:
+        if beat is not None:
+            beat.stop()
         if dist.is_initialized():
             dist.destroy_process_group()
     return 0

@@ -79,6 +79,7 @@ class ModelConfig:
     norm_eps: float = 1e-5
     rope_theta: float = 10000.0
     init_std: float = 0.02
+    dropout: float = at_least(0, 0.0)  # on each block's mixer and MLP output (training only); < 1
     plugins: tuple[str, ...] = ()
     options: Any = field(default=None, metadata={"derived": True})
 
@@ -566,6 +567,7 @@ def validate(cfg: Config) -> None:
         m.d_model % m.heads == 0,
         f"model.d_model ({m.d_model}) must be divisible by model.heads ({m.heads})",
     )
+    _require(m.dropout < 1, f"model.dropout ({m.dropout}) must be below 1 (0 turns it off)")
     _require(m.head_dim % 2 == 0, f"model.d_model/model.heads = {m.head_dim} must be even for RoPE")
     problem = tp_problem(cfg, p.tp)
     _require(problem is None, str(problem))

@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import shutil
 import signal
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -18,16 +19,17 @@ import torch
 from test_train_launch import MAIN, _common, _env, _popen, corpus, metrics
 
 from tapered_megatron.parallel.local_launch import free_port
+from tapered_megatron.training.heartbeat import Heartbeat, period_for
 from tapered_megatron.training.trainer import _Health
 
 __all__ = ["corpus"]  # the module fixture, shared with test_train_launch
 pytestmark = pytest.mark.distributed
 
 
-def run_once(
+def start(
     corpus: str, out: Path, extra: list[str], env: dict[str, str] | None = None, n: int = 1
-) -> tuple[list[int], str]:
-    """``n`` ranks of ``pretrain/main.py`` (ZeRO-0 for one rank); their exit codes and log."""
+) -> list[subprocess.Popen]:
+    """Start ``n`` ranks of ``pretrain/main.py`` (ZeRO-0 for one rank, else ZeRO-2)."""
     port = str(free_port())
     procs = []
     for r in range(n):
@@ -37,9 +39,27 @@ def run_once(
             e.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
         ds = "zero0.json" if n == 1 else "zero2.json"
         procs.append(_popen([sys.executable, "-u", MAIN, *_common(corpus, out, ds, extra)], e))
-    logs = [p.communicate(timeout=300)[0] for p in procs]
+    return procs
+
+
+def finish(procs: list[subprocess.Popen], out: Path) -> tuple[list[int], str]:
+    """Wait for the ranks of :func:`start`; their exit codes and log (also in ``out/log.txt``)."""
+    try:
+        logs = [p.communicate(timeout=300)[0] for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.communicate()
     (out / "log.txt").write_text("\n".join(logs))
     return [p.returncode for p in procs], "\n".join(logs)
+
+
+def run_once(
+    corpus: str, out: Path, extra: list[str], env: dict[str, str] | None = None, n: int = 1
+) -> tuple[list[int], str]:
+    """``n`` ranks of ``pretrain/main.py`` run to the end; their exit codes and log."""
+    return finish(start(corpus, out, extra, env, n), out)
 
 
 def test_loss_spike_and_skip_bookkeeping():
@@ -106,6 +126,37 @@ def test_persistent_nans_stop_cleanly_keeping_the_last_checkpoint(corpus, tmp_pa
     assert [r["iteration"] for r in metrics(tmp_path)] == list(range(1, 10))
 
 
+def test_resume_restores_the_rng_dropout_bitwise(corpus, tmp_path):
+    """With dropout (the model's stream draws every step) a run stopped at iteration 4 and
+    resumed with ``--resume auto`` continues the uninterrupted run bitwise: loss, lr, gradient
+    norm and validation loss. Removing the saved RNG files makes the resumed curve differ, so
+    the restore is what makes it equal."""
+    drop = ["--model.dropout", "0.2", "--train.iters", "8", "--eval.interval", "4"]
+    ref, cut, bare = tmp_path / "ref", tmp_path / "cut", tmp_path / "bare"
+    runs = [start(corpus, ref, drop), start(corpus, cut, [*drop, "--train.exit_interval", "4"])]
+    for procs, out in zip(runs, (ref, cut)):
+        rc, log = finish(procs, out)
+        assert rc == [0], log[-3000:]
+    shutil.copytree(cut, bare)
+    rng_files = sorted((bare / "ckpt" / "global_step4").glob("rng_rank*.pt"))
+    assert [f.name for f in rng_files] == ["rng_rank00000.pt"]
+    rng_files[0].unlink()
+    runs = [start(corpus, out, [*drop, "--resume", "auto"]) for out in (cut, bare)]
+    for procs, out in zip(runs, (cut, bare)):
+        rc, log = finish(procs, out)
+        assert rc == [0], log[-3000:]
+        assert "resumed from" in log and "at iteration 4" in log
+    assert "rng_rank00000.pt is missing: random streams start fresh" in log
+
+    keys = ("iteration", "loss", "lr", "grad_norm", "val_loss")
+    want = [[r.get(k) for k in keys] for r in metrics(ref)]
+    assert [r["iteration"] for r in metrics(ref)] == list(range(1, 9))
+    assert [[r.get(k) for k in keys] for r in metrics(cut)] == want  # bitwise
+    fresh = [r["loss"] for r in metrics(bare)]
+    assert fresh[:4] == [w[1] for w in want[:4]]
+    assert all(a != b[1] for a, b in zip(fresh[4:], want[4:])), (fresh, want)
+
+
 @pytest.fixture(scope="module")
 def saved_at_5(corpus, tmp_path_factory) -> Path:
     """A run stopped after its complete checkpoint at iteration 5."""
@@ -170,7 +221,8 @@ def _wait_for_iterations(out: Path, n: int, procs: list, limit: float = 300) -> 
 @pytest.mark.parametrize("sig", [signal.SIGSTOP, signal.SIGKILL])
 def test_a_stopped_or_killed_rank_ends_the_job(sig, corpus, tmp_path):
     """Rank 1 stopped (SIGSTOP: collective timeout 20 s) or killed (kill -9) after iteration 2:
-    rank 0 exits non-zero within the timeout plus a margin, and no process is left behind."""
+    rank 0 exits non-zero within the timeout plus a margin, naming rank 1, and no process is
+    left behind."""
     extra = ["--train.iters", "2000", "--train.collective_timeout_s", "20"]
     extra += ["--eval.interval", "0", "--logging.interval", "1"]
     procs = _start_dp2(corpus, tmp_path, extra)
@@ -178,13 +230,35 @@ def test_a_stopped_or_killed_rank_ends_the_job(sig, corpus, tmp_path):
         _wait_for_iterations(tmp_path, 2, procs)
         t = time.time()
         os.kill(procs[1].pid, sig)
-        procs[0].communicate(timeout=60 + (20 if sig == signal.SIGSTOP else 0))
+        log = procs[0].communicate(timeout=60 + (20 if sig == signal.SIGSTOP else 0))[0]
         took = time.time() - t
-        assert procs[0].returncode != 0
+        (tmp_path / "log.txt").write_text(log)
+        print(f"{signal.Signals(sig).name}: rank 0 exited after {took:.1f} s: {log[-400:]}")
+        assert procs[0].returncode == 1, log[-3000:]
         assert took < (80 if sig == signal.SIGSTOP else 60), took
+        last = log.strip().splitlines()[-1]
+        assert last.startswith("error: rank 0: rank 1 stopped responding"), log[-3000:]
     finally:
         for p in procs:
             if p.poll() is None:
                 p.kill()
             p.communicate()
     assert all(p.poll() is not None for p in procs)
+
+
+def test_heartbeat_names_the_rank_that_stopped():
+    """Three ranks' heartbeats in one store: the rank whose beating stops is named, the live
+    ones are not."""
+    store = torch.distributed.HashStore()
+    beats = [Heartbeat(store, r, 3, period=0.5).start() for r in range(3)]
+    try:
+        assert beats[0].unresponsive() == []
+        beats[2].stop()
+        time.sleep(0.6)  # its thread ends within one period
+        assert beats[0].unresponsive() == [2]
+        assert "rank 2 stopped responding" in beats[1].describe()
+        assert beats[2].describe() == ""  # the others still beat
+    finally:
+        for b in beats:
+            b.stop()
+    assert period_for(20) == 2.0 and period_for(600) == 10.0 and period_for(1) == 1.0

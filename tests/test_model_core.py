@@ -19,6 +19,7 @@ from tapered_megatron.models import (
     pipeline_layer_specs,
     register_architecture,
     resolve_architecture,
+    set_activation_checkpointing,
 )
 from tapered_megatron.models.base import ARCHITECTURES
 from tapered_megatron.parallel import cross_entropy
@@ -96,6 +97,36 @@ def test_pipeline_form_equals_build_model(unit):
     # the pipeline's loss_fn on the head's output is the model's own (fused) loss
     torch.testing.assert_close(lm_loss(x, ids), model(ids, ids), atol=0, rtol=0)
     torch.testing.assert_close(lm_loss(x.logits(), ids), model(ids, ids), atol=1e-6, rtol=0)
+
+
+def test_dropout_option():
+    """``model.dropout``: off by default (no random numbers drawn), random in training mode,
+    inactive in eval mode, replayed exactly by activation checkpointing, bounds checked."""
+    ids = torch.randint(0, 256, (2, 16))
+    plain = build_model(tiny())
+    state = torch.get_rng_state()
+    ref = plain(ids, ids)
+    assert torch.equal(torch.get_rng_state(), state), "dropout 0 must draw nothing"
+    cfg = tiny("transformer", "--model.dropout", "0.2")
+    model = build_model(cfg)
+    first, second = model(ids, ids), model(ids, ids)
+    assert first != ref and second != first  # a new mask each pass
+    torch.manual_seed(5)
+    again = model(ids, ids)
+    torch.manual_seed(5)
+    assert torch.equal(model(ids, ids), again)  # masks come from the default generator
+    assert torch.equal(model.eval()(ids, ids), ref)
+    grads = []
+    for on in (False, True):
+        model = set_activation_checkpointing(build_model(cfg), on)
+        torch.manual_seed(7)
+        model(ids, ids).backward()
+        grads.append([p.grad for p in model.parameters()])
+    for a, b in zip(*grads):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=0)
+    for bad, why in (("1", "must be below 1"), ("-0.1", "must be >= 0")):
+        with pytest.raises(ConfigError, match=f"model.dropout.*{why}"):
+            tiny("transformer", "--model.dropout", bad)
 
 
 @pytest.mark.parametrize("masked", [False, True])

@@ -81,19 +81,38 @@ def test_plan_cli_json() -> None:
 
 
 @pytest.mark.parametrize("name", ["cluster_7b", "cluster_30b"])
-def test_cluster_ds_configs_are_valid(name: str) -> None:
+def test_cluster_ds_configs_are_valid(name: str, monkeypatch) -> None:
+    """The shipped SLURM script's command line (preset, overrides, world size) and its DeepSpeed
+    config pass the launcher's own consistency checks (as on the GPU nodes they target: bf16
+    allowed), and the batch arithmetic holds: ``train_batch_size = micro x accumulation x dp``
+    with ``dp = world / (tp x pp)``."""
+    import re
+    import shlex
     from pathlib import Path
+
+    from tapered_megatron.training import launch
 
     root = Path(__file__).resolve().parents[1]
     ds = json.loads((root / "ds_configs" / f"{name}.json").read_text())
-    assert ds["train_batch_size"] == (
-        ds["train_micro_batch_size_per_gpu"] * ds["gradient_accumulation_steps"]
-        * (ds["train_batch_size"] // (ds["train_micro_batch_size_per_gpu"]
-                                      * ds["gradient_accumulation_steps"]))
-    )  # fmt: skip
-    assert ds["zero_optimization"]["stage"] in (0, 1, 2, 3)
     sbatch = (root / "scripts" / f"slurm_{name}.sbatch").read_text()
     assert "{{" not in sbatch and f"ds_configs/{name}.json" in sbatch
+    nodes = int(re.search(r"#SBATCH --nodes=(\d+)", sbatch).group(1))
+    per_node = int(re.search(r"#SBATCH --ntasks-per-node=(\d+)", sbatch).group(1))
+    command = sbatch.split("exec python pretrain/main.py", 1)[1].split('"$@"', 1)[0]
+    args = shlex.split(command.replace("\\\n", " "))
+    preset = args[args.index("--config") + 1]
+    taken = {k + d for k, a in enumerate(args) if a in ("--config", "--ds_config") for d in (0, 1)}
+    cfg = load_config(preset, [a for k, a in enumerate(args) if k not in taken])
+    world = nodes * per_node
+    monkeypatch.setattr(launch, "_on_cpu", lambda: False)
+    _, layout = launch.resolve(cfg, dict(ds), world)
+    dp = world // (cfg.parallel.tp * cfg.parallel.pp)
+    assert layout.dp == dp and layout.world_size == world
+    assert ds["train_batch_size"] == cfg.train.global_batch_size
+    assert ds["train_batch_size"] == (
+        ds["train_micro_batch_size_per_gpu"] * ds["gradient_accumulation_steps"] * dp
+    )
+    assert ds["zero_optimization"]["stage"] in (0, 1, 2, 3)
 
 
 @pytest.mark.parametrize("preset", SCALED)

@@ -83,20 +83,24 @@ def _truncate(prefix: str, tmp: Path, ext: str) -> str:
     return p
 
 
+D32 = ("--model.d_model", "32")
 TP2_LAYOUT = {"tp": 2, "pp": 1, "dp": 1, "zero_stage": 1, "pipeline_unit": "none"}
 
 
 def _saved_checkpoint(
-    tmp: Path, overrides: list[str], d_model: str = "64", layout: dict | None = None
+    tmp: Path,
+    overrides: list[str],
+    change: tuple[str, str] = ("--model.d_model", "64"),
+    layout: dict | None = None,
 ) -> Path:
-    """A save dir whose complete checkpoint recorded another model (d_model 64) or, with
-    ``layout``, the same model saved under that parallel layout without a universal/ copy."""
+    """A save dir whose complete checkpoint recorded another model (by default d_model 64) or,
+    with ``layout``, that model saved under that parallel layout without a universal/ copy."""
     save = tmp / "old"
     tag = save / "global_step5"
     tag.mkdir(parents=True)
-    skip = {"--ds_config", "--model.d_model"}
+    skip = {"--ds_config", change[0]}
     args = [x for k, v in zip(TINY[::2], TINY[1::2]) if k not in skip for x in (k, v)]
-    cfg = load_config("quickstart", [*args, *overrides, "--model.d_model", d_model])
+    cfg = load_config("quickstart", [*args, *overrides, *change])
     (tag / "config.yaml").write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
     if layout is not None:
         (tag / "layout.json").write_text(json.dumps(layout))
@@ -174,7 +178,7 @@ CASES = {
             "--data.path",
             c,
             "--resume",
-            str(_saved_checkpoint(t, ["--data.path", c], "32", TP2_LAYOUT)),
+            str(_saved_checkpoint(t, ["--data.path", c], D32, TP2_LAYOUT)),
         ],
         "saved under TP2 PP1 DP1 ZeRO-1 unit none without a universal/ copy",
     ),
@@ -222,7 +226,7 @@ def test_layout_change_needs_the_universal_copy(corpus, tmp_path):
     written before layout.json is judged by the TP / PP of its config."""
     from tapered_megatron.training import launch, preflight
 
-    save = _saved_checkpoint(tmp_path, ["--data.path", corpus], "32", TP2_LAYOUT)
+    save = _saved_checkpoint(tmp_path, ["--data.path", corpus], D32, TP2_LAYOUT)
     base = [*TINY[2:], "--data.path", corpus]
     cfg = load_config("quickstart", [*base, "--train.resume", str(save)])
     ds, layout = launch.resolve(cfg, launch.load_ds_config(TINY[1]), 1)
@@ -232,7 +236,22 @@ def test_layout_change_needs_the_universal_copy(corpus, tmp_path):
     (save / "global_step5" / "universal" / "meta.pt").write_bytes(b"")
     preflight.check_resume(cfg, ds, layout)  # a layout change is allowed with the copy
 
-    old = _saved_checkpoint(tmp_path / "x", ["--data.path", corpus, "--parallel.tp", "2"], "32")
+    old = _saved_checkpoint(tmp_path / "x", ["--data.path", corpus, "--parallel.tp", "2"], D32)
     cfg = load_config("quickstart", [*base, "--train.resume", str(old)])
     with pytest.raises(ConfigError, match="saved under TP2 PP1 unit none without"):
         preflight.check_resume(cfg, ds, layout)
+
+
+def test_resume_may_change_dropout_only(corpus, tmp_path):
+    """``model.dropout`` changes no weight: a resume with another value passes the check; any
+    other model key still fails it."""
+    from tapered_megatron.config import ConfigError
+    from tapered_megatron.training.preflight import check_resume
+
+    save = _saved_checkpoint(tmp_path, ["--data.path", corpus], ("--model.dropout", "0.1"))
+    args = [x for k, v in zip(TINY[::2], TINY[1::2]) if k != "--ds_config" for x in (k, v)]
+    args += ["--train.resume", str(save)]
+    check_resume(load_config("quickstart", args))
+    other = load_config("quickstart", [*args, "--model.norm_eps", "1e-6"])
+    with pytest.raises(ConfigError, match=r"model\.norm_eps 1e-05 in the checkpoint, 1e-06 here"):
+        check_resume(other)

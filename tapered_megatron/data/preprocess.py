@@ -129,6 +129,9 @@ def parse_chunk(
             except json.JSONDecodeError as e:
                 errors.append((i, f"invalid JSON ({e.msg} at column {e.colno})"))
                 continue
+            except RecursionError:  # the decoder recurses once per nesting level
+                errors.append((i, "invalid JSON (nested deeper than Python's recursion limit)"))
+                continue
         elif isinstance(obj, dict):  # parsed whole: count the text of the keys
             nbytes += sum(len(obj[k].encode()) for k in keys if isinstance(obj.get(k), str))
         if not isinstance(obj, dict):

@@ -267,6 +267,10 @@ def _json_array_chunks(src: Source, cursor: int, first: int) -> Iterator[Chunk]:
                 obj, end = decoder.raw_decode(buf, pos)
                 if end == len(buf) and not eof:
                     raise json.JSONDecodeError("value may continue", buf, end)
+            except RecursionError:  # the decoder recurses once per nesting level
+                raise fail(
+                    pos, "invalid JSON (nested deeper than Python's recursion limit)"
+                ) from None
             except json.JSONDecodeError as e:
                 if eof or len(buf) - pos > MAX_RECORD_CHARS:
                     raise fail(e.pos, f"invalid JSON ({e.msg})") from e

@@ -77,6 +77,9 @@ class Block(nn.Module):
         z = h + mixer(mixer_norm(h))        # half "mixer"
         h = z + mlp(mlp_norm(z))            # half "mlp"
 
+    In training mode each branch output goes through dropout with probability
+    ``cfg.model.dropout`` (0, the default, draws no random numbers), drawn from the default torch
+    generator: the same on the TP ranks of a stage, restored from checkpoints on resume.
     Parameter names are the same whichever halves are built (``mixer_norm``, ``mixer``,
     ``mlp_norm``, ``mlp``), so a sub-layer unit's weights are the whole block's. Activation
     checkpointing starts from ``cfg.train.checkpoint_activations``
@@ -88,6 +91,7 @@ class Block(nn.Module):
         arch = resolve_architecture(cfg.model.arch)
         m = cfg.model
         self.layer, self.halves = layer, tuple(halves)
+        self.dropout = m.dropout
         self.activation_checkpointing = cfg.train.checkpoint_activations
         if "mixer" in halves:
             self.mixer_norm = RMSNorm(m.d_model, m.norm_eps)
@@ -104,19 +108,26 @@ class Block(nn.Module):
 
     def _forward(self, h: torch.Tensor) -> torch.Tensor:
         if "mixer" in self.halves:
-            h = h + self.mixer(self.mixer_norm(h))
+            h = h + self._drop(self.mixer(self.mixer_norm(h)))
         if "mlp" in self.halves:
-            h = h + self.mlp(self.mlp_norm(h))
+            h = h + self._drop(self.mlp(self.mlp_norm(h)))
         return h
+
+    def _drop(self, branch: torch.Tensor) -> torch.Tensor:
+        if self.dropout > 0 and self.training:
+            return F.dropout(branch, self.dropout, training=True)
+        return branch
 
     @classmethod
     def counts(
         cls, cfg: Config, layer: int, halves: tuple[str, ...] = HALVES, dtype_bytes: int = 2
     ) -> Counts:
-        """Each half's module counts plus its norm (a gain; keeps its input for backward)."""
+        """Each half's module counts plus its norm (a gain; keeps its input for backward) and,
+        with ``model.dropout``, its dropout mask (one byte per element)."""
         arch = resolve_architecture(cfg.model.arch)
         d = cfg.model.d_model
-        norm = Counts(d, 0.0, float(d * dtype_bytes))
+        mask = d if cfg.model.dropout > 0 else 0
+        norm = Counts(d, 0.0, float(d * dtype_bytes + mask))
         modules = {"mixer": arch.mixer, "mlp": arch.mlp}
         total = Counts(0, 0.0, 0.0)
         for half in halves:

@@ -263,4 +263,10 @@ def load(engine: Any, load_dir: Path, tag: str) -> dict[str, Any]:
     rng_file = load_dir / tag / f"rng_rank{_rank():05d}.pt"
     if rng_file.exists():
         set_rng_state(torch.load(rng_file, weights_only=False))
+    else:
+        print(
+            f"rank {_rank()}: {rng_file} is missing: random streams start fresh (dropout masks "
+            "differ from the uninterrupted run's)",
+            flush=True,
+        )
     return client or {}

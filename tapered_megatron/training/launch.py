@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from tapered_megatron.config import Config, ConfigError, load_config
+from tapered_megatron.training.heartbeat import Heartbeat, period_for
 from tapered_megatron.training.preflight import check_inputs
 
 DEFAULT_DS_CONFIG = Path(__file__).resolve().parents[2] / "ds_configs" / "default.json"
@@ -232,15 +233,20 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def init_distributed(timeout_s: float | None = None) -> None:
+def init_distributed(timeout_s: float | None = None) -> Heartbeat | None:
     """Start ``torch.distributed`` through DeepSpeed (MPI ranks are discovered with mpi4py).
 
     A plain single ``python`` process (no launcher, no MPI) gets a one-rank group on localhost.
-    ``timeout_s`` (``train.collective_timeout_s``) bounds every collective: a rank that stops
-    responding makes the others raise instead of waiting forever, so the job exits non-zero.
+    ``timeout_s`` (``train.collective_timeout_s``) bounds every collective, on the world group
+    and on every group created later (ours, DeepSpeed's: torch gives those its 30-minute default
+    otherwise): a rank that stops responding makes the others raise instead of waiting forever,
+    so the job exits non-zero. With more than one rank, returns the started
+    :class:`~tapered_megatron.training.heartbeat.Heartbeat` that names such a rank.
     """
     import deepspeed
+    import torch.distributed as dist
     from deepspeed.accelerator import get_accelerator
+    from torch.distributed import distributed_c10d
 
     under_mpi = any(os.environ.get(k) for k in ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE"))
     if not under_mpi and not os.environ.get("WORLD_SIZE"):
@@ -251,6 +257,10 @@ def init_distributed(timeout_s: float | None = None) -> None:
             MASTER_ADDR="127.0.0.1",
             MASTER_PORT=os.environ.get("MASTER_PORT") or str(_free_port()),
         )
+    if timeout_s is not None:  # the default of every later new_group (read when it is called)
+        distributed_c10d.default_pg_timeout = timedelta(seconds=timeout_s)
+        if isinstance(distributed_c10d.default_pg_nccl_timeout, timedelta):  # NCCL's own
+            distributed_c10d.default_pg_nccl_timeout = timedelta(seconds=timeout_s)
     deepspeed.init_distributed(
         dist_backend=get_accelerator().communication_backend_name(),
         distributed_port=int(os.environ.get("MASTER_PORT", 29500)),
@@ -260,3 +270,8 @@ def init_distributed(timeout_s: float | None = None) -> None:
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     if get_accelerator().device_name() != "cpu":
         get_accelerator().set_device(local_rank)
+    if dist.get_world_size() == 1:
+        return None
+    store = distributed_c10d._get_default_store()
+    period = period_for(timeout_s if timeout_s is not None else 600.0)
+    return Heartbeat(store, dist.get_rank(), dist.get_world_size(), period).start()

@@ -33,6 +33,8 @@ _HALF_CKPT_BYTES = 2 + 12
 _UNIVERSAL_CKPT_BYTES = 12
 # Sections whose values fix the parameter shapes: a checkpoint of another shape cannot load.
 _SHAPE_SECTIONS = ("model", "taper")
+# Keys of those sections a resumed run may change (training-time only: no weight depends on them).
+_FREE_ON_RESUME = ("model.dropout",)
 
 
 def check_inputs(cfg: Config, ds_config: dict[str, Any], layout: Any = None) -> None:
@@ -170,8 +172,9 @@ def _differences(a: Any, b: Any, prefix: str) -> list[str]:
 
 
 def check_resume(cfg: Config, ds_config: dict[str, Any] | None = None, layout: Any = None) -> None:
-    """``train.resume`` names a complete checkpoint whose model and taper match ``cfg``; one
-    saved under another parallel layout than ``layout`` holds the layout-free copy."""
+    """``train.resume`` names a complete checkpoint whose model and taper match ``cfg``
+    (``model.dropout`` may change); one saved under another parallel layout than ``layout``
+    holds the layout-free copy."""
     from tapered_megatron.training import checkpoint
 
     if not cfg.train.resume:
@@ -197,7 +200,12 @@ def check_resume(cfg: Config, ds_config: dict[str, Any] | None = None, layout: A
             f"train.resume: cannot read {saved_file} ({e}); resume from another checkpoint"
         ) from None
     here = cfg.to_dict()
-    diff = [d for s in _SHAPE_SECTIONS for d in _differences(here.get(s), (saved or {}).get(s), s)]
+    diff = [
+        d
+        for s in _SHAPE_SECTIONS
+        for d in _differences(here.get(s), (saved or {}).get(s), s)
+        if d.split(" ", 1)[0] not in _FREE_ON_RESUME
+    ]
     if diff:
         raise ConfigError(
             f"train.resume: {where[0] / where[1]} was saved with another model ("

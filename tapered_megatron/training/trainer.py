@@ -140,6 +140,9 @@ class Trainer:
             batch_sampler=sampler,
             num_workers=self.cfg.data.num_workers,
             collate_fn=_collate,
+            # its own generator: a new iterator (each resume, each evaluation) draws a worker
+            # seed, which must not advance the model's stream (dropout) that checkpoints restore
+            generator=torch.Generator().manual_seed(self.cfg.data.seed),
         )
         for tokens in loader:
             tokens = tokens.to(self.device)

@@ -1,0 +1,57 @@
+"""Shared by the pipeline tests: a stage's gradients under their single-process names, and the
+single-process reference they are compared with."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+
+
+class KeepGrads(torch.optim.SGD):
+    """SGD that keeps a copy of every gradient it was stepped with (``kept``: param -> grad)."""
+
+    def step(self, closure: Any = None) -> Any:
+        self.kept = {
+            p: p.grad.detach().clone()
+            for g in self.param_groups
+            for p in g["params"]
+            if p.grad is not None
+        }
+        return super().step(closure)
+
+
+def canonical_names(module: torch.nn.Module, cfg: Any) -> dict[torch.nn.Parameter, str]:
+    """A pipeline stage's parameters -> their names in the single model (``layers.3.mlp...``).
+
+    DeepSpeed registers unit ``i`` of the spec list as submodule ``"i"``; the unit table gives
+    each unit's canonical prefix."""
+    from tapered_megatron.export.consolidate import unit_prefixes
+
+    prefixes = unit_prefixes(cfg)
+    out = {}
+    for name, p in module.named_parameters():
+        unit, rest = name.split(".", 1)
+        out[p] = prefixes[int(unit)] + rest
+    return out
+
+
+def stage_grads(module: torch.nn.Module, cfg: Any, opt: KeepGrads) -> dict[str, np.ndarray]:
+    """The gradients ``opt`` kept, by single-model name (numpy: they leave the worker process
+    by value, not as shared-memory handles that die with it)."""
+    names = canonical_names(module, cfg)
+    return {names[p]: g.numpy() for p, g in opt.kept.items()}
+
+
+def reference(cfg: Any, batches: list[tuple[torch.Tensor, torch.Tensor]], lr: float = 0.0):
+    """One process: mean loss over the micro-batches, the gradients of that mean, and the
+    parameters after one SGD step of ``lr`` (all by name)."""
+    from tapered_megatron.models import build_model
+
+    model = build_model(cfg)
+    loss = sum(model(x, y) for x, y in batches) / len(batches)
+    loss.backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    after = {n: (p - lr * p.grad).detach() for n, p in model.named_parameters()}
+    return loss.item(), grads, after
