@@ -73,7 +73,8 @@ def _reference_level(level, u: torch.Tensor, eta: float, teach=None) -> torch.Te
     """The CMS rule written plainly: per-sequence weights, per-token autograd gradients of
     ``1/2 ||f(u_t) - u_{t+1}||^2`` (or of ``<f(u_t), teach_t>``: output error ``teach_t``) clipped
     to norm ``sqrt(d)``, scaled by the token's rate and divided by the squared norm of the
-    level's input ``u_t``, summed over the period, applied at its end."""
+    level's input ``u_t`` (W_2 with ``own``: of its own input ``a_t``), summed over the period,
+    applied at its end."""
     d, c = u.shape[-1], level.period
     rates = level.rates(u, eta).detach()
     outs = []
@@ -99,27 +100,31 @@ def _reference_level(level, u: torch.Tensor, eta: float, teach=None) -> torch.Te
                 norm = torch.sqrt(g13.pow(2).sum() + g2.pow(2).sum())
                 step = min(1.0, d**0.5 / norm.item()) * rates[b, t]
                 u_sq = u[b, t].pow(2).sum().clamp_min(NORM_EPS)
+                a_sq = (F.silu(gate) * up).pow(2).sum().detach() + NORM_EPS
                 acc13 = acc13 + step / u_sq * g13
-                acc2 = acc2 + step / u_sq * g2
+                acc2 = acc2 + step / (a_sq if level.own_norm else u_sq) * g2
         outs.append(torch.stack(rows))
     return torch.stack(outs)
 
 
 @pytest.mark.parametrize(
-    "seq, rate, update, periods",
+    "seq, rate, update, periods, norm",
     [
-        (24, "learned", "association", ["0", "16", "4"]),
-        (80, "learned", "association", ["0", "16", "4"]),  # 80 > d_model: factors folded
-        (24, "constant", "association", ["0", "16", "4"]),
-        (24, "learned", "teach", ["0", "16", "4"]),
-        (40, "learned", "association", ["0", "1", "3"]),  # period 1: the token-by-token rule
-        (40, "learned", "teach", ["0", "1", "3"]),
+        (24, "learned", "association", ["0", "16", "4"], "input"),
+        (80, "learned", "association", ["0", "16", "4"], "input"),  # 80 > d_model: folded
+        (24, "constant", "association", ["0", "16", "4"], "input"),
+        (24, "learned", "teach", ["0", "16", "4"], "input"),
+        (40, "learned", "association", ["0", "1", "3"], "input"),  # period 1: token by token
+        (40, "learned", "teach", ["0", "1", "3"], "input"),
+        (80, "learned", "association", ["0", "16", "4"], "own"),
+        (40, "learned", "teach", ["0", "1", "3"], "own"),
     ],
 )
-def test_cms_level_equals_plain_reference(seq, rate, update, periods):
+def test_cms_level_equals_plain_reference(seq, rate, update, periods, norm):
     cfg = tiny_cfg(
         "hope_attention",
         *("--model.seq_len", str(seq), "--model.hope.rate", rate, "--model.hope.update", update),
+        *("--model.hope.step_norm", norm),
         *("--model.hope.periods", *periods),
     )
     cms = build_model(cfg).layers[0].mlp
@@ -139,7 +144,12 @@ def test_cms_level_equals_plain_reference(seq, rate, update, periods):
 
 @pytest.mark.parametrize(
     "overrides",
-    [[], ["--model.hope.update", "teach"], ["--model.hope.rate", "constant"]],
+    [
+        [],
+        ["--model.hope.update", "teach"],
+        ["--model.hope.rate", "constant"],
+        ["--model.hope.step_norm", "own"],
+    ],
 )
 def test_causal_across_period_boundaries(overrides):
     cfg = tiny_cfg("hope_attention", *overrides)

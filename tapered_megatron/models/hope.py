@@ -44,21 +44,27 @@ Choices the paper leaves open, and ours:
 * Rate, ``hope.rate``: ``learned`` (default): per level and token, ``eta_t = (hope.lr / d_model)
   sigmoid(u_t w_i + b_i)`` from the level's own input, as Titans computes its step size theta
   (Behrouz et al. 2025), with ``w_i ~ normal(0, init_std)`` and ``b_i = logit(hope.rate_init)``.
-  ``constant``: ``eta = hope.lr / d_model`` for every token. Both matrices' steps are divided by
-  the squared norm of the level's input ``||u_t||^2``; the inputs are RMS-normalised, so
+  ``constant``: ``eta = hope.lr / d_model`` for every token. ``W_13``'s step is divided by the
+  squared norm of the level's input ``||u_t||^2``; the inputs are RMS-normalised, so
   ``||u||^2 ~ d_model`` and ``hope.lr * sigmoid(.)`` is the effective step on a repeated input
   (the fraction of the error on that input one update removes, for a linear level).
-  ``W_2``'s own input (the hidden activation ``a_t``) is not normalised and is small at init:
-  dividing its step by ``||a_t||^2`` instead made every token's ``W_2`` step a full
-  normalised-LMS correction, which, summed over a period, overshot; at the ``tlm_cpu``
-  reproduction scale the model then stalled at validation loss 6.07 (perplexity 430; the
-  transformer reaches 4.62 there). Defaults ``lr 0.1``, ``rate_init 0.1``: an effective step of
-  0.01 at init that the gate can raise to 0.1. Measured at the ``tlm_cpu`` scale (hope_attention,
-  uniform, seed 1234, validation loss after 120 of 320 iterations): 5.08 with these defaults,
-  5.41 with no in-context updates (``hope.lr 0``), 5.18 with a constant 0.01, 5.48 with ``lr 1``
-  / ``rate_init 0.5``; the transformer 5.10. The in-context updates pay off once the outer
-  loop has learned to use them; at init they move the CMS output by the amounts stated in
-  tests/test_memory_in_context.py.
+* ``hope.step_norm``, what divides ``W_2``'s step (its input is the hidden activation ``a_t``,
+  not normalised, and small at init). The two choices trade language modelling against fast
+  in-context binding; measured, not derived:
+  ``input`` (default): ``||u_t||^2`` as for ``W_13``. At the ``tlm_cpu`` reproduction scale
+  (hope_attention, uniform, seed 1234, validation loss after 120 of 320 iterations) the defaults
+  ``lr 0.1``, ``rate_init 0.1`` (an effective step of 0.01 at init that the gate can raise to
+  0.1) reach 5.08, against 5.41 with no in-context updates (``hope.lr 0``), 5.18 with a constant
+  0.01, 5.48 with ``lr 1`` / ``rate_init 0.5``; the transformer 5.10. But the updates of a fresh
+  model are tiny (tests/test_memory_in_context.py) and the associative-recall benchmark
+  (scripts/bench_memory_recall.py, 300 steps) stays at chance (0.014; 0.12 with ``lr 1`` /
+  ``rate_init 0.5``).
+  ``own``: ``||a_t||^2``, i.e. each matrix a normalised-LMS step on its own input: one token's
+  ``W_2`` step removes the given fraction of its error. With ``lr 1`` / ``rate_init 0.5`` the
+  recall benchmark reaches 0.999, but summed over a period these steps overshoot in language
+  modelling: at ``tlm_cpu`` training stalled at validation loss 6.07 (perplexity 430; 4.62 for
+  the transformer), and every rate tried (0.01 to 0.5) was worse than no updates (5.45-6.08 vs
+  5.41 after 120 iterations).
 * Update: gradient steps summed over the period (the paper's sum, not a mean), all gradients
   taken at the period-start weights; ``hope.lr = 0`` or period 0 disables updates for a level
   (plain MLP).
@@ -123,6 +129,8 @@ class HopeOptions:
     rate: Literal["learned", "constant"] = "learned"  # learned: sigmoid of a map of the input
     rate_init: float = 0.1  # learned rate: initial sigmoid value (gate bias logit(rate_init))
     update: Literal["association", "teach"] = "association"  # next position | outer-loss signal
+    # what divides W_2's step: the level input's squared norm, or its own input's (module doc)
+    step_norm: Literal["input", "own"] = "input"
 
 
 def _validate(cfg: Config) -> None:
@@ -177,6 +185,7 @@ class CMSLevel(SwiGLU):
         m, h = cfg.model, cfg.model.hope
         self.period = period
         self.updating = period > 0 and h.lr > 0
+        self.own_norm = h.step_norm == "own"
         self.rate_w = self.rate_b = None
         if self.updating and h.rate == "learned":
             self.rate_w = nn.Parameter(torch.empty(m.d_model))
@@ -248,7 +257,7 @@ class CMSLevel(SwiGLU):
                 da = da - (e @ ep.mT) @ ap
             dgv = torch.cat([da * v * silu_grad(g), da * F.silu(g)], dim=-1)
             # per token: the gradient's norm (||d x^T|| = ||d|| ||x||) clipped to sqrt(d), the
-            # rate, and both matrices' steps divided by the level input's squared norm (module doc)
+            # rate, and each step divided by a squared input norm (hope.step_norm, module doc)
             # (full norms on every rank; the copy sums their rank-local gradients in backward)
             a_sq, dgv_sq = copy_to_tp_region(
                 reduce_from_tp_region(torch.stack((a.pow(2).sum(-1), dgv.pow(2).sum(-1))))
@@ -257,10 +266,11 @@ class CMSLevel(SwiGLU):
             clip = torch.rsqrt(((a_sq * e.pow(2).sum(-1) + dgv_sq * x_sq) / d).clamp_min(1.0))
             step = clip * rate_all[p]
             xs.append(x)
-            step = (step / x_sq.clamp_min(NORM_EPS))[..., None]
-            ds.append(dgv * step)
+            step13 = step / x_sq.clamp_min(NORM_EPS)
+            step2 = step / (a_sq + NORM_EPS) if self.own_norm else step13
+            ds.append(dgv * step13[..., None])
             as_.append(a)
-            es.append(e * step)
+            es.append(e * step2[..., None])
             if record is not None and bool(ds[-1].abs().amax() + es[-1].abs().amax() > 0):
                 record.append(end)
             if sum(f.shape[1] for f in xs) >= d:
