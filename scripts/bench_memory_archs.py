@@ -239,6 +239,8 @@ def _shape(name: str, a: argparse.Namespace, status: dict) -> dict:
             builds["peer: nested-learning hope_attention, teach signal"] = lambda: _peer_hope_teach(
                 base
             )
+    if a.only:  # a subset (e.g. to fit the 1024 shape's models in memory a few at a time)
+        builds = {k: v for k, v in builds.items() if k == "transformer" or k.startswith(a.only)}
     entries, params = {}, {}
     for key, build in builds.items():
         try:
@@ -270,6 +272,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--no-peers", action="store_true")
     ap.add_argument(
+        "--only",
+        nargs="+",
+        default=(),
+        help="measure only the models whose name starts with one of these (and the transformer)",
+    )
+    ap.add_argument(
         "--clock",
         choices=sorted(CLOCKS),
         default="wall",
@@ -280,7 +288,11 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(a.threads)
     torch.manual_seed(0)
     status: dict[str, str] = {}
-    results = {name: _shape(name, a, status) for name in a.shapes}
+    a.only = tuple(a.only)
+    results = {}
+    for name in a.shapes:  # each shape's figures as soon as they exist
+        results[name] = _shape(name, a, status)
+        print(json.dumps({"shape": name, **results[name]}), flush=True)
     print(
         json.dumps(
             {
