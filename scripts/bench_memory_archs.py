@@ -228,9 +228,10 @@ def _shape(name: str, a: argparse.Namespace, status: dict) -> dict:
         "hope_attention": lambda: _ours(base, "--model.arch", "hope_attention"),
     }
     if name == "lib":
-        builds["titans MAG, chunk 64"] = lambda: _ours(
-            base, "--model.arch", "titans", "--model.titans.chunk_size", "64"
-        )
+        chunk64 = [
+            "64" if flag == "--model.titans.chunk_size" else x for flag, x in zip(["", *base], base)
+        ]  # the base's chunk size replaced (a flag may be given once)
+        builds["titans MAG, chunk 64"] = lambda: _ours(chunk64, "--model.arch", "titans")
         builds["hope_attention, teach signal"] = lambda: _ours(
             base, "--model.arch", "hope_attention", "--model.hope.update", "teach"
         )
