@@ -3,7 +3,9 @@ our transformer in the same run, and against the peer packages at matched shapes
 
 One measurement = forward + backward of the next-token loss + an AdamW step (fp32, ``--threads``
 threads), all models measured round-robin in one process so machine noise hits them alike; the
-median of the rounds is reported as tokens/s. Prints one JSON line.
+median of the rounds is reported as tokens/s (``--clock cpu``: tokens per CPU second of the
+process, which with ``--threads 1`` is the speed on one free core whatever else runs on the
+machine). Prints one JSON line.
 
 Shapes (``--shapes``):
 
@@ -45,7 +47,7 @@ touching torch)::
 Usage::
 
     python scripts/bench_memory_archs.py [--shapes lib 1024] [--rounds 3] [--threads 2]
-        [--no-peers]
+        [--no-peers] [--clock wall|cpu]
 """
 
 from __future__ import annotations
@@ -187,26 +189,31 @@ def _peer_hope_teach(base: list[str]) -> tuple[torch.nn.Module, Callable]:
     return model, step
 
 
-def _time(model: torch.nn.Module, step: Callable, opt: torch.optim.Optimizer, ids) -> float:
-    t0 = time.perf_counter()
+CLOCKS = {"wall": time.perf_counter, "cpu": time.process_time}
+
+
+def _time(step: Callable, opt: torch.optim.Optimizer, ids, clock: Callable[[], float]) -> float:
+    t0 = clock()
     step(ids)
     opt.step()
     opt.zero_grad(set_to_none=True)
-    return time.perf_counter() - t0
+    return clock() - t0
 
 
-def _measure(entries: dict, ids: torch.Tensor, rounds: int, status: dict) -> dict[str, float]:
+def _measure(
+    entries: dict, ids: torch.Tensor, rounds: int, status: dict, clock: Callable[[], float]
+) -> dict[str, float]:
     opts = {k: torch.optim.AdamW(m.parameters(), lr=1e-4) for k, (m, _) in entries.items()}
     times: dict[str, list[float]] = {k: [] for k in entries}
-    for k, (model, step) in list(entries.items()):  # warm-up; a peer failing here is reported
+    for k, (_, step) in list(entries.items()):  # warm-up; a peer failing here is reported
         try:
-            _time(model, step, opts[k], ids)
+            _time(step, opts[k], ids, clock)
         except Exception as e:
             status[k] = f"could not run: {type(e).__name__}: {e}"[:300]
             del entries[k], times[k]
     for _ in range(rounds):
-        for k, (model, step) in entries.items():
-            times[k].append(_time(model, step, opts[k], ids))
+        for k, (_, step) in entries.items():
+            times[k].append(_time(step, opts[k], ids, clock))
     tokens = ids.shape[0] * (ids.shape[1] - 1)
     return {k: round(tokens / statistics.median(v), 1) for k, v in times.items()}
 
@@ -221,9 +228,10 @@ def _shape(name: str, a: argparse.Namespace, status: dict) -> dict:
         "hope_attention": lambda: _ours(base, "--model.arch", "hope_attention"),
     }
     if name == "lib":
-        builds["titans MAG, chunk 64"] = lambda: _ours(
-            base, "--model.arch", "titans", "--model.titans.chunk_size", "64"
-        )
+        chunk64 = [
+            "64" if flag == "--model.titans.chunk_size" else x for flag, x in zip(["", *base], base)
+        ]  # the base's chunk size replaced (a flag may be given once)
+        builds["titans MAG, chunk 64"] = lambda: _ours(chunk64, "--model.arch", "titans")
         builds["hope_attention, teach signal"] = lambda: _ours(
             base, "--model.arch", "hope_attention", "--model.hope.update", "teach"
         )
@@ -232,6 +240,8 @@ def _shape(name: str, a: argparse.Namespace, status: dict) -> dict:
             builds["peer: nested-learning hope_attention, teach signal"] = lambda: _peer_hope_teach(
                 base
             )
+    if a.only:  # a subset (e.g. to fit the 1024 shape's models in memory a few at a time)
+        builds = {k: v for k, v in builds.items() if k in ("transformer", *a.only)}
     entries, params = {}, {}
     for key, build in builds.items():
         try:
@@ -242,7 +252,7 @@ def _shape(name: str, a: argparse.Namespace, status: dict) -> dict:
     cfg = _config(base)
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(0, cfg.model.vocab_size, (batch, cfg.model.seq_len + 1), generator=g)
-    tok_s = _measure(entries, ids, a.rounds, status)
+    tok_s = _measure(entries, ids, a.rounds, status, CLOCKS[a.clock])
     ref = tok_s.get("transformer")
     return {
         "shape": {"d_model": cfg.model.d_model, "layers": cfg.model.layers,
@@ -262,11 +272,27 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--layers-1024", type=int, default=2)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--no-peers", action="store_true")
+    ap.add_argument(
+        "--only",
+        nargs="+",
+        default=(),
+        help="measure only these models (names as in the output) and the transformer",
+    )
+    ap.add_argument(
+        "--clock",
+        choices=sorted(CLOCKS),
+        default="wall",
+        help="wall: elapsed time; cpu: the process's CPU time (with --threads 1: the time on one "
+        "free core, unaffected by other jobs on a loaded machine)",
+    )
     a = ap.parse_args(argv)
     torch.set_num_threads(a.threads)
     torch.manual_seed(0)
     status: dict[str, str] = {}
-    results = {name: _shape(name, a, status) for name in a.shapes}
+    results = {}
+    for name in a.shapes:  # each shape's figures as soon as they exist
+        results[name] = _shape(name, a, status)
+        print(json.dumps({"shape": name, **results[name]}), flush=True)
     print(
         json.dumps(
             {
@@ -276,6 +302,7 @@ def main(argv: list[str] | None = None) -> int:
                 "torch": torch.__version__,
                 "threads": a.threads,
                 "measure": "forward + backward + AdamW step, fp32, median of round-robin rounds",
+                "clock": a.clock,
                 "rounds": a.rounds,
                 "results": results,
                 "failures": status,
