@@ -23,18 +23,10 @@ class KeepGrads(torch.optim.SGD):
 
 
 def canonical_names(module: torch.nn.Module, cfg: Any) -> dict[torch.nn.Parameter, str]:
-    """A pipeline stage's parameters -> their names in the single model (``layers.3.mlp...``).
+    """A pipeline stage's parameters -> their names in the single model (``layers.3.mlp...``)."""
+    from tapered_megatron.models import canonical_parameters
 
-    DeepSpeed registers unit ``i`` of the spec list as submodule ``"i"``; the unit table gives
-    each unit's canonical prefix."""
-    from tapered_megatron.export.consolidate import unit_prefixes
-
-    prefixes = unit_prefixes(cfg)
-    out = {}
-    for name, p in module.named_parameters():
-        unit, rest = name.split(".", 1)
-        out[p] = prefixes[int(unit)] + rest
-    return out
+    return {p: name for name, p in canonical_parameters(module, cfg)}
 
 
 def stage_grads(module: torch.nn.Module, cfg: Any, opt: KeepGrads) -> dict[str, np.ndarray]:

@@ -229,17 +229,17 @@ def test_layout_change_needs_the_universal_copy(corpus, tmp_path):
     save = _saved_checkpoint(tmp_path, ["--data.path", corpus], D32, TP2_LAYOUT)
     base = [*TINY[2:], "--data.path", corpus]
     cfg = load_config("quickstart", [*base, "--train.resume", str(save)])
-    ds, layout = launch.resolve(cfg, launch.load_ds_config(TINY[1]), 1)
+    _, layout = launch.resolve(cfg, launch.load_ds_config(TINY[1]), 1)
     with pytest.raises(ConfigError, match="cannot resume under TP1 PP1 DP1 ZeRO-0 unit none"):
-        preflight.check_resume(cfg, ds, layout)
+        preflight.check_resume(cfg, layout)
     (save / "global_step5" / "universal").mkdir()
     (save / "global_step5" / "universal" / "meta.pt").write_bytes(b"")
-    preflight.check_resume(cfg, ds, layout)  # a layout change is allowed with the copy
+    preflight.check_resume(cfg, layout)  # a layout change is allowed with the copy
 
     old = _saved_checkpoint(tmp_path / "x", ["--data.path", corpus, "--parallel.tp", "2"], D32)
     cfg = load_config("quickstart", [*base, "--train.resume", str(old)])
     with pytest.raises(ConfigError, match="saved under TP2 PP1 unit none without"):
-        preflight.check_resume(cfg, ds, layout)
+        preflight.check_resume(cfg, layout)
 
 
 def test_resume_may_change_dropout_only(corpus, tmp_path):

@@ -35,7 +35,7 @@ import torch
 
 from tapered_megatron.config import Config, ConfigError, load_saved_config
 from tapered_megatron.export.load import ExportError
-from tapered_megatron.models import build_model, units
+from tapered_megatron.models import build_model, unit_prefixes
 from tapered_megatron.parallel.layers import unshard
 
 COMPLETE, LATEST = "complete", "latest"  # as written by tapered_megatron.training.checkpoint
@@ -142,12 +142,6 @@ def _zero_fp32(tag_dir: Path, tp_rank: int) -> dict[str, torch.Tensor]:
         for f in tag_dir.glob(f"*{mine}*states.pt"):
             (view / f.name.replace(mine, "mp_rank_00_")).symlink_to(f.resolve())
         return dict(get_fp32_state_dict_from_zero_checkpoint(tmp, tag=tag_dir.name))
-
-
-def unit_prefixes(cfg: Config) -> list[str]:
-    """Canonical name prefix of each pipeline unit, in the order of the unit table
-    (:func:`tapered_megatron.models.units`, which the pipeline's layer specs map over)."""
-    return [f"layers.{u.layer}." if u.layer is not None else f"{u.kind}." for u in units(cfg)]
 
 
 def _pipeline_shards(tag_dir: Path, cfg: Config, tp: int) -> list[dict[str, torch.Tensor]]:

@@ -33,9 +33,11 @@ from tapered_megatron.models.language_model import (
     LanguageModel,
     Unit,
     build_model,
+    canonical_parameters,
     lm_loss,
     pipeline_layer_specs,
     set_activation_checkpointing,
+    unit_prefixes,
     units,
 )
 
@@ -55,6 +57,7 @@ __all__ = [
     "TokenMixer",
     "Unit",
     "build_model",
+    "canonical_parameters",
     "count_model",
     "lm_loss",
     "load_plugins",
@@ -62,5 +65,6 @@ __all__ = [
     "register_architecture",
     "resolve_architecture",
     "set_activation_checkpointing",
+    "unit_prefixes",
     "units",
 ]

@@ -250,6 +250,30 @@ def units(cfg: Config, granularity: PipelineUnit | None = None) -> list[Unit]:
     return out
 
 
+def unit_prefixes(cfg: Config, granularity: PipelineUnit | None = None) -> list[str]:
+    """Canonical name prefix (``embedding.``, ``layers.3.``, ``head.``) of each unit of
+    :func:`units`, in order: a pipeline stage registers unit ``i`` as submodule ``"i"``."""
+    return [
+        f"layers.{u.layer}." if u.layer is not None else f"{u.kind}."
+        for u in units(cfg, granularity)
+    ]
+
+
+def canonical_parameters(module: nn.Module, cfg: Config) -> list[tuple[str, nn.Parameter]]:
+    """``module``'s parameters under their names in the single :class:`LanguageModel`
+    (``layers.3.mlp.w13.weight``): its own names for that model, and for a pipeline stage of
+    ``cfg`` (``<unit index>.<name in the unit>``) the unit's prefix from :func:`unit_prefixes`."""
+    named = list(module.named_parameters())
+    if isinstance(module, LanguageModel):
+        return named
+    prefixes = unit_prefixes(cfg)
+    out = []
+    for name, p in named:
+        unit, rest = name.split(".", 1)
+        out.append((prefixes[int(unit)] + rest, p))
+    return out
+
+
 class LanguageModel(nn.Module):
     """Embedding, ``cfg.model.layers`` blocks, final norm and LM head (the units of
     :func:`units` at granularity ``"layer"``).

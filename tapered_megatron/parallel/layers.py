@@ -124,7 +124,7 @@ def init_parameters(module: nn.Module, seed: int, prefix: str = "") -> None:
             continue
         layout: TPLayout | None = getattr(p, "tp_layout", None)
         zero3 = hasattr(p, "ds_id")  # built under deepspeed.zero.Init: p holds no data
-        shape = layout.full_shape if layout is not None else tuple(p.ds_shape if zero3 else p.shape)
+        shape = layout.full_shape if layout is not None else tuple(param_shape(p))
         with _outside_zero_init(zero3):  # drawn in fp32 on the CPU whatever zero.Init patches
             gen = param_generator(seed, prefix + name)
             if fn is not None:
@@ -138,6 +138,12 @@ def init_parameters(module: nn.Module, seed: int, prefix: str = "") -> None:
                 _write_zero3_partition(p, local)
             else:
                 p.copy_(local.to(p.dtype))
+
+
+def param_shape(p: nn.Parameter) -> torch.Size:
+    """``p``'s shape on this TP rank, also when ``deepspeed.zero.Init`` partitioned it (then
+    ``p`` itself is an empty stub and DeepSpeed keeps the shape as ``ds_shape``)."""
+    return getattr(p, "ds_shape", p.shape)
 
 
 @contextlib.contextmanager

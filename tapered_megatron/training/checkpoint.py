@@ -56,13 +56,14 @@ def iteration_of(tag: str) -> int:
     return int(m.group(1))
 
 
-def layout_record(cfg: Config, ds_config: dict[str, Any], layout: Any) -> dict[str, Any]:
-    """The parallel layout a checkpoint is saved or resumed under (``layout.json``)."""
+def layout_record(cfg: Config, layout: Any) -> dict[str, Any]:
+    """The parallel layout (:class:`~tapered_megatron.training.launch.Layout`) a checkpoint is
+    saved or resumed under (``layout.json``)."""
     return {
         "tp": layout.tp,
         "pp": layout.pp,
         "dp": layout.dp,
-        "zero_stage": int(ds_config.get("zero_optimization", {}).get("stage", 0)),
+        "zero_stage": layout.zero_stage,
         "pipeline_unit": cfg.parallel.pipeline_unit if layout.pp > 1 else "none",
     }
 

@@ -46,6 +46,7 @@ class Layout:
     micro_batch_size: int
     global_batch_size: int
     grad_accum: int
+    zero_stage: int = 0  # the ds_config's zero_optimization.stage
 
 
 def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[str]]:
@@ -201,7 +202,7 @@ def resolve(cfg: Config, ds_config: dict[str, Any], world_size: int) -> tuple[di
             'set "enabled": "auto" (fp32 on CPU) or false'
         )
     ds.setdefault("steps_per_print", 10**9)
-    layout = Layout(world_size, tp, pp, dp, mbs, gbs, gas)
+    layout = Layout(world_size, tp, pp, dp, mbs, gbs, gas, stage)
     return ds, layout
 
 

@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from tapered_megatron.config import TrainConfig
+from tapered_megatron.parallel.layers import param_shape
 
 
 def no_decay(name: str, param: nn.Parameter) -> bool:
@@ -18,7 +19,7 @@ def no_decay(name: str, param: nn.Parameter) -> bool:
     """
     return (
         getattr(param, "_no_weight_decay", False)
-        or len(getattr(param, "ds_shape", param.shape)) < 2  # ZeRO-3 partitioned: ds_shape
+        or len(param_shape(param)) < 2
         or name.endswith("bias")
         or "norm" in name.lower()
     )

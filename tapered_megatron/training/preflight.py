@@ -45,7 +45,7 @@ def check_inputs(cfg: Config, ds_config: dict[str, Any], layout: Any = None) -> 
     check_data(cfg)
     check_tokenizer(cfg)
     check_save_dir(cfg, ds_config)
-    check_resume(cfg, ds_config, layout)
+    check_resume(cfg, layout)
 
 
 def check_data(cfg: Config) -> None:
@@ -171,7 +171,7 @@ def _differences(a: Any, b: Any, prefix: str) -> list[str]:
     return [] if a == b else [f"{prefix} {b!r} in the checkpoint, {a!r} here"]
 
 
-def check_resume(cfg: Config, ds_config: dict[str, Any] | None = None, layout: Any = None) -> None:
+def check_resume(cfg: Config, layout: Any = None) -> None:
     """``train.resume`` names a complete checkpoint whose model and taper match ``cfg``
     (``model.dropout`` may change); one saved under another parallel layout than ``layout``
     holds the layout-free copy."""
@@ -214,9 +214,7 @@ def check_resume(cfg: Config, ds_config: dict[str, Any] | None = None, layout: A
             + f"); use the checkpoint's settings (see {saved_file}) or another --train.save_dir"
         )
     if layout is not None:
-        _check_layout_change(
-            where[0] / where[1], saved, checkpoint.layout_record(cfg, ds_config or {}, layout)
-        )
+        _check_layout_change(where[0] / where[1], saved, checkpoint.layout_record(cfg, layout))
 
 
 def _check_layout_change(tag_dir: Path, saved_cfg: dict[str, Any], now: dict[str, Any]) -> None:

@@ -38,7 +38,8 @@ from deepspeed.utils import (
 )
 
 from tapered_megatron import parallel
-from tapered_megatron.parallel.layers import shard, unshard
+from tapered_megatron.models import canonical_parameters
+from tapered_megatron.parallel.layers import param_shape, shard, unshard
 from tapered_megatron.training.checkpoint import (
     UNIVERSAL,
     UNIVERSAL_META,
@@ -47,27 +48,6 @@ from tapered_megatron.training.checkpoint import (
 )
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
-
-
-def canonical_parameters(engine: Any, cfg: Any) -> list[tuple[str, torch.nn.Parameter]]:
-    """This rank's parameters under their names in the single model.
-
-    A pipeline stage names parameters ``<spec index>.<name in the unit>``; spec ``k`` is unit
-    ``k`` of ``units(cfg)``: the embedding, a block of layer ``i`` or the head.
-    """
-    from tapered_megatron.models import units
-
-    named = list(engine.module.named_parameters())
-    if not hasattr(engine.module, "_layer_specs"):  # the single model
-        return named
-    table = units(cfg, cfg.parallel.pipeline_unit)
-    out = []
-    for name, p in named:
-        idx, rest = name.split(".", 1)
-        u = table[int(idx)]
-        prefix = f"layers.{u.layer}" if u.layer is not None else u.kind
-        out.append((f"{prefix}.{rest}", p))
-    return out
 
 
 def _base_optimizer(engine: Any) -> torch.optim.Optimizer:
@@ -144,15 +124,14 @@ def save(
     writer = (
         parallel.get_tensor_model_parallel_rank() == 0 and parallel.get_data_parallel_rank() == 0
     )
-    for name, p in canonical_parameters(engine, cfg):
+    for name, p in canonical_parameters(engine.module, cfg):
         if _zero(p):
             w = safe_get_full_fp32_param(p)
             moments = [safe_get_full_optimizer_state(p, k) for k in MOMENTS]
         else:
             w = p.detach().float()
             moments = [opt.state[p][k] for k in MOMENTS]
-        shape = p.ds_shape if hasattr(p, "ds_shape") else p.shape  # ZeRO-3: p is a stub
-        full = [_tp_full(t.detach().float().reshape(shape), p) for t in (w, *moments)]
+        full = [_tp_full(t.detach().float().reshape(param_shape(p)), p) for t in (w, *moments)]
         if writer:
             torch.save(dict(zip(("fp32", *MOMENTS), full)), out / f"{name}.pt")
     if dist.get_rank() == 0:
@@ -218,7 +197,7 @@ def load(engine: Any, cfg: Any, tag_dir: Path) -> dict[str, Any]:
         )
     meta = torch.load(src / UNIVERSAL_META, weights_only=False)
     opt = _link_optimizer_state(engine)
-    for name, p in canonical_parameters(engine, cfg):
+    for name, p in canonical_parameters(engine.module, cfg):
         f = src / f"{name}.pt"
         if not f.exists():
             raise FileNotFoundError(f"{f}: the checkpoint has no parameter {name}")

@@ -179,18 +179,17 @@ class Trainer:
         from tapered_megatron.pipeline.module import BalancedPipelineModule
 
         lay = self.layout
-        stage = self.ds_config.get("zero_optimization", {}).get("stage", 0)
         return BalancedPipelineModule.from_config(
             self.cfg,
             topology=parallel.get_topology(),
             micro_batches=lay.grad_accum,
             loss_fn=self.clock.timed(lm_loss),  # the single model's loss, fused LM head
-            partition_kwargs={"dp": lay.dp, "zero_stage": stage},
+            partition_kwargs={"dp": lay.dp, "zero_stage": lay.zero_stage},
         )
 
     def _load(self, load_dir: Path, tag: str) -> dict[str, Any]:
         """DeepSpeed's own files when the layout is the one saved, else the layout-free copy."""
-        now = checkpoint.layout_record(self.cfg, self.ds_config, self.layout)
+        now = checkpoint.layout_record(self.cfg, self.layout)
         saved = checkpoint.saved_layout(load_dir / tag)
         if saved is None or saved == now:
             return checkpoint.load(self.engine, load_dir, tag)
@@ -203,7 +202,7 @@ class Trainer:
 
     def _save(self, it: int) -> Path:
         """A checkpoint of iteration ``it``, with its layout and (if on) the universal copy."""
-        record = checkpoint.layout_record(self.cfg, self.ds_config, self.layout)
+        record = checkpoint.layout_record(self.cfg, self.layout)
 
         def universal(tag_dir: Path, client: dict[str, Any]) -> None:
             reshard.save(self.engine, self.cfg, record, tag_dir, client)
