@@ -89,15 +89,20 @@ def _check(procs: list[subprocess.Popen], out: Path, timeout: float) -> None:
 
 
 def launch_ranks(n: int, corpus: str, out: Path, ds: str, extra: list[str], timeout=240) -> None:
-    """Start ``n`` ranks the way DeepSpeed's launcher does (RANK/LOCAL_RANK/WORLD_SIZE env)."""
+    """Start ``n`` ranks the way DeepSpeed's launcher does (RANK/LOCAL_RANK/WORLD_SIZE env).
+
+    Afterwards no shared-memory file of DeepSpeed's CPU all-reduce may be left in ``/dev/shm``.
+    """
     port = str(free_port())
     procs = []
     for r in range(n):
-        env = dict(_env(), RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE=str(n))
+        env = dict(_env(), RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE=str(n), LOCAL_SIZE=str(n))
         env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
         cmd = [sys.executable, "-u", MAIN, f"--local_rank={r}", *_common(corpus, out, ds, extra)]
         procs.append(_popen(cmd, env))
     _check(procs, out, timeout)
+    left = list(Path("/dev/shm").glob(f"deepspeed_allreduce_buffer_*_127.0.0.1_{port}_*"))
+    assert not left, f"shared-memory files left behind: {left}"
 
 
 def _popen(cmd: list[str], env: dict[str, str]) -> subprocess.Popen:

@@ -33,6 +33,8 @@ def _entry(rank: int, world_size: int, port: int, fn: Callable, args: tuple, que
     import torch
     import torch.distributed as dist
 
+    from tapered_megatron.training.launch import shm_workspace_path
+
     os.environ.update(
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(port),
@@ -52,6 +54,7 @@ def _entry(rank: int, world_size: int, port: int, fn: Callable, args: tuple, que
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+        shm_workspace_path(rank).unlink(missing_ok=True)  # made if ``fn`` started DeepSpeed's comm
 
 
 def run_workers(fn: Callable, world_size: int, *args: Any, timeout: float = 300) -> list[Any]:

@@ -18,13 +18,13 @@ import argparse
 import copy
 import json
 import os
-import socket
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 from tapered_megatron.config import Config, ConfigError, load_config
+from tapered_megatron.parallel.local_launch import free_port
 from tapered_megatron.training.heartbeat import Heartbeat, period_for
 from tapered_megatron.training.preflight import check_inputs
 
@@ -228,10 +228,33 @@ def setup(argv: list[str] | None = None) -> tuple[argparse.Namespace, Config, di
     return args, cfg, ds, layout
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def shm_workspace_path(rank: int) -> Path:
+    """The ``/dev/shm`` file DeepSpeed's CPU shared-memory all-reduce creates for ``rank``.
+
+    DeepSpeed's CPU communication op (built when every rank is on one host, ``LOCAL_SIZE`` equal
+    to the world size) creates one such file per rank, named after the user, ``MASTER_ADDR`` and
+    ``MASTER_PORT``, and never removes it.
+    """
+    addr = os.environ.get("MASTER_ADDR", "")
+    port = os.environ.get("MASTER_PORT", "")
+    return Path("/dev/shm") / f"deepspeed_allreduce_buffer_{os.getuid()}_{addr}_{port}_{rank}"
+
+
+def release_shm_workspace(rank: int, world_size: int) -> None:
+    """Unlink this rank's shared-memory all-reduce file once every rank has mapped it.
+
+    Each rank maps all ranks' files inside ``deepspeed.init_distributed``, so after a barrier the
+    names are no longer needed; unlinking them keeps the mappings (freed when the last process
+    exits, however it exits) and stops every run from leaving 64 MiB per rank in ``/dev/shm``,
+    which is RAM, until the machine restarts.
+    """
+    import torch.distributed as dist
+
+    if os.environ.get("LOCAL_SIZE") != str(world_size):  # the op made no files (multi-host)
+        return
+    if world_size > 1:
+        dist.barrier()
+    shm_workspace_path(rank).unlink(missing_ok=True)
 
 
 def init_distributed(timeout_s: float | None = None) -> Heartbeat | None:
@@ -256,7 +279,7 @@ def init_distributed(timeout_s: float | None = None) -> Heartbeat | None:
             WORLD_SIZE="1",
             LOCAL_RANK="0",
             MASTER_ADDR="127.0.0.1",
-            MASTER_PORT=os.environ.get("MASTER_PORT") or str(_free_port()),
+            MASTER_PORT=os.environ.get("MASTER_PORT") or str(free_port()),
         )
     if timeout_s is not None:  # the default of every later new_group (read when it is called)
         distributed_c10d.default_pg_timeout = timedelta(seconds=timeout_s)
@@ -271,6 +294,8 @@ def init_distributed(timeout_s: float | None = None) -> Heartbeat | None:
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     if get_accelerator().device_name() != "cpu":
         get_accelerator().set_device(local_rank)
+    else:
+        release_shm_workspace(dist.get_rank(), dist.get_world_size())
     if dist.get_world_size() == 1:
         return None
     store = distributed_c10d._get_default_store()
