@@ -33,8 +33,6 @@ def _entry(rank: int, world_size: int, port: int, fn: Callable, args: tuple, que
     import torch
     import torch.distributed as dist
 
-    from tapered_megatron.training.launch import shm_workspace_path
-
     os.environ.update(
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(port),
@@ -54,11 +52,12 @@ def _entry(rank: int, world_size: int, port: int, fn: Callable, args: tuple, que
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
-        shm_workspace_path(rank).unlink(missing_ok=True)  # made if ``fn`` started DeepSpeed's comm
 
 
 def run_workers(fn: Callable, world_size: int, *args: Any, timeout: float = 300) -> list[Any]:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` gloo ranks; return per-rank results."""
+    from tapered_megatron.training.launch import shm_workspace_path
+
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     port = free_port()
@@ -90,4 +89,6 @@ def run_workers(fn: Callable, world_size: int, *args: Any, timeout: float = 300)
             p.join(timeout=30)
             if p.is_alive():
                 p.kill()
+        for r in range(world_size):  # made if ``fn`` started DeepSpeed's comm, even if killed
+            shm_workspace_path(r, "127.0.0.1", port).unlink(missing_ok=True)
     return [results[r] for r in range(world_size)]

@@ -228,15 +228,15 @@ def setup(argv: list[str] | None = None) -> tuple[argparse.Namespace, Config, di
     return args, cfg, ds, layout
 
 
-def shm_workspace_path(rank: int) -> Path:
+def shm_workspace_path(rank: int, addr: str | None = None, port: int | str | None = None) -> Path:
     """The ``/dev/shm`` file DeepSpeed's CPU shared-memory all-reduce creates for ``rank``.
 
     DeepSpeed's CPU communication op (built when every rank is on one host, ``LOCAL_SIZE`` equal
-    to the world size) creates one such file per rank, named after the user, ``MASTER_ADDR`` and
-    ``MASTER_PORT``, and never removes it.
+    to the world size) creates one such file per rank, named after the user, the rendezvous
+    address and port (default: ``MASTER_ADDR`` / ``MASTER_PORT``), and never removes it.
     """
-    addr = os.environ.get("MASTER_ADDR", "")
-    port = os.environ.get("MASTER_PORT", "")
+    addr = os.environ.get("MASTER_ADDR", "") if addr is None else addr
+    port = os.environ.get("MASTER_PORT", "") if port is None else port
     return Path("/dev/shm") / f"deepspeed_allreduce_buffer_{os.getuid()}_{addr}_{port}_{rank}"
 
 
