@@ -91,7 +91,8 @@ def bench_config(
 def _progress(rank: int, what: str) -> None:
     """A line per phase on stderr (what a killed run leaves behind)."""
     print(
-        f"rank {rank}: {what}: rss {_mib('VmRSS'):.0f} MiB, peak {_mib('VmHWM'):.0f} MiB",
+        f"rank {rank}: {what}: rss {_mib('VmRSS'):.0f} MiB (shared {_mib('RssShmem'):.0f}, "
+        f"file {_mib('RssFile'):.0f}), peak {_mib('VmHWM'):.0f} MiB",
         file=sys.stderr,
         flush=True,
     )

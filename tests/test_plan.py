@@ -143,30 +143,44 @@ def test_planner_and_balancer_choose_the_same_stages(preset) -> None:
     assert checked >= 3
 
 
-def test_zero3_unit_peak_holds_its_gathered_weights_and_gradient() -> None:
+def test_zero3_unit_peak_holds_its_gradient() -> None:
     """Under ZeRO-3 a unit's transient adds its full gradient (before DeepSpeed copies it into
-    the reduce bucket; the head's is already in its activations) and its gathered weights,
-    unless the steady state keeps them gathered from forward to backward (then the stage term
-    counts them)."""
+    the reduce bucket; the head's is already in its activations); the model state is divided
+    over the ranks (fp32 master included)."""
     cfg = load_config("quickstart")
     dev = costlib.get_device("cpu")
     base = costlib.RunShape(micro_batch_size=1, seq_len=64, dp=4, precision="fp32")
     z2 = costlib.unit_costs(cfg, base, dev)
-    for reuse, gathered in ((0, 4), (10**12, 0)):
-        z3 = replace(base, zero_stage=3, zero3=costlib.Zero3(max_reuse_distance=reuse))
-        for a, b in zip(z2, costlib.unit_costs(cfg, z3, dev), strict=True):
-            grads = 0 if a.kind == "head" else 4
-            assert b.peak - a.peak == pytest.approx(a.params * (gathered + grads))
-            assert b.static == pytest.approx(a.params * 20 / 4)  # weights, grads, master, Adam
+    for a, b in zip(z2, costlib.unit_costs(cfg, replace(base, zero_stage=3), dev), strict=True):
+        grads = 0 if a.kind == "head" else 4
+        assert b.peak - a.peak == pytest.approx(a.params * grads)
+        assert b.static == pytest.approx(a.params * 20 / 4)  # weights, grads, master, Adam
 
 
-def test_zero3_keeps_weights_within_the_reuse_distance() -> None:
-    """DeepSpeed keeps a unit gathered when its backward comes before ``max_reuse_distance``
-    elements are fetched: the forward and backward of the later units (twice their size)."""
-    assert costlib.zero3_kept([10, 5, 3, 2], 0) == [False] * 4
-    assert costlib.zero3_kept([10, 5, 3, 2], 1) == [False, False, False, True]
-    assert costlib.zero3_kept([10, 5, 3, 2], 10) == [False, False, True, True]
-    assert costlib.zero3_kept([10, 5, 3, 2], 21) == [True] * 4
+@pytest.mark.parametrize(
+    ("prefetch", "reuse", "most"),
+    [
+        (0, 0, 10),  # no prefetch, nothing kept: one unit at a time
+        (0, 10**9, 20),  # every unit's backward within the reuse distance: all kept
+        (0, 10, 10),  # the last two kept (2 x later < 10), the first alone is 10
+        (5, 0, 20),  # the prefetch walks past held units into the backward: all kept
+    ],
+)
+def test_zero3_gathered_replays_deepspeeds_coordinator(
+    prefetch: int, reuse: int, most: int
+) -> None:
+    z = costlib.Zero3(prefetch_bucket_size=prefetch, max_reuse_distance=reuse)
+    assert costlib.zero3_gathered([10, 5, 3, 2], z) == most
+
+
+def test_zero3_gathered_grows_to_the_live_parameter_cap() -> None:
+    """Each fetch prefetches up to a bucket ahead, so the gathered weights grow to
+    ``max_live_parameters`` (plus the running unit and the last fetch), the whole model below
+    it."""
+    z = costlib.Zero3(prefetch_bucket_size=30, max_reuse_distance=0)
+    assert costlib.zero3_gathered([10.0] * 48, z) == 480
+    capped = replace(z, max_live_parameters=100)
+    assert 100 <= costlib.zero3_gathered([10.0] * 48, capped) <= 100 + 10 + 30
 
 
 def test_zero3_settings_are_the_repo_config() -> None:
@@ -194,7 +208,7 @@ def test_zero3_stage_terms() -> None:
     total = sum(c.params for c in costs)
     z = shape.zero3
     got = costlib.zero3_stage_bytes(cfg, costs, shape, cpu)
-    kept = total  # 2 x 155M is within the 1e9 reuse distance: every unit stays gathered
+    kept = total  # a small model: the prefetch keeps every unit gathered into the backward
     assert got == pytest.approx(4 * z.reduce_bucket_size + 4 * (kept + z.reduce_bucket_size))
     big = replace(shape, zero3=replace(z, reduce_bucket_size=10**9))
     # a bucket larger than the model: a CPU holds the model's worth, a GPU all of it

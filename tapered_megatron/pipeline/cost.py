@@ -45,6 +45,7 @@ Memory of stage ``j`` under 1F1B with ``M`` micro-batches (stage ``j`` of ``P`` 
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -155,12 +156,14 @@ def resolve_device(name: str = "auto") -> Device:
 @dataclass(frozen=True)
 class Zero3:
     """The DeepSpeed ZeRO-3 sizes (in elements) that set its buffers: ``reduce_bucket_size``,
-    ``sub_group_size``, ``stage3_prefetch_bucket_size`` and ``stage3_max_reuse_distance`` of
-    the ``zero_optimization`` section. The defaults are ``ds_configs/zero3.json``'s."""
+    ``sub_group_size``, ``stage3_prefetch_bucket_size``, ``stage3_max_live_parameters`` and
+    ``stage3_max_reuse_distance`` of the ``zero_optimization`` section. The defaults are
+    ``ds_configs/zero3.json``'s (DeepSpeed's own for the last two)."""
 
     reduce_bucket_size: int = 50_000_000
     sub_group_size: int = 100_000_000
     prefetch_bucket_size: int = 50_000_000
+    max_live_parameters: int = 1_000_000_000
     max_reuse_distance: int = 1_000_000_000
 
     @classmethod
@@ -171,6 +174,7 @@ class Zero3:
             int(z.get("reduce_bucket_size", 5e8)),
             int(z.get("sub_group_size", 1e9)),
             int(z.get("stage3_prefetch_bucket_size", 5e7)),
+            int(z.get("stage3_max_live_parameters", 1e9)),
             int(z.get("stage3_max_reuse_distance", 1e9)),
         )
 
@@ -180,6 +184,7 @@ class Zero3:
             "reduce_bucket_size": self.reduce_bucket_size,
             "sub_group_size": self.sub_group_size,
             "stage3_prefetch_bucket_size": self.prefetch_bucket_size,
+            "stage3_max_live_parameters": self.max_live_parameters,
             "stage3_max_reuse_distance": self.max_reuse_distance,
         }
 
@@ -287,11 +292,9 @@ def unit_costs(
     tp_bw = device.intra_bw if shape.tp <= device.gpus_per_node else device.inter_bw
     tp_ar = ring_all_reduce(tok * cfg.model.d_model * elem, shape.tp, tp_bw)
     vocab_local = cfg.padded_vocab_size / shape.tp
-    table = units(cfg, unit)
-    counts = [u.counts(elem) for u in table]
-    kept = zero3_kept([c.params / shape.tp for c in counts], shape.zero3.max_reuse_distance)
     out = []
-    for i, (u, c) in enumerate(zip(table, counts, strict=True)):
+    for i, u in enumerate(units(cfg, unit)):
+        c = u.counts(elem)
         act_bytes = c.act_bytes if measured_act is None else float(measured_act[i])
         input_bytes = u.input_bytes(elem)
         eff = device.efficiency[u.kind]
@@ -320,14 +323,11 @@ def unit_costs(
             # and works through one chunk of fp32 logits (at most CHUNK_BYTES) at a time.
             act += 4.0 * vocab_local * cfg.model.d_model
             peak = min(float(CHUNK_BYTES), 4.0 * vocab_local * tok)
-        if shape.zero_stage >= 3:
-            # ZeRO-3 gathers the unit's full weights while it runs (unless they stay gathered
-            # from its forward to its backward: counted for the stage, zero3_stage_bytes), and
-            # autograd makes its full gradient before DeepSpeed copies it into the reduce bucket
-            # (the head's fp32 one is already in ``act``).
-            gathered = 0.0 if kept[i] else elem
-            grads = 0.0 if u.kind == "head" else elem
-            peak += c.params / shape.tp * (gathered + grads)
+        if shape.zero_stage >= 3 and u.kind != "head":
+            # Under ZeRO-3 autograd makes the unit's full gradient before DeepSpeed copies it
+            # into the reduce bucket (the head's fp32 one is already in ``act``); its gathered
+            # weights are counted for the stage (zero3_stage_bytes).
+            peak += c.params / shape.tp * elem
         out.append(
             UnitCost(
                 name=u.name,
@@ -345,22 +345,49 @@ def unit_costs(
     return out
 
 
-def zero3_kept(params: Sequence[float], max_reuse_distance: float) -> list[bool]:
-    """Per unit (forward order, ``params`` TP-local), whether ZeRO-3 keeps its gathered weights
-    from its forward to its backward in the steady state.
+def zero3_gathered(params: Sequence[float], zero3: Zero3) -> float:
+    """Most parameter elements ZeRO-3 holds gathered at once in a steady-state step (units in
+    forward order, ``params`` TP-local): DeepSpeed 0.19's ``PartitionedParameterCoordinator``
+    replayed at unit granularity.
 
-    From the third step on DeepSpeed's parameter coordinator has a complete trace of the module
-    order, and on releasing a module after its forward (``__params_to_release``) it keeps every
-    parameter whose next use comes before ``stage3_max_reuse_distance`` elements of parameters
-    have been fetched. Between a unit's forward and its backward run the forward and the
-    backward of every later unit: a reuse distance of twice their parameters. (The first step
-    releases everything, the second records the trace.)
+    From the third step the coordinator has the trace of the step's module uses (forward, then
+    backward) as a queue. Fetching a unit pops the queue up to its use, then prefetches: it pops
+    further entries until ``stage3_prefetch_bucket_size`` elements of *not gathered* weights
+    are being fetched, or as many as keep all gathered weights within
+    ``stage3_max_live_parameters``, noting for every popped entry (gathered or not) the step of
+    that later use. Every step thus fetches up to a bucket ahead, so the gathered weights grow
+    up to the live-parameter cap (the whole model below it). Releasing a unit after its use
+    (``__params_to_release``) keeps it gathered when a later use of it was already popped, or
+    when its next use comes before ``stage3_max_reuse_distance`` elements of parameters are
+    fetched (from a unit's forward to its backward: the forward and backward of every later
+    unit). (The first step releases every unit after use and the second records the trace.)
     """
-    out, later = [], 0.0
-    for p in reversed(params):
-        out.append(2.0 * later < max_reuse_distance)
-        later += p
-    return out[::-1]
+    n = len(params)
+    later = [sum(params[u + 1 :]) for u in range(n)]
+    order = [*range(n), *reversed(range(n))]
+    queue = deque(enumerate(order))  # (step, unit) of every use in the step
+    noted = [-1] * n  # the latest use of each unit popped so far
+    held = [False] * n
+    most = 0.0
+    for step, u in enumerate(order):
+        while queue and queue[0][0] <= step:
+            t, v = queue.popleft()
+            noted[v] = max(noted[v], t)
+        held[u] = True
+        fetching = 0.0
+        live = sum(p for p, h in zip(params, held, strict=True) if h)
+        budget = min(zero3.prefetch_bucket_size, zero3.max_live_parameters - live)
+        while queue and fetching < budget:
+            t, v = queue.popleft()
+            noted[v] = max(noted[v], t)
+            if not held[v]:
+                held[v] = True
+                fetching += params[v]
+        most = max(most, sum(p for p, h in zip(params, held, strict=True) if h))
+        reused = step < n and 2.0 * later[u] < zero3.max_reuse_distance
+        if noted[u] <= step and not reused:
+            held[u] = False
+    return most
 
 
 def zero3_stage_bytes(
@@ -375,9 +402,8 @@ def zero3_stage_bytes(
       ``contiguous_gradients`` every gradient that fits is copied into it until the next one
       would overflow it. Where only written pages are resident (a CPU) at most the model's
       size of it is;
-    * the weights kept gathered from forward to backward in the steady state
-      (:func:`zero3_kept`), and while others run the prefetch of the next
-      ``stage3_prefetch_bucket_size`` elements of not-kept ones;
+    * the gathered weights: the most held at once in the steady state (:func:`zero3_gathered`:
+      the running unit, those prefetched, those kept from forward to backward);
     * reducing the bucket: ``reduce_scatter_coalesced`` interleaves the rank chunks of the
       bucket's gradients into one new flat tensor (``torch.cat``) before the reduce-scatter;
     * the optimizer step, one sub-group (``sub_group_size`` elements of this rank's partition,
@@ -395,12 +421,9 @@ def zero3_stage_bytes(
     params = [c.params / shape.tp for c in costs]
     total = sum(params)
     z = shape.zero3
-    kept = zero3_kept(params, z.max_reuse_distance)
-    kept_params = sum(p for p, k in zip(params, kept, strict=True) if k)
     bucket = min(z.reduce_bucket_size, total) if device.lazy_pages else z.reduce_bucket_size
-    gathered = kept_params + min(z.prefetch_bucket_size, total - kept_params)
     reduce_copy = min(z.reduce_bucket_size, total)
-    fwd_bwd = (gathered + reduce_copy) * elem
+    fwd_bwd = (zero3_gathered(params, z) + reduce_copy) * elem
     largest = cfg.padded_vocab_size / shape.tp * cfg.model.d_model  # embedding / head weight
     sub = min(total / shape.dp, z.sub_group_size + largest / shape.dp)
     step = sub * 4.0 * (1 + device.adam_temporaries)
