@@ -1,13 +1,15 @@
 """Peak memory per rank of a ZeRO-3 run: the whole-model build against ``deepspeed.zero.Init``.
 
     python scripts/bench_zero3_memory.py [--config transformer_760m] [--ranks 4] [--seq-len 128]
-        [--builds whole,zero_init] [--stop-after model|step] [--min-free-gib 2]
+        [--builds whole,zero_init] [--stop-after model|step] [--steps 3]
+        [--zero KEY=VALUE ...] [--mmap-threshold BYTES] [--min-free-gib 2]
         [--section.key value ...]
 
 For each build, ``--ranks`` real gloo ranks (CPU, one thread each) train the preset under ZeRO-3
-(``ds_configs/zero3.json``, fp32, AdamW, micro-batch 1, the
-sequence cut to ``--seq-len``; ``--section.key value`` overrides the preset) for one step on
-random tokens (``--stop-after model``: the model build only), exactly as the trainer builds it:
+(``ds_configs/zero3.json`` with ``--zero`` replacing keys of its ``zero_optimization``, fp32,
+AdamW, micro-batch 1, the sequence cut to ``--seq-len``; ``--section.key value`` overrides the
+preset) for ``--steps`` optimizer steps on random tokens (``--stop-after model``: the model
+build only), exactly as the trainer builds it:
 
 * ``whole``: every rank builds the whole model (``build_model``, the trainer before ``zero.Init``)
   and ``deepspeed.initialize`` partitions it;
@@ -16,11 +18,16 @@ random tokens (``--stop-after model``: the model build only), exactly as the tra
 
 Each rank reports its resident memory (``/proc/self/status``): ``footprint`` (after imports, the
 process group and DeepSpeed's communication start, before the model: the framework's own
-footprint), and the peak (``VmHWM``) after the model is built, after ``deepspeed.initialize``
-(``build``) and after one optimizer step (``step``). The planner's prediction is the stage memory
+footprint), the peak (``VmHWM``) after the model is built and after ``deepspeed.initialize``
+(``build``), then per step the peak of its forward, backward and optimizer step (``VmHWM`` reset
+before each, ``/proc/self/clear_refs``): ``first_step_peak`` and ``step_peak``, the largest over
+all steps (DeepSpeed's ZeRO-3 schedule is steady from the third step). The ranks run with glibc's
+``MALLOC_MMAP_THRESHOLD_`` set to ``--mmap-threshold`` (default 1 MiB; 0 leaves glibc's dynamic
+default), so freed tensors leave the resident set. The planner's prediction is the stage memory
 of :func:`tapered_megatron.pipeline.balance.analyse` (the call ``python -m tapered_megatron.plan``
-makes) for this layout on the ``cpu`` device: model state (``static``) and step peak. One JSON
-line per build with per-rank figures in MiB, then a summary line.
+makes) for this layout and these ZeRO-3 sizes on the ``cpu`` device: model state (``static``)
+and the steady-state step peak. One JSON line per build with per-rank figures in MiB, then a
+summary line.
 
 A watchdog stops a build whose ranks bring the machine's available memory under
 ``--min-free-gib`` (the line then says ``"fits": false``), so a build that does not fit does

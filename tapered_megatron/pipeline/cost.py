@@ -39,8 +39,10 @@ Memory of stage ``j`` under 1F1B with ``M`` micro-batches (stage ``j`` of ``P`` 
   saved; under checkpointing its recomputed activations) live next to everything in flight.
   The head's fused loss keeps its fp32 weight gradient per micro-batch in flight and works
   through one chunk of fp32 logits at a time; no logits-sized tensor exists. Under ZeRO-3 a
-  unit's transient also holds its gathered full weights and its full gradient (before the
-  reduce-scatter).
+  unit's transient also holds its full gradient (before DeepSpeed moves it into the reduce
+  bucket), and the stage adds DeepSpeed's own buffers, the gathered weights and the optimizer
+  step's temporaries (:func:`zero3_stage_bytes`, the steady state from the third step; within
+  2.9 % of measured ranks at three 760M-derived shapes, docs/BENCHMARKS.md).
 """
 
 from __future__ import annotations

@@ -512,8 +512,9 @@ def _heap_returns_freed_memory(threshold: int = 2**20) -> Iterator[None]:
     The partitioned build draws each parameter's full fp32 tensor on the host and frees it once
     this rank's slice is written. glibc's default raises its mmap threshold to the size of each
     freed mapped block (up to 32 MiB), after which the block-sized draws of the layers come
-    from its heap and stay resident when freed: 85-215 MiB per rank on the 760M preset, the
-    build peak's excess over the partition plus the largest parameter. Afterwards the
+    from its heap and stay resident when freed: 73-299 MiB per rank on the 760M preset (4
+    ranks), the build peak's excess over the partition plus the largest parameter (measured in
+    docs/BENCHMARKS.md, ZeRO-3 section). Afterwards the
     threshold is set to that 32 MiB ceiling (where glibc's own adjustment ends up) and the
     freed heap is trimmed. A no-op where the C library is not glibc, and where the process
     was started with glibc's threshold set (``MALLOC_MMAP_THRESHOLD_``).
