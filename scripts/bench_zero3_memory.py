@@ -1,13 +1,15 @@
 """Peak memory per rank of a ZeRO-3 run: the whole-model build against ``deepspeed.zero.Init``.
 
     python scripts/bench_zero3_memory.py [--config transformer_760m] [--ranks 4] [--seq-len 128]
-        [--builds whole,zero_init] [--stop-after model|step] [--min-free-gib 2]
+        [--builds whole,zero_init] [--stop-after model|step] [--steps 3]
+        [--zero KEY=VALUE ...] [--mmap-threshold BYTES] [--min-free-gib 2]
         [--section.key value ...]
 
 For each build, ``--ranks`` real gloo ranks (CPU, one thread each) train the preset under ZeRO-3
-(``ds_configs/zero3.json`` with a 5e7-element reduce bucket, fp32, AdamW, micro-batch 1, the
-sequence cut to ``--seq-len``; ``--section.key value`` overrides the preset) for one step on
-random tokens (``--stop-after model``: the model build only), exactly as the trainer builds it:
+(``ds_configs/zero3.json`` with ``--zero`` replacing keys of its ``zero_optimization``, fp32,
+AdamW, micro-batch 1, the sequence cut to ``--seq-len``; ``--section.key value`` overrides the
+preset) for ``--steps`` optimizer steps on random tokens (``--stop-after model``: the model
+build only), exactly as the trainer builds it:
 
 * ``whole``: every rank builds the whole model (``build_model``, the trainer before ``zero.Init``)
   and ``deepspeed.initialize`` partitions it;
@@ -16,11 +18,16 @@ random tokens (``--stop-after model``: the model build only), exactly as the tra
 
 Each rank reports its resident memory (``/proc/self/status``): ``footprint`` (after imports, the
 process group and DeepSpeed's communication start, before the model: the framework's own
-footprint), and the peak (``VmHWM``) after the model is built, after ``deepspeed.initialize``
-(``build``) and after one optimizer step (``step``). The planner's prediction is the stage memory
+footprint), the peak (``VmHWM``) after the model is built and after ``deepspeed.initialize``
+(``build``), then per step the peak of its forward, backward and optimizer step (``VmHWM`` reset
+before each, ``/proc/self/clear_refs``): ``first_step_peak`` and ``step_peak``, the largest over
+all steps (DeepSpeed's ZeRO-3 schedule is steady from the third step). The ranks run with glibc's
+``MALLOC_MMAP_THRESHOLD_`` set to ``--mmap-threshold`` (default 1 MiB; 0 leaves glibc's dynamic
+default), so freed tensors leave the resident set. The planner's prediction is the stage memory
 of :func:`tapered_megatron.pipeline.balance.analyse` (the call ``python -m tapered_megatron.plan``
-makes) for this layout on the ``cpu`` device: model state (``static``) and step peak. One JSON
-line per build with per-rank figures in MiB, then a summary line.
+makes) for this layout and these ZeRO-3 sizes on the ``cpu`` device: model state (``static``)
+and the steady-state step peak. One JSON line per build with per-rank figures in MiB, then a
+summary line.
 
 A watchdog stops a build whose ranks bring the machine's available memory under
 ``--min-free-gib`` (the line then says ``"fits": false``), so a build that does not fit does
@@ -42,7 +49,6 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 MiB = 2**20
-REDUCE_BUCKET = 50_000_000  # elements
 
 
 def _status_kib(key: str) -> int:
@@ -58,18 +64,27 @@ def _mib(key: str) -> float:
     return _status_kib(key) / 1024
 
 
+def _reset_peak() -> None:
+    """Reset this process's ``VmHWM`` to its current RSS (Linux ``clear_refs`` 5)."""
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+
+
 def bench_config(
-    name: str, seq_len: int, ranks: int, extra: list[str] | None = None
+    name: str,
+    seq_len: int,
+    ranks: int,
+    extra: list[str] | None = None,
+    zero: dict[str, Any] | None = None,
 ) -> tuple[Any, dict[str, Any]]:
-    """The preset with the sequence cut, and the ZeRO-3 DeepSpeed config the trainer would use."""
+    """The preset with the sequence cut, and the ZeRO-3 DeepSpeed config the trainer would use
+    (``zero``: keys of its ``zero_optimization`` section replaced)."""
     from tapered_megatron.config import load_config
 
     over = ["--model.seq_len", str(seq_len), "--train.micro_batch_size", "1", *(extra or [])]
     cfg = load_config(name, over)
     ds = json.loads((ROOT / "ds_configs" / "zero3.json").read_text())
-    # A reduce bucket below the model size, as in any multi-billion run: DeepSpeed's default
-    # (5e8 elements) would hold every gradient of a model this size before reducing any.
-    ds["zero_optimization"]["reduce_bucket_size"] = REDUCE_BUCKET
+    ds["zero_optimization"].update(zero or {})
     ds.update(
         train_micro_batch_size_per_gpu=1,
         gradient_accumulation_steps=1,
@@ -83,14 +98,23 @@ def bench_config(
 def _progress(rank: int, what: str) -> None:
     """A line per phase on stderr (what a killed run leaves behind)."""
     print(
-        f"rank {rank}: {what}: rss {_mib('VmRSS'):.0f} MiB, peak {_mib('VmHWM'):.0f} MiB",
+        f"rank {rank}: {what}: rss {_mib('VmRSS'):.0f} MiB (shared {_mib('RssShmem'):.0f}, "
+        f"file {_mib('RssFile'):.0f}), peak {_mib('VmHWM'):.0f} MiB",
         file=sys.stderr,
         flush=True,
     )
 
 
 def _worker(
-    rank: int, world: int, build: str, name: str, seq_len: int, extra: list[str], stop: str
+    rank: int,
+    world: int,
+    build: str,
+    name: str,
+    seq_len: int,
+    extra: list[str],
+    stop: str,
+    steps: int,
+    zero: dict[str, Any],
 ) -> dict[str, Any]:
     import deepspeed
     import torch
@@ -99,14 +123,15 @@ def _worker(
     from tapered_megatron import parallel
     from tapered_megatron.models import build_model
     from tapered_megatron.training import optim
+    from tapered_megatron.training.launch import release_shm_workspace
     from tapered_megatron.training.trainer import build_partitioned
 
     with open("/proc/self/oom_score_adj", "w") as f:
         f.write("1000")  # on a shared machine, the kernel takes a bench rank before anyone else
-    cfg, ds = bench_config(name, seq_len, world, extra)
+    cfg, ds = bench_config(name, seq_len, world, extra, zero)
     parallel.init_model_parallel(1, 1)
     deepspeed.init_distributed(dist.get_backend())
-    dist.barrier()
+    release_shm_workspace(rank, world)  # a rank the watchdog kills leaves no /dev/shm file
     out: dict[str, Any] = {"rank": rank, "footprint": _mib("VmRSS")}
     t = time.perf_counter()
     model = build_model(cfg) if build == "whole" else build_partitioned(cfg, ds)
@@ -125,14 +150,28 @@ def _worker(
     g = torch.Generator().manual_seed(rank)
     ids = torch.randint(0, cfg.model.vocab_size, (1, seq_len + 1), generator=g)
     t = time.perf_counter()
-    loss = engine(ids[:, :-1], ids[:, 1:])
-    _progress(rank, "forward")
-    engine.backward(loss)
-    _progress(rank, "backward")
-    engine.step()
-    dist.barrier()
-    out.update(step_peak=_mib("VmHWM"), step_rss=_mib("VmRSS"), loss=loss.item())
-    out["step_s"] = time.perf_counter() - t
+    phases: list[dict[str, float]] = []
+    for _ in range(steps):
+        # Peak per phase: VmHWM is reset to the current RSS before each (clear_refs 5).
+        _reset_peak()
+        loss = engine(ids[:, :-1], ids[:, 1:])
+        fwd = _mib("VmHWM")
+        _reset_peak()
+        engine.backward(loss)
+        bwd = _mib("VmHWM")
+        _reset_peak()
+        engine.step()
+        dist.barrier()
+        phases.append({"forward": fwd, "backward": bwd, "step": _mib("VmHWM")})
+        _progress(rank, f"step {len(phases)} " + json.dumps(phases[-1]))
+    out.update(
+        step_peak=max(max(p.values()) for p in phases),  # the steady state: every step
+        first_step_peak=max(phases[0].values()),
+        phases=phases,
+        step_rss=_mib("VmRSS"),
+        loss=loss.item(),
+    )
+    out["step_s"] = (time.perf_counter() - t) / steps
     return out
 
 
@@ -158,13 +197,17 @@ def _watchdog(stop: threading.Event, min_free: float, tripped: list[float]) -> N
 
 
 def planner_prediction(
-    name: str, seq_len: int, ranks: int, extra: list[str] | None = None
+    name: str,
+    seq_len: int,
+    ranks: int,
+    extra: list[str] | None = None,
+    zero: dict[str, Any] | None = None,
 ) -> dict[str, float]:
     """The planner's per-rank memory for this run (MiB): model state and step peak."""
     from tapered_megatron.pipeline import cost
     from tapered_megatron.pipeline.balance import analyse
 
-    cfg, _ = bench_config(name, seq_len, ranks, extra)
+    cfg, ds = bench_config(name, seq_len, ranks, extra, zero)
     bal = analyse(
         cfg,
         1,
@@ -176,6 +219,7 @@ def planner_prediction(
         tp=1,
         micro_batch_size=1,
         methods=("balancer",),
+        zero3=cost.Zero3.from_ds_config(ds),
     )
     r = bal.methods["balancer"]
     return {
@@ -201,6 +245,8 @@ def run_build(args: argparse.Namespace, build: str) -> dict[str, Any]:
             args.seq_len,
             args.overrides,
             args.stop_after,
+            args.steps,
+            args.zero,
             timeout=args.timeout,
         )
         return {"build": build, "fits": True, "ranks": ranks}
@@ -217,20 +263,48 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--ranks", type=int, default=4)
     ap.add_argument("--seq-len", type=int, default=128)
     ap.add_argument("--builds", default="whole,zero_init")
+    ap.add_argument(
+        "--steps",
+        type=int,
+        default=3,
+        help="optimizer steps; DeepSpeed's ZeRO-3 schedule is steady from the third",
+    )
+    ap.add_argument(
+        "--zero",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="replace a zero_optimization key (e.g. stage3_max_reuse_distance=0)",
+    )
+    ap.add_argument(
+        "--mmap-threshold",
+        type=int,
+        default=2**20,
+        help="glibc MALLOC_MMAP_THRESHOLD_ of the ranks in bytes (0: glibc's dynamic default)",
+    )
     ap.add_argument("--min-free-gib", type=float, default=2.0)
     ap.add_argument("--timeout", type=float, default=3600)
     ap.add_argument(
         "--stop-after", choices=("model", "step"), default="step", help="model: build only"
     )
     args, args.overrides = ap.parse_known_args(argv)  # the rest: config overrides
+    args.zero = {k: json.loads(v) for k, _, v in (z.partition("=") for z in args.zero)}
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
-    pred = planner_prediction(args.config, args.seq_len, args.ranks, args.overrides)
+    if args.mmap_threshold:
+        # The ranks (spawned, so they read it at start) return every freed tensor of at least
+        # this size to the system: resident memory is then the live tensors, what the planner
+        # counts. glibc's default raises the threshold up to 32 MiB after the first frees and
+        # keeps freed memory below it in its heaps.
+        os.environ["MALLOC_MMAP_THRESHOLD_"] = str(args.mmap_threshold)
+    pred = planner_prediction(args.config, args.seq_len, args.ranks, args.overrides, args.zero)
     model_mib = pred["params"] * 4 / MiB  # fp32 weights
     summary: dict[str, Any] = {
         "config": args.config,
         "ranks": args.ranks,
         "seq_len": args.seq_len,
         "overrides": args.overrides,
+        "zero": args.zero,
+        "mmap_threshold": args.mmap_threshold,
         "params": pred["params"],
         "model_mib": model_mib,
         "planner_static_mib": pred["static"],
@@ -246,7 +320,15 @@ def main(argv: list[str] | None = None) -> int:
         foot = max(r["footprint"] for r in rk)
         keys = [
             k
-            for k in ("model_peak", "build_peak", "step_peak", "model_s", "build_s", "step_s")
+            for k in (
+                "model_peak",
+                "build_peak",
+                "first_step_peak",
+                "step_peak",
+                "model_s",
+                "build_s",
+                "step_s",
+            )
             if k in rk[0]
         ]
         worst = {k: max(r[k] for r in rk) for k in keys}

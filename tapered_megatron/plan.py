@@ -277,7 +277,11 @@ def ds_config(cfg: Any, best: Candidate, dev: costlib.Device) -> dict[str, Any]:
         "steps_per_print": 1000000000,
         "wall_clock_breakdown": False,
     }
-    if dev.precision == "bf16":
+    if best.zero >= 3:
+        # the buffer sizes the memory model counted (cost.zero3_stage_bytes); gradient
+        # partitions accumulate in the model dtype, DeepSpeed's default and what it counts
+        out["zero_optimization"].update(costlib.Zero3().ds_keys())
+    elif dev.precision == "bf16":
         out["data_types"] = {"grad_accum_dtype": "fp32"}
     if best.pp > 1:
         # checkpointing is done by the model's own units (--train.checkpoint_activations)

@@ -37,6 +37,7 @@ def test_bytes_per_param_follow_zero_stages() -> None:
     assert costlib.bytes_per_param("bf16", 3, 4, False) == 4
     assert costlib.bytes_per_param("bf16", 1, 1, True) == 20  # BF16_Optimizer fp32 grad buffer
     assert costlib.bytes_per_param("fp32", 0, 1, True) == 16
+    assert costlib.bytes_per_param("fp32", 3, 4, False) == 20 / 4  # ZeRO's fp32 master copy
 
 
 def test_enumeration_respects_deepspeed_rules() -> None:
@@ -142,15 +143,87 @@ def test_planner_and_balancer_choose_the_same_stages(preset) -> None:
     assert checked >= 3
 
 
-def test_zero3_unit_peak_holds_its_gathered_weights_and_gradient() -> None:
-    """Under ZeRO-3 a unit's transient adds its full weights (gathered) and full gradient
-    (before the reduce-scatter); the head's gradient is already counted in its activations."""
+def test_zero3_unit_peak_holds_its_gradient() -> None:
+    """Under ZeRO-3 a unit's transient adds its full gradient (before DeepSpeed copies it into
+    the reduce bucket; the head's is already in its activations); the model state is divided
+    over the ranks (fp32 master included)."""
     cfg = load_config("quickstart")
     dev = costlib.get_device("cpu")
     base = costlib.RunShape(micro_batch_size=1, seq_len=64, dp=4, precision="fp32")
     z2 = costlib.unit_costs(cfg, base, dev)
-    z3 = costlib.unit_costs(cfg, replace(base, zero_stage=3), dev)
-    for a, b in zip(z2, z3, strict=True):
-        per = 4 if a.kind == "head" else 8  # fp32 weights (+ fp32 gradient)
-        assert b.peak - a.peak == pytest.approx(a.params * per)
-        assert b.static == pytest.approx(a.params * 16 / 4)  # fp32 weights, grads, Adam / dp
+    for a, b in zip(z2, costlib.unit_costs(cfg, replace(base, zero_stage=3), dev), strict=True):
+        grads = 0 if a.kind == "head" else 4
+        assert b.peak - a.peak == pytest.approx(a.params * grads)
+        assert b.static == pytest.approx(a.params * 20 / 4)  # weights, grads, master, Adam
+
+
+@pytest.mark.parametrize(
+    ("prefetch", "reuse", "most"),
+    [
+        (0, 0, 10),  # no prefetch, nothing kept: one unit at a time
+        (0, 10**9, 20),  # every unit's backward within the reuse distance: all kept
+        (0, 10, 10),  # the last two kept (2 x later < 10), the first alone is 10
+        (5, 0, 20),  # the prefetch walks past held units into the backward: all kept
+    ],
+)
+def test_zero3_gathered_replays_deepspeeds_coordinator(
+    prefetch: int, reuse: int, most: int
+) -> None:
+    z = costlib.Zero3(prefetch_bucket_size=prefetch, max_reuse_distance=reuse)
+    assert costlib.zero3_gathered([10, 5, 3, 2], z) == most
+
+
+def test_zero3_gathered_grows_to_the_live_parameter_cap() -> None:
+    """Each fetch prefetches up to a bucket ahead, so the gathered weights grow to
+    ``max_live_parameters`` (plus the running unit and the last fetch), the whole model below
+    it."""
+    z = costlib.Zero3(prefetch_bucket_size=30, max_reuse_distance=0)
+    assert costlib.zero3_gathered([10.0] * 48, z) == 480
+    capped = replace(z, max_live_parameters=100)
+    assert 100 <= costlib.zero3_gathered([10.0] * 48, capped) <= 100 + 10 + 30
+
+
+def test_zero3_settings_are_the_repo_config() -> None:
+    """The planner's default ZeRO-3 sizes are ds_configs/zero3.json's; a config without them
+    gets DeepSpeed's defaults; a written ZeRO-3 config carries them."""
+    ds = json.loads((PRESET_DIR.parents[1] / "ds_configs" / "zero3.json").read_text())
+    assert costlib.Zero3.from_ds_config(ds) == costlib.Zero3()
+    assert costlib.Zero3.from_ds_config({}).reduce_bucket_size == 5 * 10**8
+    cfg = load_config("transformer_760m")
+    best = Candidate(1, 1, 8, 3, 1, 1, False, "layer")
+    out = ds_config(cfg, best, costlib.get_device("h100"))
+    assert costlib.Zero3.from_ds_config(out) == costlib.Zero3()
+
+
+def test_zero3_stage_terms() -> None:
+    """The stage term: the reduce bucket (whole on a GPU, the written part on a CPU), the kept
+    weights and the bucket's interleaved copy, or the optimizer step's sub-group temporaries
+    when larger."""
+    cfg = load_config("transformer_760m", ["--model.layers", "2", "--model.seq_len", "64"])
+    cpu = costlib.get_device("cpu")
+    shape = costlib.RunShape(
+        micro_batch_size=1, seq_len=64, dp=4, precision="fp32", zero_stage=3, pipeline=False
+    )
+    costs = costlib.unit_costs(cfg, shape, cpu)
+    total = sum(c.params for c in costs)
+    z = shape.zero3
+    got = costlib.zero3_stage_bytes(cfg, costs, shape, cpu)
+    kept = total  # a small model: the prefetch keeps every unit gathered into the backward
+    assert got == pytest.approx(4 * z.reduce_bucket_size + 4 * (kept + z.reduce_bucket_size))
+    big = replace(shape, zero3=replace(z, reduce_bucket_size=10**9))
+    # a bucket larger than the model: a CPU holds the model's worth, a GPU all of it
+    cpu_big = costlib.zero3_stage_bytes(cfg, costlib.unit_costs(cfg, big, cpu), big, cpu)
+    assert cpu_big == pytest.approx(4 * total + 4 * (kept + total))
+    gpu = replace(costlib.get_device("h100"), precision="fp32")
+    gpu_big = costlib.zero3_stage_bytes(cfg, costlib.unit_costs(cfg, big, gpu), big, gpu)
+    assert gpu_big == pytest.approx(4 * 10**9 + 4 * (kept + total))
+    # nothing kept, a large sub-group: the optimizer step (fp32 gradient + 2 AdamW temporaries
+    # on a CPU, 1 on a GPU) dominates
+    opt = replace(shape, dp=1, zero3=replace(z, max_reuse_distance=0, sub_group_size=10**9))
+    for dev, temps in ((cpu, 2), (gpu, 1)):
+        c = costlib.unit_costs(cfg, opt, dev)
+        units = sum(u.act for u in c) + max(u.peak for u in c)
+        step = total * 4 * (1 + temps)
+        assert costlib.zero3_stage_bytes(cfg, c, opt, dev) == pytest.approx(
+            4 * z.reduce_bucket_size + step - units
+        )

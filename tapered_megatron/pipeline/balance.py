@@ -216,6 +216,7 @@ def analyse(
     micro_batch_size: int | None = None,
     profiled: bool = False,
     methods: Sequence[str] = METHODS,
+    zero3: costlib.Zero3 | None = None,
 ) -> Balance:
     """Unit costs of ``cfg`` and the partitions of ``methods`` at pipeline size ``pp``.
 
@@ -223,7 +224,9 @@ def analyse(
     the planner both call this, so they choose the same stages for the same run. ``gpu_mem`` is
     the per-device cap in GiB (default: the device's memory); ``checkpointing``, ``tp`` and
     ``micro_batch_size`` default to the config's; ``profiled`` uses per-unit times measured on
-    this machine (cached) instead of the analytic FLOP model.
+    this machine (cached) instead of the analytic FLOP model. Under ZeRO-3 (``zero_stage`` 3,
+    ``pp`` 1) ``zero3`` holds DeepSpeed's buffer sizes (default: ``ds_configs/zero3.json``'s)
+    and the stage memory adds :func:`~tapered_megatron.pipeline.cost.zero3_stage_bytes`.
     """
     dev = device if isinstance(device, costlib.Device) else costlib.resolve_device(device)
     m = micro_batches if micro_batches is not None else default_micro_batches(cfg, pp, dp)
@@ -239,11 +242,20 @@ def analyse(
             cfg.train.checkpoint_activations if checkpointing is None else checkpointing
         ),
         pipeline=pp > 1,
+        zero3=zero3 or costlib.Zero3(),
     )
     u = unit or cfg.parallel.pipeline_unit
     costs = costlib.model_unit_costs(cfg, shape, dev, unit=u, profiled=profiled)
     cap = gpu_mem * costlib.GiB if gpu_mem is not None else dev.mem_bytes
-    return balance_costs(costs, pp, m, cap, dev.overhead_bytes, methods)
+    fixed = dev.overhead_bytes
+    if zero_stage >= 3:
+        if pp > 1:
+            raise ValueError(
+                f"ZeRO stage {zero_stage} with {pp} pipeline stages: DeepSpeed runs ZeRO-3 "
+                "only without pipeline parallelism; use ZeRO 0 or 1, or pp 1"
+            )
+        fixed += costlib.zero3_stage_bytes(cfg, costs, shape, dev)
+    return balance_costs(costs, pp, m, cap, fixed, methods)
 
 
 def partition(

@@ -27,7 +27,10 @@ Memory of stage ``j`` under 1F1B with ``M`` micro-batches (stage ``j`` of ``P`` 
 
 * bytes per parameter (ZeRO paper accounting, K = 12 for Adam's fp32 master + m + v):
   bf16 = 2 (weights) + 2 (grads) + 12 (optimizer), plus a 4-byte fp32 gradient-accumulation
-  buffer when DeepSpeed's BF16_Optimizer is used (pipeline runs); fp32 = 4 + 4 + 8 (no master).
+  buffer when DeepSpeed's BF16_Optimizer is used (pipeline runs); fp32 = 4 + 4 + 8 without
+  ZeRO, 4 + 4 + 12 under ZeRO: DeepSpeed's ZeRO optimizers keep an fp32 master partition also
+  in fp32 training (stage 1/2 clone it; stage 3's alias for an fp32 model compares a
+  ``torch.device`` with a device-name string and never holds, in 0.19.8).
   ZeRO-1 divides the optimizer term by ``dp``, ZeRO-2 also the gradients, ZeRO-3 everything.
 * activations: the counted bytes per token x ``b * s``; tensor parallelism shards everything
   but the unit's input and its norm's input (replicated without sequence parallelism). With
@@ -36,13 +39,16 @@ Memory of stage ``j`` under 1F1B with ``M`` micro-batches (stage ``j`` of ``P`` 
   saved; under checkpointing its recomputed activations) live next to everything in flight.
   The head's fused loss keeps its fp32 weight gradient per micro-batch in flight and works
   through one chunk of fp32 logits at a time; no logits-sized tensor exists. Under ZeRO-3 a
-  unit's transient also holds its gathered full weights and its full gradient (before the
-  reduce-scatter).
+  unit's transient also holds its full gradient (before DeepSpeed moves it into the reduce
+  bucket), and the stage adds DeepSpeed's own buffers, the gathered weights and the optimizer
+  step's temporaries (:func:`zero3_stage_bytes`, the steady state from the third step; within
+  2.9 % of measured ranks at three 760M-derived shapes, docs/BENCHMARKS.md).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections import deque
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -80,6 +86,13 @@ class Device:
     overhead_bytes: float = 2.0 * GiB  # CUDA context, allocator slack, comm buffers
     launch_s: float = 20e-6  # fixed per-unit per-pass cost (kernel launches, hooks)
     efficiency: dict[str, float] = field(default_factory=lambda: dict(GPU_EFFICIENCY))
+    # Full-size fp32 temporaries of torch's AdamW step: its multi-tensor (foreach) path, the
+    # default on CUDA, holds one (``exp_avg_sq_sqrt``); the single-tensor path, the default on
+    # a CPU, two at once (``exp_avg_sq.sqrt() / bias_correction2_sqrt``).
+    adam_temporaries: int = 1
+    # Whether only the written pages of an allocation are resident (a CPU: an untouched part of
+    # a ``torch.empty`` buffer costs nothing) rather than the whole allocation (a GPU).
+    lazy_pages: bool = False
 
 
 DEVICES: dict[str, Device] = {
@@ -97,6 +110,8 @@ DEVICES: dict[str, Device] = {
         mem_bw=20e9,
         overhead_bytes=0.0,
         launch_s=50e-6,
+        adam_temporaries=2,
+        lazy_pages=True,
         # calibrated once on this machine class (fp32, one thread, thread CPU time) against
         # profiled units: attention ~0.4, SwiGLU ~0.6, head + vocab cross-entropy ~0.55
         efficiency={"embedding": 0.05, "mixer": 0.4, "mlp": 0.6, "layer": 0.55, "head": 0.55},
@@ -141,6 +156,42 @@ def resolve_device(name: str = "auto") -> Device:
 
 
 @dataclass(frozen=True)
+class Zero3:
+    """The DeepSpeed ZeRO-3 sizes (in elements) that set its buffers: ``reduce_bucket_size``,
+    ``sub_group_size``, ``stage3_prefetch_bucket_size``, ``stage3_max_live_parameters`` and
+    ``stage3_max_reuse_distance`` of the ``zero_optimization`` section. The defaults are
+    ``ds_configs/zero3.json``'s (DeepSpeed's own for the last two)."""
+
+    reduce_bucket_size: int = 50_000_000
+    sub_group_size: int = 100_000_000
+    prefetch_bucket_size: int = 50_000_000
+    max_live_parameters: int = 1_000_000_000
+    max_reuse_distance: int = 1_000_000_000
+
+    @classmethod
+    def from_ds_config(cls, ds: Mapping[str, Any]) -> Zero3:
+        """The sizes a DeepSpeed config sets; DeepSpeed 0.19's default for a key it lacks."""
+        z = ds.get("zero_optimization", {})
+        return cls(
+            int(z.get("reduce_bucket_size", 5e8)),
+            int(z.get("sub_group_size", 1e9)),
+            int(z.get("stage3_prefetch_bucket_size", 5e7)),
+            int(z.get("stage3_max_live_parameters", 1e9)),
+            int(z.get("stage3_max_reuse_distance", 1e9)),
+        )
+
+    def ds_keys(self) -> dict[str, int]:
+        """The ``zero_optimization`` keys of these sizes (for a written DeepSpeed config)."""
+        return {
+            "reduce_bucket_size": self.reduce_bucket_size,
+            "sub_group_size": self.sub_group_size,
+            "stage3_prefetch_bucket_size": self.prefetch_bucket_size,
+            "stage3_max_live_parameters": self.max_live_parameters,
+            "stage3_max_reuse_distance": self.max_reuse_distance,
+        }
+
+
+@dataclass(frozen=True)
 class RunShape:
     """How a run executes: everything besides the model that changes cost or memory."""
 
@@ -153,6 +204,7 @@ class RunShape:
     precision: str = "bf16"  # bf16 | fp32
     checkpointing: bool = False
     pipeline: bool = True  # DeepSpeed PipelineEngine (bf16 -> BF16_Optimizer fp32 grad buffer)
+    zero3: Zero3 = Zero3()  # DeepSpeed's ZeRO-3 buffer sizes (zero_stage 3 only)
 
     @property
     def tokens(self) -> int:
@@ -182,7 +234,7 @@ def bytes_per_param(precision: str, zero: int, dp: int, pipeline: bool) -> float
         weights, grads, optim = 2.0, 2.0, 12.0
         acc = 4.0 if pipeline else 0.0
     elif precision == "fp32":
-        weights, grads, optim, acc = 4.0, 4.0, 8.0, 0.0
+        weights, grads, optim, acc = 4.0, 4.0, 12.0 if zero >= 1 else 8.0, 0.0
     else:
         raise ValueError(f"unknown precision {precision!r}; use bf16 or fp32")
     if zero >= 1:
@@ -273,11 +325,11 @@ def unit_costs(
             # and works through one chunk of fp32 logits (at most CHUNK_BYTES) at a time.
             act += 4.0 * vocab_local * cfg.model.d_model
             peak = min(float(CHUNK_BYTES), 4.0 * vocab_local * tok)
-        if shape.zero_stage >= 3:
-            # ZeRO-3 gathers the unit's full weights while it runs, and its full gradient
-            # exists until the reduce-scatter (the head's is already in ``act``).
-            grads = 0.0 if u.kind == "head" else elem
-            peak += c.params / shape.tp * (elem + grads)
+        if shape.zero_stage >= 3 and u.kind != "head":
+            # Under ZeRO-3 autograd makes the unit's full gradient before DeepSpeed copies it
+            # into the reduce bucket (the head's fp32 one is already in ``act``); its gathered
+            # weights are counted for the stage (zero3_stage_bytes).
+            peak += c.params / shape.tp * elem
         out.append(
             UnitCost(
                 name=u.name,
@@ -293,6 +345,94 @@ def unit_costs(
             )
         )
     return out
+
+
+def zero3_gathered(params: Sequence[float], zero3: Zero3) -> float:
+    """Most parameter elements ZeRO-3 holds gathered at once in a steady-state step (units in
+    forward order, ``params`` TP-local): DeepSpeed 0.19's ``PartitionedParameterCoordinator``
+    replayed at unit granularity.
+
+    From the third step the coordinator has the trace of the step's module uses (forward, then
+    backward) as a queue. Fetching a unit pops the queue up to its use, then prefetches: it pops
+    further entries until ``stage3_prefetch_bucket_size`` elements of *not gathered* weights
+    are being fetched, or as many as keep all gathered weights within
+    ``stage3_max_live_parameters``, noting for every popped entry (gathered or not) the step of
+    that later use. Every step thus fetches up to a bucket ahead, so the gathered weights grow
+    up to the live-parameter cap (the whole model below it). Releasing a unit after its use
+    (``__params_to_release``) keeps it gathered when a later use of it was already popped, or
+    when its next use comes before ``stage3_max_reuse_distance`` elements of parameters are
+    fetched (from a unit's forward to its backward: the forward and backward of every later
+    unit). (The first step releases every unit after use and the second records the trace.)
+    """
+    n = len(params)
+    later = [sum(params[u + 1 :]) for u in range(n)]
+    order = [*range(n), *reversed(range(n))]
+    queue = deque(enumerate(order))  # (step, unit) of every use in the step
+    noted = [-1] * n  # the latest use of each unit popped so far
+    held = [False] * n
+    most = 0.0
+    for step, u in enumerate(order):
+        while queue and queue[0][0] <= step:
+            t, v = queue.popleft()
+            noted[v] = max(noted[v], t)
+        held[u] = True
+        fetching = 0.0
+        live = sum(p for p, h in zip(params, held, strict=True) if h)
+        budget = min(zero3.prefetch_bucket_size, zero3.max_live_parameters - live)
+        while queue and fetching < budget:
+            t, v = queue.popleft()
+            noted[v] = max(noted[v], t)
+            if not held[v]:
+                held[v] = True
+                fetching += params[v]
+        most = max(most, sum(p for p, h in zip(params, held, strict=True) if h))
+        reused = step < n and 2.0 * later[u] < zero3.max_reuse_distance
+        if noted[u] <= step and not reused:
+            held[u] = False
+    return most
+
+
+def zero3_stage_bytes(
+    cfg: Any, costs: Sequence[UnitCost], shape: RunShape, device: Device
+) -> float:
+    """Per-rank bytes of a ZeRO-3 run (one pipeline stage: DeepSpeed runs ZeRO-3 without
+    pipeline parallelism) besides ``static + act + max(peak)`` of its units, from how
+    DeepSpeed 0.19's ``DeepSpeedZeroOptimizer_Stage3`` and torch's AdamW work:
+
+    * the reduce bucket: ``torch.empty(reduce_bucket_size)`` of the communication dtype (the
+      model's), made once at start (``_setup_for_real_optimizer``); with
+      ``contiguous_gradients`` every gradient that fits is copied into it until the next one
+      would overflow it. Where only written pages are resident (a CPU) at most the model's
+      size of it is;
+    * the gathered weights: the most held at once in the steady state (:func:`zero3_gathered`:
+      the running unit, those prefetched, those kept from forward to backward);
+    * reducing the bucket: ``reduce_scatter_coalesced`` interleaves the rank chunks of the
+      bucket's gradients into one new flat tensor (``torch.cat``) before the reduce-scatter;
+    * the optimizer step, one sub-group (``sub_group_size`` elements of this rank's partition,
+      plus the parameter that crosses the limit) at a time: ``_prepare_fp32_grad_for_sub_group``
+      flattens its gradient partitions into a new tensor and casts it to fp32 (the 16-bit
+      flat copy and the fp32 one exist together in bf16), then AdamW's temporaries
+      (:attr:`Device.adam_temporaries`) sit next to that fp32 gradient. Activations and
+      gathered weights are gone by then, so this phase and the forward/backward one are
+      alternatives: the larger counts.
+
+    Model state (fp32 master, Adam moments, the gradient partitions in the model dtype: the
+    gradient-accumulation dtype DeepSpeed defaults to) is :func:`bytes_per_param`'s.
+    """
+    elem = activation_scale(shape.precision)
+    params = [c.params / shape.tp for c in costs]
+    total = sum(params)
+    z = shape.zero3
+    bucket = min(z.reduce_bucket_size, total) if device.lazy_pages else z.reduce_bucket_size
+    reduce_copy = min(z.reduce_bucket_size, total)
+    fwd_bwd = (zero3_gathered(params, z) + reduce_copy) * elem
+    largest = cfg.padded_vocab_size / shape.tp * cfg.model.d_model  # embedding / head weight
+    sub = min(total / shape.dp, z.sub_group_size + largest / shape.dp)
+    step = sub * 4.0 * (1 + device.adam_temporaries)
+    if elem != 4:
+        step = max(step, sub * (elem + 4.0))
+    units = sum(c.act for c in costs) + max((c.peak for c in costs), default=0.0)
+    return bucket * elem + max(fwd_bwd, step - units)
 
 
 def model_unit_costs(

@@ -9,6 +9,8 @@ ZeRO / TP / PP runs of one seed follow the same loss curve up to float reduction
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import json
 import math
 import os
@@ -486,12 +488,53 @@ def build_partitioned(cfg: Config, ds_config: dict[str, Any]) -> nn.Module:
     if ds_config.get("zero_optimization", {}).get("stage", 0) != 3:
         return build_model(cfg)
     deepspeed.init_distributed(dist.get_backend())  # zero.Init reads the world from it
-    with deepspeed.zero.Init(
-        config_dict_or_path=ds_config,
-        mpu=parallel.topology,  # batch keys checked against the DP size
-        data_parallel_group=parallel.get_data_parallel_group(),  # zero.Init's default: the world
+    with (
+        _heap_returns_freed_memory(),
+        deepspeed.zero.Init(
+            config_dict_or_path=ds_config,
+            mpu=parallel.topology,  # batch keys checked against the DP size
+            data_parallel_group=parallel.get_data_parallel_group(),  # its default: the world
+        ),
     ):
         return build_model(cfg)
+
+
+# glibc mallopt parameters (malloc.h) and its dynamic mmap threshold's ceiling on 64-bit
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
+_GLIBC_MMAP_MAX = 32 * 2**20
+
+
+@contextlib.contextmanager
+def _heap_returns_freed_memory(threshold: int = 2**20) -> Iterator[None]:
+    """While building, glibc serves every allocation of ``threshold`` bytes or more with its own
+    mapping, returned to the system when freed.
+
+    The partitioned build draws each parameter's full fp32 tensor on the host and frees it once
+    this rank's slice is written. glibc's default raises its mmap threshold to the size of each
+    freed mapped block (up to 32 MiB), after which the block-sized draws of the layers come
+    from its heap and stay resident when freed: 73-299 MiB per rank on the 760M preset (4
+    ranks), the build peak's excess over the partition plus the largest parameter (measured in
+    docs/BENCHMARKS.md, ZeRO-3 section). Afterwards the
+    threshold is set to that 32 MiB ceiling (where glibc's own adjustment ends up) and the
+    freed heap is trimmed. A no-op where the C library is not glibc, and where the process
+    was started with glibc's threshold set (``MALLOC_MMAP_THRESHOLD_``).
+    """
+    if "MALLOC_MMAP_THRESHOLD_" in os.environ:
+        yield
+        return
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        libc.mallopt  # noqa: B018 - glibc only
+    except (OSError, AttributeError):
+        yield
+        return
+    libc.mallopt(_M_MMAP_THRESHOLD, threshold)
+    try:
+        yield
+    finally:
+        libc.mallopt(_M_MMAP_THRESHOLD, _GLIBC_MMAP_MAX)
+        libc.mallopt(_M_TRIM_THRESHOLD, 2 * _GLIBC_MMAP_MAX)
+        libc.malloc_trim(0)
 
 
 def is_zero3_partitioned(model: nn.Module) -> bool:
