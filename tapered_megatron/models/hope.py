@@ -18,9 +18,10 @@ Choices the paper leaves open, and ours:
   possible in units of the taper plan's rounding unit (``taper.multiple``; earlier levels get
   the remainder), so ``sum_i h_i = d_ff(l)`` and the CMS matrices have exactly ``3 d d_ff(l)``
   parameters, the SwiGLU MLP it replaces; tapered and uniform stay budget-equal. Each updating
-  level adds a rate gate of ``d + 1`` parameters (below; 0.03 % of the level at d 1024), the same
-  in every layer, so tapered and uniform still differ by exactly ``3 d`` times the width
-  deviation. With ``K = 1`` and period 0 the slot *is* the SwiGLU MLP.
+  level adds rate gates of ``d + 1`` parameters each (below: two with the default
+  ``step_norm split``; 0.07 % of the level at d 1024), the same in every layer, so tapered and
+  uniform still differ by exactly ``3 d`` times the width deviation. With ``K = 1`` and period
+  0 the slot *is* the SwiGLU MLP.
 * Inner objective, ``hope.update`` (the paper allows any local objective):
   ``association`` (default): the next-position loss ``l_t(W) = 1/2 ||f_i(u_t; W) - u_{t+1}||^2``
   -- each level learns in context to map its input at one position to its input at the next (the
@@ -43,28 +44,40 @@ Choices the paper leaves open, and ours:
   extra forward pass; needs the whole model in one process (``parallel.pp = 1``).
 * Rate, ``hope.rate``: ``learned`` (default): per level and token, ``eta_t = (hope.lr / d_model)
   sigmoid(u_t w_i + b_i)`` from the level's own input, as Titans computes its step size theta
-  (Behrouz et al. 2025), with ``w_i ~ normal(0, init_std)`` and ``b_i = logit(hope.rate_init)``.
-  ``constant``: ``eta = hope.lr / d_model`` for every token. ``W_13``'s step is divided by the
-  squared norm of the level's input ``||u_t||^2``; the inputs are RMS-normalised, so
-  ``||u||^2 ~ d_model`` and ``hope.lr * sigmoid(.)`` is the effective step on a repeated input
-  (the fraction of the error on that input one update removes, for a linear level).
-* ``hope.step_norm``, what divides ``W_2``'s step (its input is the hidden activation ``a_t``,
-  not normalised, and small at init). The two choices trade language modelling against fast
-  in-context binding; measured, not derived:
-  ``input`` (default): ``||u_t||^2`` as for ``W_13``. At the ``tlm_cpu`` reproduction scale
-  (hope_attention, uniform, seed 1234, validation loss after 120 of 320 iterations) the defaults
-  ``lr 0.1``, ``rate_init 0.1`` (an effective step of 0.01 at init that the gate can raise to
-  0.1) reach 5.08, against 5.41 with no in-context updates (``hope.lr 0``), 5.18 with a constant
-  0.01, 5.48 with ``lr 1`` / ``rate_init 0.5``; the transformer 5.10. But the updates of a fresh
-  model are tiny (tests/test_memory_in_context.py) and the associative-recall benchmark
-  (scripts/bench_memory_recall.py, 300 steps) stays at chance (0.014; 0.12 with ``lr 1`` /
-  ``rate_init 0.5``).
-  ``own``: ``||a_t||^2``, i.e. each matrix a normalised-LMS step on its own input: one token's
-  ``W_2`` step removes the given fraction of its error. With ``lr 1`` / ``rate_init 0.5`` the
-  recall benchmark reaches 0.999, but summed over a period these steps overshoot in language
-  modelling: at ``tlm_cpu`` training stalled at validation loss 6.07 (perplexity 430; 4.62 for
-  the transformer), and every rate tried (0.01 to 0.5) was worse than no updates (5.45-6.08 vs
-  5.41 after 120 iterations).
+  (Behrouz et al. 2025), with ``w_i ~ normal(0, init_std)`` and ``b_i = logit(hope.rate_init)``
+  (``W_2``'s own gate under ``step_norm split``: below). ``constant``: ``eta = hope.lr / d_model``
+  for every token (and ``W_2``'s rate ``hope.w2_rate_init`` under ``split``). ``W_13``'s step
+  is divided by the squared norm of the level's input ``||u_t||^2``; the inputs are
+  RMS-normalised, so ``||u||^2 ~ d_model`` and ``hope.lr * sigmoid(.)`` is the effective step
+  on a repeated input (the fraction of the error on that input one update removes, for a
+  linear level).
+* ``hope.step_norm``, how ``W_2``'s step is normalised (its input is the hidden activation
+  ``a_t``, not normalised, and small at init). Measured, not derived: language modelling at the
+  ``tlm_cpu`` reproduction scale (hope_attention, uniform, seed 1234, validation loss after 120
+  of 320 iterations; the transformer: 5.099, no in-context updates (``hope.lr 0``): 5.41) and
+  the associative-recall benchmark (scripts/bench_memory_recall.py, 300 steps, chance 0.016;
+  the transformer: 0.015):
+  ``split`` (default): ``W_2`` has a rate gate of its own, ``rho_t = sigmoid(10 (u_t w'_i +
+  b'_i))``, started at ``hope.w2_rate_init`` (1e-5) and able to reach 1, and its step is
+  divided by ``||a_t||^2`` plus the period's mean ``||a||^2``: a normalised-LMS step on its own
+  input (on a repeated input of typical size one token's step removes about ``rho / 2`` of its
+  error) whose regulariser, the period's mean power, keeps a token with a tiny ``a_t`` from
+  taking a huge step. ``W_13``'s step is as with ``input``. The gain 10 lets Adam move the
+  gate's logit ten times faster, so the gate can open within a few hundred steps where binding
+  pays while the ``W_2`` writes stay negligible where they do not. Language modelling 5.096,
+  recall 1.0 (session 4 of issue 14). Without the gain the gate does not open from 1e-4 or
+  1e-5 within 300 steps (recall at chance; language modelling 5.151, 5.119); started at 1e-3 it
+  opens (recall 1.0) but language modelling suffers (5.153; with the period's sum as the
+  divisor and 0.01: 5.193).
+  ``input``: ``||u_t||^2`` as for ``W_13`` (the default before). Language modelling 5.115 with
+  ``lr 0.1``, ``rate_init 0.1`` (5.18 with a constant 0.01, 5.48 with ``lr 1`` /
+  ``rate_init 0.5``); recall at chance (0.014; 0.12 with ``lr 1`` / ``rate_init 0.5``): on a
+  repeated input ``W_2``'s step removes only ``||a||^2 / ||u||^2`` of the rate.
+  ``own``: ``||a_t||^2`` with ``W_13``'s gate, i.e. each matrix a normalised-LMS step on its
+  own input. With ``lr 1`` / ``rate_init 0.5`` recall 0.999 (``rate_init`` 0.01 or 0.05: 1.0),
+  but language modelling stalls: 6.07 after 320 iterations (perplexity 430; 4.62 for the
+  transformer), and every rate tried was worse than no updates (5.45-6.08 after 120; ``lr 1``,
+  ``rate_init 0.01``: 5.47): one gate cannot be small for ``W_2`` and useful for ``W_13``.
 * Update: gradient steps summed over the period (the paper's sum, not a mean), all gradients
   taken at the period-start weights; ``hope.lr = 0`` or period 0 disables updates for a level
   (plain MLP).
@@ -367,12 +380,19 @@ class ContinuumMemory(MLPSlot):
         for w, period in zip(widths, h.periods):
             base = SwiGLU.counts(cfg, layer, dtype_bytes, d_ff=w)
             if period > 0 and h.lr > 0:
-                # dual form over n ~ min(s, d)/2 held factor tokens: x X^T D, a A^T E, e E^T A
-                # (n (3d + 4w)), e W2 (d w) and the fold into weights every d tokens (3 d w);
-                # kept: D, E, clip scale (2w + d + 1), the three n-wide products, the folded
-                # per-sequence weights (3 d w per d tokens); a learned rate: d + 1 params, d MACs
-                n = min(m.seq_len, d) / 2
-                macs = 4 * d * w + n * (3 * d + 4 * w)
+                # per token: e W2 (d w); in a window of win = min(s, L) tokens (L: d rounded up
+                # to whole periods) the dual form over n ~ (win - C) / 2 held factor tokens,
+                # G D, a A^T E, e E^T A (n (2d + 4w)), and x X^T for the window ((win - C)^2 d
+                # per window); the fold into weights (3 d w per token of a folded window, every
+                # window but the last); kept: D, E, clip scale (2w + d + 1), the three n-wide
+                # products, the folded per-sequence weights; a learned rate: d + 1 params, d MACs
+                s, win_full = m.seq_len, -(-d // period) * period
+                win = min(s, win_full)
+                n = (win - period) / 2
+                folded = (s - 1) // win_full * win_full / s  # share of tokens in folded windows
+                macs = (
+                    d * w + 3 * d * w * folded + n * (2 * d + 4 * w) + (win - period) ** 2 * d / win
+                )
                 elems = 2 * w + d + 1 + 3 * n + 3 * w
                 gates = (1 + (h.step_norm == "split")) if h.rate == "learned" else 0
                 gate = gates * (d + 1)
