@@ -19,9 +19,11 @@ restricted to a sliding window of ``window`` tokens in every model):
   otherwise (chunk 8);
 * hope_attention (``hope``): its attention replaced by the same sliding-window attention, CMS
   periods 0 / 16 / 8, otherwise its defaults (learned rates, association update,
-  ``hope.step_norm input``); ``hope-own``: the same with ``hope.step_norm own``, ``hope.lr 1``,
-  ``hope.rate_init 0.5`` (per-matrix normalised steps, large from the start; hope.py's module
-  doc says what each choice costs in language modelling).
+  ``hope.step_norm split``: ``W_2``'s step normalised by its own input with a gate of its own);
+  ``hope-input``: the same with ``hope.step_norm input`` (the default before); ``hope-own``:
+  ``hope.step_norm own``, ``hope.lr 1``, ``hope.rate_init 0.5`` (per-matrix normalised steps,
+  large from the start). hope.py's module doc says what each choice costs in language
+  modelling.
 
 Same steps, batch, learning rate (AdamW), seed, training data and evaluation data for all;
 parameter counts reported (the Titans mixers carry their own memory projections, so they are
@@ -169,7 +171,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--eval-batches", type=int, default=16)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument(
-        "--models", nargs="+", default=["transformer", "mag", "mac", "hope", "hope-own"]
+        "--models",
+        nargs="+",
+        default=["transformer", "mag", "mac", "hope", "hope-input", "hope-own"],
     )
     a = ap.parse_args(argv)
     if a.gap < LAYERS * a.window:
@@ -184,6 +188,7 @@ def main(argv: list[str] | None = None) -> int:
         "mag": ("titans",),
         "mac": ("titans", "--model.titans.variant", "mac"),
         "hope": ("hope_attention",),
+        "hope-input": ("hope_attention", "--model.hope.step_norm", "input"),
         # hope.step_norm own, large initial steps: fast in-context binding (see hope.py)
         "hope-own": ("hope_attention", "--model.hope.step_norm", "own", "--model.hope.lr", "1",
                      "--model.hope.rate_init", "0.5"),

@@ -73,10 +73,12 @@ def _reference_level(level, u: torch.Tensor, eta: float, teach=None) -> torch.Te
     """The CMS rule written plainly: per-sequence weights, per-token autograd gradients of
     ``1/2 ||f(u_t) - u_{t+1}||^2`` (or of ``<f(u_t), teach_t>``: output error ``teach_t``) clipped
     to norm ``sqrt(d)``, scaled by the token's rate and divided by the squared norm of the
-    level's input ``u_t`` (W_2 with ``own``: of its own input ``a_t``), summed over the period,
-    applied at its end."""
+    level's input ``u_t`` (W_2 with ``own``: of its own input ``a_t``; with ``split``: its own
+    rate over ``||a_t||^2`` plus the period's mean ``||a||^2``), summed over the period, applied
+    at its end."""
     d, c = u.shape[-1], level.period
     rates = level.rates(u, eta).detach()
+    rates2 = level.rates(u, eta, w2=True).detach()
     outs = []
     for b in range(u.shape[0]):
         w13, w2 = level.w13.weight.detach().clone(), level.w2.weight.detach().clone()
@@ -98,11 +100,18 @@ def _reference_level(level, u: torch.Tensor, eta: float, teach=None) -> torch.Te
                 )
                 g13, g2 = torch.autograd.grad(inner, (p13, p2))
                 norm = torch.sqrt(g13.pow(2).sum() + g2.pow(2).sum())
-                step = min(1.0, d**0.5 / norm.item()) * rates[b, t]
+                clip = min(1.0, d**0.5 / norm.item())
                 u_sq = u[b, t].pow(2).sum().clamp_min(NORM_EPS)
-                a_sq = (F.silu(gate) * up).pow(2).sum().detach() + NORM_EPS
-                acc13 = acc13 + step / u_sq * g13
-                acc2 = acc2 + step / (a_sq if level.own_norm else u_sq) * g2
+                a_sq = (F.silu(gate) * up).pow(2).sum().detach()
+                acc13 = acc13 + clip * rates[b, t] / u_sq * g13
+                if level.step_norm == "input":
+                    acc2 = acc2 + clip * rates[b, t] / u_sq * g2
+                elif level.step_norm == "own":
+                    acc2 = acc2 + clip * rates[b, t] / (a_sq + NORM_EPS) * g2
+                else:  # split: the period's tokens at the period-start weights
+                    gates, ups = F.linear(u[b, t // c * c :][:c], w13).chunk(2, dim=-1)
+                    a_mean = (F.silu(gates) * ups).pow(2).sum(-1).mean()
+                    acc2 = acc2 + clip * rates2[b, t] / (a_sq + a_mean + NORM_EPS) * g2
         outs.append(torch.stack(rows))
     return torch.stack(outs)
 
@@ -118,6 +127,9 @@ def _reference_level(level, u: torch.Tensor, eta: float, teach=None) -> torch.Te
         (40, "learned", "teach", ["0", "1", "3"], "input"),
         (80, "learned", "association", ["0", "16", "4"], "own"),
         (40, "learned", "teach", ["0", "1", "3"], "own"),
+        (80, "learned", "association", ["0", "16", "4"], "split"),
+        (24, "constant", "association", ["0", "16", "4"], "split"),
+        (40, "learned", "teach", ["0", "1", "3"], "split"),
     ],
 )
 def test_cms_level_equals_plain_reference(seq, rate, update, periods, norm):
@@ -149,6 +161,7 @@ def test_cms_level_equals_plain_reference(seq, rate, update, periods, norm):
         ["--model.hope.update", "teach"],
         ["--model.hope.rate", "constant"],
         ["--model.hope.step_norm", "own"],
+        ["--model.hope.step_norm", "split"],
     ],
 )
 def test_causal_across_period_boundaries(overrides):
@@ -165,14 +178,15 @@ def test_budget_follows_d_ff_and_gradients_reach_every_level():
     for layer, width in enumerate(cfg.taper_plan.widths):
         cms = model.layers[layer].mlp
         assert sum(cms.widths) == width
-        gates = sum(lv.updating for lv in cms.levels) * (d + 1)  # one rate gate per updating level
-        assert gates == 2 * (d + 1)
-        matrices = [p for n, p in cms.named_parameters() if not n.split(".")[-1].startswith("rate")]
+        # two rate gates (W_13's and, with step_norm split, W_2's) per updating level
+        gates = sum(lv.updating for lv in cms.levels) * 2 * (d + 1)
+        assert gates == 4 * (d + 1)
+        matrices = [p for n, p in cms.named_parameters() if "rate" not in n.split(".")[-1]]
         assert sum(p.numel() for p in matrices) == 3 * d * width
         assert sum(p.numel() for p in cms.parameters()) == 3 * d * width + gates
     ref = count_model(cfg.with_overrides(["--model.arch", "transformer"]))
     layers = cfg.model.layers
-    assert count_model(cfg).params_total == ref.params_total + layers * 2 * (d + 1)
+    assert count_model(cfg).params_total == ref.params_total + layers * 4 * (d + 1)
     ids = torch.randint(0, 256, (2, 33), generator=torch.Generator().manual_seed(0))
     from tapered_megatron.models import lm_loss
 
@@ -180,7 +194,8 @@ def test_budget_follows_d_ff_and_gradients_reach_every_level():
     for level in model.layers[0].mlp.levels:
         assert level.w13.weight.grad.abs().sum() > 0 and level.w2.weight.grad.abs().sum() > 0
         if level.updating:
-            assert level.rate_w.grad.abs().sum() > 0 and level.rate_b.grad.abs().sum() > 0
+            for gate in (level.rate_w, level.rate_b, level.w2_rate_w, level.w2_rate_b):
+                assert gate.grad.abs().sum() > 0
     assert level_widths(96, 3, 16) == [32, 32, 32] and level_widths(112, 3, 16) == [48, 32, 32]
     with pytest.raises(ValueError, match=r"hope\.levels"):
         level_widths(32, 3, 16)

@@ -18,9 +18,10 @@ Choices the paper leaves open, and ours:
   possible in units of the taper plan's rounding unit (``taper.multiple``; earlier levels get
   the remainder), so ``sum_i h_i = d_ff(l)`` and the CMS matrices have exactly ``3 d d_ff(l)``
   parameters, the SwiGLU MLP it replaces; tapered and uniform stay budget-equal. Each updating
-  level adds a rate gate of ``d + 1`` parameters (below; 0.03 % of the level at d 1024), the same
-  in every layer, so tapered and uniform still differ by exactly ``3 d`` times the width
-  deviation. With ``K = 1`` and period 0 the slot *is* the SwiGLU MLP.
+  level adds rate gates of ``d + 1`` parameters each (below: two with the default
+  ``step_norm split``; 0.07 % of the level at d 1024), the same in every layer, so tapered and
+  uniform still differ by exactly ``3 d`` times the width deviation. With ``K = 1`` and period
+  0 the slot *is* the SwiGLU MLP.
 * Inner objective, ``hope.update`` (the paper allows any local objective):
   ``association`` (default): the next-position loss ``l_t(W) = 1/2 ||f_i(u_t; W) - u_{t+1}||^2``
   -- each level learns in context to map its input at one position to its input at the next (the
@@ -43,28 +44,43 @@ Choices the paper leaves open, and ours:
   extra forward pass; needs the whole model in one process (``parallel.pp = 1``).
 * Rate, ``hope.rate``: ``learned`` (default): per level and token, ``eta_t = (hope.lr / d_model)
   sigmoid(u_t w_i + b_i)`` from the level's own input, as Titans computes its step size theta
-  (Behrouz et al. 2025), with ``w_i ~ normal(0, init_std)`` and ``b_i = logit(hope.rate_init)``.
-  ``constant``: ``eta = hope.lr / d_model`` for every token. ``W_13``'s step is divided by the
-  squared norm of the level's input ``||u_t||^2``; the inputs are RMS-normalised, so
-  ``||u||^2 ~ d_model`` and ``hope.lr * sigmoid(.)`` is the effective step on a repeated input
-  (the fraction of the error on that input one update removes, for a linear level).
-* ``hope.step_norm``, what divides ``W_2``'s step (its input is the hidden activation ``a_t``,
-  not normalised, and small at init). The two choices trade language modelling against fast
-  in-context binding; measured, not derived:
-  ``input`` (default): ``||u_t||^2`` as for ``W_13``. At the ``tlm_cpu`` reproduction scale
-  (hope_attention, uniform, seed 1234, validation loss after 120 of 320 iterations) the defaults
-  ``lr 0.1``, ``rate_init 0.1`` (an effective step of 0.01 at init that the gate can raise to
-  0.1) reach 5.08, against 5.41 with no in-context updates (``hope.lr 0``), 5.18 with a constant
-  0.01, 5.48 with ``lr 1`` / ``rate_init 0.5``; the transformer 5.10. But the updates of a fresh
-  model are tiny (tests/test_memory_in_context.py) and the associative-recall benchmark
-  (scripts/bench_memory_recall.py, 300 steps) stays at chance (0.014; 0.12 with ``lr 1`` /
-  ``rate_init 0.5``).
-  ``own``: ``||a_t||^2``, i.e. each matrix a normalised-LMS step on its own input: one token's
-  ``W_2`` step removes the given fraction of its error. With ``lr 1`` / ``rate_init 0.5`` the
-  recall benchmark reaches 0.999, but summed over a period these steps overshoot in language
-  modelling: at ``tlm_cpu`` training stalled at validation loss 6.07 (perplexity 430; 4.62 for
-  the transformer), and every rate tried (0.01 to 0.5) was worse than no updates (5.45-6.08 vs
-  5.41 after 120 iterations).
+  (Behrouz et al. 2025), with ``w_i ~ normal(0, init_std)`` and ``b_i = logit(hope.rate_init)``
+  (``W_2``'s own gate under ``step_norm split``: below). ``constant``: ``eta = hope.lr / d_model``
+  for every token (and ``W_2``'s rate ``hope.w2_rate_init`` under ``split``). ``W_13``'s step
+  is divided by the squared norm of the level's input ``||u_t||^2``; the inputs are
+  RMS-normalised, so ``||u||^2 ~ d_model`` and ``hope.lr * sigmoid(.)`` is the effective step
+  on a repeated input (the fraction of the error on that input one update removes, for a
+  linear level).
+* ``hope.step_norm``, how ``W_2``'s step is normalised (its input is the hidden activation
+  ``a_t``, not normalised, and small at init). Measured, not derived: language modelling at the
+  ``tlm_cpu`` reproduction scale (hope_attention, uniform, seed 1234, validation loss after 120
+  of 320 iterations; the transformer: 5.099, no in-context updates (``hope.lr 0``): 5.41) and
+  the associative-recall benchmark (scripts/bench_memory_recall.py, 300 steps, chance 0.016;
+  the transformer: 0.015):
+  ``split`` (default): ``W_2`` has a rate gate of its own, ``rho_t = sigmoid(10 (u_t w'_i +
+  b'_i))``, started at ``hope.w2_rate_init`` (1e-5) and able to reach 1, and its step is
+  divided by ``||a_t||^2`` plus the period's mean ``||a||^2``: a normalised-LMS step on its own
+  input (on a repeated input of typical size one token's step removes about ``rho / 2`` of its
+  error) whose regulariser, the period's mean power, keeps a token with a tiny ``a_t`` from
+  taking a huge step. ``W_13``'s step is as with ``input``. The gain 10 lets Adam move the
+  gate's logit ten times faster, so the gate can open within a few hundred steps where binding
+  pays while the ``W_2`` writes stay negligible where they do not. Language modelling 5.088
+  (seed 1235: 5.079 against 5.118 with ``input``), recall 0.9998 (seed 1 of the benchmark:
+  0.118, its loss only leaving chance level by step 300) (session 4 of issue 14). Without the
+  gain the gate does not open from 1e-4 or 1e-5 within 300 steps (recall at chance; language
+  modelling 5.151, 5.119); started at 1e-3 it opens (recall 1.0) but language modelling
+  suffers (5.153; with the period's sum as the divisor and 0.01: 5.193). At d_model 1024 the
+  gain also widens the gate's spread over tokens at init (logit std ~6 there, ~2 at d 128);
+  not measured at that scale.
+  ``input``: ``||u_t||^2`` as for ``W_13`` (the default before). Language modelling 5.116 with
+  ``lr 0.1``, ``rate_init 0.1`` (5.18 with a constant 0.01, 5.48 with ``lr 1`` /
+  ``rate_init 0.5``); recall at chance (0.014; 0.12 with ``lr 1`` / ``rate_init 0.5``): on a
+  repeated input ``W_2``'s step removes only ``||a||^2 / ||u||^2`` of the rate.
+  ``own``: ``||a_t||^2`` with ``W_13``'s gate, i.e. each matrix a normalised-LMS step on its
+  own input. With ``lr 1`` / ``rate_init 0.5`` recall 0.999 (``rate_init`` 0.01 or 0.05: 1.0),
+  but language modelling stalls: 6.07 after 320 iterations (perplexity 430; 4.62 for the
+  transformer), and every rate tried was worse than no updates (5.45-6.08 after 120; ``lr 1``,
+  ``rate_init 0.01``: 5.47): one gate cannot be small for ``W_2`` and useful for ``W_13``.
 * Update: gradient steps summed over the period (the paper's sum, not a mean), all gradients
   taken at the period-start weights; ``hope.lr = 0`` or period 0 disables updates for a level
   (plain MLP).
@@ -80,11 +96,14 @@ Choices the paper leaves open, and ours:
   Updated weights are per sequence; a new sequence starts from the learned weights.
 * Computation: the accumulated updates are kept as factors (``W_13 = W^0 - sum r D^T X``,
   ``W_2 = W^0 - sum r E^T A``) and applied in dual form (``x W^T = x W_0^T - (x X^T) D``);
-  they are folded into per-sequence weights once ``d_model`` tokens have accumulated, which
-  bounds the per-token cost. ``x W_13^T`` for every token is one matmul before the period loop
-  (redone for the rest of the sequence after a fold), so the loop only adds the dual-form
-  corrections and ``W_2``. Building per-sequence weight copies every period instead was 25x
-  slower than a static level on CPU (elementwise passes over ``B x 3 d w`` per period).
+  they are folded into per-sequence weights once ``d_model`` tokens (a window, rounded up to
+  whole periods) have accumulated, which bounds the per-token cost. Per window, ``x W_13^T``
+  for every token and ``x_t X^T`` for every later period (``X`` are the level's inputs, known
+  in advance) are one matmul each before the period loop (with ``teach``, so is ``e W_2``), so
+  the loop only adds the dual-form corrections (fused ``baddbmm``) and ``W_2``; each period's
+  ``D | A | E`` factors are one tensor (one concatenation per period for all three). Building
+  per-sequence weight copies every period instead was 25x slower than a static level on CPU
+  (elementwise passes over ``B x 3 d w`` per period).
 * Tensor parallelism: every level's hidden width is split over TP ranks (``W_g, W_u``
   column-parallel, ``W_2`` row-parallel); the inner gradient needs the full level output, which
   the row-parallel all-reduce already provides, so updates cost no extra communication. The rate
@@ -104,7 +123,6 @@ from torch import nn
 from tapered_megatron.config import ConfigError, at_least
 from tapered_megatron.models.attention import Attention
 from tapered_megatron.models.base import Architecture, Counts, MLPSlot, register_architecture
-from tapered_megatron.models.layers import silu_grad
 from tapered_megatron.models.mlp import SwiGLU
 from tapered_megatron.parallel import (
     copy_to_tp_region,
@@ -117,6 +135,7 @@ if TYPE_CHECKING:
     from tapered_megatron.config import Config
 
 NORM_EPS = 1e-2  # added to a level input's squared norm before it divides the step (module doc)
+W2_GATE_GAIN = 10.0  # split: W_2's gate is sigmoid(gain (u w + b)), so it can open in few steps
 
 
 @dataclass(frozen=True)
@@ -129,8 +148,10 @@ class HopeOptions:
     rate: Literal["learned", "constant"] = "learned"  # learned: sigmoid of a map of the input
     rate_init: float = 0.1  # learned rate: initial sigmoid value (gate bias logit(rate_init))
     update: Literal["association", "teach"] = "association"  # next position | outer-loss signal
-    # what divides W_2's step: the level input's squared norm, or its own input's (module doc)
-    step_norm: Literal["input", "own"] = "input"
+    # W_2's step: over the level input's squared norm (input), over its own input's (own), or
+    # over its own input's with a gate of its own (split; module doc)
+    step_norm: Literal["input", "own", "split"] = "split"
+    w2_rate_init: float = 1e-5  # split: initial value of W_2's gate (which can reach 1)
 
 
 def _validate(cfg: Config) -> None:
@@ -147,8 +168,9 @@ def _validate(cfg: Config) -> None:
             f"into {h.levels} CMS levels of at least one rounding unit ({plan.unit}); use fewer "
             "levels, a wider model.d_ff or a smaller taper.multiple"
         )
-    if not 0 < h.rate_init < 1:
-        raise ConfigError(f"model.hope.rate_init: {h.rate_init} must lie in (0, 1)")
+    for key in ("rate_init", "w2_rate_init"):
+        if not 0 < getattr(h, key) < 1:
+            raise ConfigError(f"model.hope.{key}: {getattr(h, key)} must lie in (0, 1)")
     if h.update == "teach" and cfg.parallel.pp != 1:
         raise ConfigError(
             "model.hope.update: teach needs a first pass of the whole model (parallel.pp = 1); "
@@ -172,12 +194,23 @@ def _logit(p: float) -> float:
     return math.log(p) - math.log1p(-p)
 
 
+def _gate(
+    d: int, init_std: float, init: float, gain: float = 1.0
+) -> tuple[nn.Parameter, nn.Parameter]:
+    """A learned rate gate ``sigmoid(gain (u w + b))``: ``w`` [d] ~ normal(0, init_std) (drawn
+    by ``init_parameters``), ``b`` = logit(init) / gain, so the gate starts near ``init``."""
+    w = nn.Parameter(torch.empty(d))
+    w.init_std = init_std
+    return w, nn.Parameter(torch.full((1,), _logit(init) / gain))
+
+
 class CMSLevel(SwiGLU):
     """One level of the chain: a SwiGLU of width ``d_ff`` with an update period (0: never).
 
     ``forward`` is the plain SwiGLU (static weights); :meth:`forward_updating` adds the in-context
     updates. An updating level with ``hope.rate = learned`` owns its rate gate ``rate_w`` [d],
-    ``rate_b`` [1] (replicated over TP ranks).
+    ``rate_b`` [1] (replicated over TP ranks), and with ``hope.step_norm = split`` also ``W_2``'s
+    gate ``w2_rate_w``, ``w2_rate_b``.
     """
 
     def __init__(self, cfg, layer: int, d_ff: int, period: int) -> None:
@@ -185,18 +218,26 @@ class CMSLevel(SwiGLU):
         m, h = cfg.model, cfg.model.hope
         self.period = period
         self.updating = period > 0 and h.lr > 0
-        self.own_norm = h.step_norm == "own"
-        self.rate_w = self.rate_b = None
+        self.step_norm = h.step_norm
+        self.w2_rate = h.w2_rate_init  # split with constant rates: W_2's constant rate
+        self.rate_w = self.rate_b = self.w2_rate_w = self.w2_rate_b = None
         if self.updating and h.rate == "learned":
-            self.rate_w = nn.Parameter(torch.empty(m.d_model))
-            self.rate_w.init_std = m.init_std
-            self.rate_b = nn.Parameter(torch.full((1,), _logit(h.rate_init)))
+            self.rate_w, self.rate_b = _gate(m.d_model, m.init_std, h.rate_init)
+            if h.step_norm == "split":
+                self.w2_rate_w, self.w2_rate_b = _gate(
+                    m.d_model, m.init_std, h.w2_rate_init, W2_GATE_GAIN
+                )
 
-    def rates(self, u: torch.Tensor, eta: float) -> torch.Tensor:
-        """Per-token step sizes [B, S]: ``eta * sigmoid(u w + b)`` (learned) or ``eta``."""
-        if self.rate_w is None:
-            return torch.full(u.shape[:-1], eta, dtype=u.dtype, device=u.device)
-        r = eta * torch.sigmoid(u @ self.rate_w.to(u.dtype) + self.rate_b.to(u.dtype))
+    def rates(self, u: torch.Tensor, eta: float, w2: bool = False) -> torch.Tensor:
+        """Per-token step sizes [B, S]: ``eta * sigmoid(u w + b)`` (learned) or ``eta``; with
+        ``w2``, ``W_2``'s own under ``step_norm = split``: ``sigmoid(gain (u w' + b'))`` or the
+        constant ``w2_rate_init``."""
+        w, b = (self.w2_rate_w, self.w2_rate_b) if w2 else (self.rate_w, self.rate_b)
+        if w is None:
+            const = self.w2_rate if w2 else eta
+            return torch.full(u.shape[:-1], const, dtype=u.dtype, device=u.device)
+        logit = u @ w.to(u.dtype) + b.to(u.dtype)
+        r = torch.sigmoid(W2_GATE_GAIN * logit) if w2 else eta * torch.sigmoid(logit)
         return copy_to_tp_region(r)  # used on this rank's slice: sum the gradient over ranks
 
     @torch.compiler.disable  # an outer torch.compile would unroll the loop over periods
@@ -215,71 +256,94 @@ class CMSLevel(SwiGLU):
         far (``r`` the per-token rate and clip, folded into ``D`` and ``E``), and applied as
         ``x W^T = x W_0^T - (x X^T) D`` (the dual form), so no per-sequence weight copy is built;
         the factors are folded into materialised per-sequence weights once ``d_model`` tokens
-        have accumulated, which bounds the dual form's cost per token.
+        have accumulated (a *window*), which bounds the dual form's cost per token.
         """
         seq, c, d = u.shape[1], self.period, u.shape[-1]
+        tp = get_tensor_model_parallel_world_size() > 1
         ul = copy_to_tp_region(u)
         w13, w2 = self.w13.weight, self.w2.weight  # shared [2h, d], [d, h] until materialised
-        # per-period pieces by split (one backward concatenation, not a zero-filled full-size
-        # gradient per slice); x W_13^T for every token is one matmul
-        xs_all = ul.split(c, dim=1)
-        x_sq_all = ul.pow(2).sum(-1).split(c, dim=1)
-        rate_all = self.rates(u, eta).split(c, dim=1)
+        h = w2.shape[-1]
+        # per-token quantities of the whole sequence in one pass each, split into periods (one
+        # backward concatenation, not a zero-filled full-size gradient per slice)
+        rate = self.rates(u, eta)
+        x_sq = ul.square().sum(-1)
+        r13_all = (rate / x_sq.clamp_min(NORM_EPS)).split(c, dim=1)  # W_13: rate / ||u_t||^2
+        if self.step_norm == "split":
+            rate = self.rates(u, eta, w2=True)
+        r2_all = rate.split(c, dim=1)
+        xsq_all = (x_sq / d).split(c, dim=1)
         if teach is None:
             err_all = u[:, 1:].split(c, dim=1)  # association targets u_{t+1}
         else:
-            err_all = teach.to(u.dtype).split(c, dim=1)  # the error itself
-        gv_all, gv_from = (ul @ w13.mT).split(c, dim=1), 0
-        xs: list[torch.Tensor] = []  # factors: X, D (for W_13) and A, E (for W_2)
-        ds: list[torch.Tensor] = []
-        as_: list[torch.Tensor] = []
-        es: list[torch.Tensor] = []
+            teach = teach.to(u.dtype)
+            err_all = teach.split(c, dim=1)  # the error itself
+        window = -(-d // c) * c  # tokens between folds
         outs = []
-        for p, x in enumerate(xs_all):
-            end = min((p + 1) * c, seq)
-            gv = gv_all[p - gv_from]
-            if xs:
-                xp, dp, ap, ep = (torch.cat(f, dim=1) for f in (xs, ds, as_, es))
-                gv = gv - (x @ xp.mT) @ dp
-            g, v = gv.chunk(2, dim=-1)
-            a = F.silu(g) * v
-            o = a @ w2.mT
-            if xs:
-                o = o - (a @ ap.mT) @ ep
-            out = reduce_from_tp_region(o)
-            outs.append(out)
-            if end >= seq:
-                break
-            e = err_all[p]
-            e = copy_to_tp_region(out - e) if teach is None else e
-            da = e @ w2
-            if xs:
-                da = da - (e @ ep.mT) @ ap
-            dgv = torch.cat([da * v * silu_grad(g), da * F.silu(g)], dim=-1)
-            # per token: the gradient's norm (||d x^T|| = ||d|| ||x||) clipped to sqrt(d), the
-            # rate, and each step divided by a squared input norm (hope.step_norm, module doc)
-            # (full norms on every rank; the copy sums their rank-local gradients in backward)
-            a_sq, dgv_sq = copy_to_tp_region(
-                reduce_from_tp_region(torch.stack((a.pow(2).sum(-1), dgv.pow(2).sum(-1))))
-            ).unbind(0)
-            x_sq = x_sq_all[p]
-            clip = torch.rsqrt(((a_sq * e.pow(2).sum(-1) + dgv_sq * x_sq) / d).clamp_min(1.0))
-            step = clip * rate_all[p]
-            xs.append(x)
-            step13 = step / x_sq.clamp_min(NORM_EPS)
-            step2 = step / (a_sq + NORM_EPS) if self.own_norm else step13
-            ds.append(dgv * step13[..., None])
-            as_.append(a)
-            es.append(e * step2[..., None])
-            if record is not None and bool(ds[-1].abs().amax() + es[-1].abs().amax() > 0):
-                record.append(end)
-            if sum(f.shape[1] for f in xs) >= d:
-                xp, dp, ap, ep = (torch.cat(f, dim=1) for f in (xs, ds, as_, es))
-                w13 = w13 - dp.mT @ xp
-                w2 = w2 - ep.mT @ ap
-                xs, ds, as_, es = [], [], [], []
-                # the rest of the sequence with the folded weights
-                gv_all, gv_from = (ul[:, end:] @ w13.mT).split(c, dim=1), p + 1
+        for w0 in range(0, seq, window):
+            xw = ul[:, w0 : w0 + window]
+            gv_all = (xw @ w13.mT).split(c, dim=1)  # x W_13^T of the window, one matmul
+            if teach is not None:  # the error is known: e W_2 of the window in one matmul too
+                ew2_all = (teach[:, w0 : w0 + window] @ w2).split(c, dim=1)
+            # x_t X^T for every later period of the window: one product, rows split per period
+            last = (xw.shape[1] - 1) // c * c  # where the window's last period starts
+            if last:
+                xx_all = (xw[:, c:] @ xw[:, :last].mT).split(c, dim=1)
+            pieces: list[torch.Tensor] = []  # per period [B, c, 2h + h + d]: D | A | E
+            for j, gv in enumerate(gv_all):
+                p = w0 // c + j
+                end = min((p + 1) * c, seq)
+                if j:
+                    fac = torch.cat(pieces, dim=1) if j > 1 else pieces[0]
+                    dp, ap, ep = fac.split((2 * h, h, d), dim=-1)
+                    gv = torch.baddbmm(gv, xx_all[j - 1][..., : j * c], dp, alpha=-1)
+                g, v = gv.chunk(2, dim=-1)
+                sig = torch.sigmoid(g)
+                sg = g * sig  # silu(g)
+                a = sg * v
+                o = a @ w2.mT
+                if j:
+                    o = torch.baddbmm(o, a @ ap.mT, ep, alpha=-1)
+                out = reduce_from_tp_region(o)
+                outs.append(out)
+                if end >= seq:
+                    break
+                if teach is None:
+                    e = copy_to_tp_region(out - err_all[p])
+                    da = e @ w2
+                else:
+                    e, da = err_all[p], ew2_all[j]
+                if j:
+                    da = torch.baddbmm(da, e @ ep.mT, ap, alpha=-1)
+                # silu'(g) = sig (1 + g (1 - sig)) = sig + silu(g) (1 - sig)
+                dgv = torch.cat([da * (v * torch.addcmul(sig, sg, 1 - sig)), da * sg], dim=-1)
+                # per token: the gradient's norm (||d x^T|| = ||d|| ||x||) clipped to sqrt(d), the
+                # rate, and each step divided by a squared input norm (hope.step_norm, module doc)
+                a_sq, dgv_sq = a.square().sum(-1), dgv.square().sum(-1)
+                if tp:  # full norms on every rank; the copy sums their rank-local gradients
+                    a_sq, dgv_sq = copy_to_tp_region(
+                        reduce_from_tp_region(torch.stack((a_sq, dgv_sq)))
+                    ).unbind(0)
+                clip = torch.addcmul(dgv_sq * xsq_all[p], a_sq, e.square().sum(-1), value=1 / d)
+                clip = clip.clamp_min(1.0).rsqrt()
+                step13 = clip * r13_all[p]
+                if self.step_norm == "input":
+                    e2 = e * step13[..., None]
+                elif self.step_norm == "own":
+                    e2 = e * (clip * r2_all[p] / (a_sq + NORM_EPS))[..., None]
+                else:  # split: W_2's own rate over ||a_t||^2 + the period's mean ||a||^2
+                    a_sq_mean = a_sq.mean(1, keepdim=True)
+                    e2 = e * (clip * r2_all[p] / (a_sq + a_sq_mean + NORM_EPS))[..., None]
+                pieces.append(torch.cat([dgv * step13[..., None], a, e2], -1))
+                if record is not None and bool(
+                    pieces[-1][..., : 2 * h].abs().amax() + pieces[-1][..., 3 * h :].abs().amax()
+                    > 0
+                ):
+                    record.append(end)
+                if (j + 1) * c >= window:  # fold the window's factors into the weights
+                    fac = torch.cat(pieces, dim=1) if j else pieces[0]
+                    dp, ap, ep = fac.split((2 * h, h, d), dim=-1)
+                    w13 = w13 - dp.mT @ xw
+                    w2 = w2 - ep.mT @ ap
         return torch.cat(outs, dim=1)
 
 
@@ -319,14 +383,22 @@ class ContinuumMemory(MLPSlot):
         for w, period in zip(widths, h.periods):
             base = SwiGLU.counts(cfg, layer, dtype_bytes, d_ff=w)
             if period > 0 and h.lr > 0:
-                # dual form over n ~ min(s, d)/2 held factor tokens: x X^T D, a A^T E, e E^T A
-                # (n (3d + 4w)), e W2 (d w) and the fold into weights every d tokens (3 d w);
-                # kept: D, E, clip scale (2w + d + 1), the three n-wide products, the folded
-                # per-sequence weights (3 d w per d tokens); a learned rate: d + 1 params, d MACs
-                n = min(m.seq_len, d) / 2
-                macs = 4 * d * w + n * (3 * d + 4 * w)
+                # per token: e W2 (d w); in a window of win = min(s, L) tokens (L: d rounded up
+                # to whole periods) the dual form over n ~ (win - C) / 2 held factor tokens,
+                # G D, a A^T E, e E^T A (n (2d + 4w)), and x X^T for the window ((win - C)^2 d
+                # per window); the fold into weights (3 d w per token of a folded window, every
+                # window but the last); kept: D, E, clip scale (2w + d + 1), the three n-wide
+                # products, the folded per-sequence weights; a learned rate: d + 1 params, d MACs
+                s, win_full = m.seq_len, -(-d // period) * period
+                win = min(s, win_full)
+                n = (win - period) / 2
+                folded = (s - 1) // win_full * win_full / s  # share of tokens in folded windows
+                macs = (
+                    d * w + 3 * d * w * folded + n * (2 * d + 4 * w) + (win - period) ** 2 * d / win
+                )
                 elems = 2 * w + d + 1 + 3 * n + 3 * w
-                gate = d + 1 if h.rate == "learned" else 0
+                gates = (1 + (h.step_norm == "split")) if h.rate == "learned" else 0
+                gate = gates * (d + 1)
                 base = base + Counts(gate, 2.0 * (macs + gate), (elems + 1) * dtype_bytes)
             total = total + base
         return total
