@@ -25,7 +25,7 @@ The read-out ``M_t(q_t)`` never materialises ``M_t``: layer by
 layer, ``M_t x_t = B_t M_0 x_t + P_t S_0 x_t - sum_i c_{t,i} delta_i (a_i . x_t)``, i.e. two
 weight matmuls plus a causally masked ``b x b`` "attention" over the chunk's gradient factors
 (the dual form of TTT). At the chunk end ``M`` and ``S`` are materialised (one matmul per layer,
-``delta^T [c_b a | (E_b/E) a]``) and carried to the next chunk; the loop over chunks is the
+``[c_b delta | (E_b/E) delta]^T a``) and carried to the next chunk; the loop over chunks is the
 scan, one call of :func:`_chunk_step` per chunk. No Python loop over tokens.
 
 Choices the paper leaves open, and ours:
@@ -102,10 +102,18 @@ Choices the paper leaves open, and ours:
   MAG mixer has about 1.8x the parameters of plain attention (its own memory q/k/v); MAC adds
   ``W_h`` and ``W_y``.
 * Speed: one kernel sequence per chunk (:func:`_chunk_step`: the key pass, the per-token clip,
-  the read-out of every layer, the chunk-end state); the first chunk uses a zero momentum
-  instead of a special case, so every chunk runs the same graph. ``train.compile`` compiles
-  that step once (``torch.compile``, shapes fixed) and keeps the loop over chunks eager, so an
-  outer ``torch.compile`` of the model never unrolls the scan (which took minutes to compile).
+  the read-out of every layer, the chunk-end state), few and large kernels: everything that
+  does not depend on the memory (gate products, ``q k^T``, key norms, keys and queries stacked)
+  is computed for all chunks at once before the loop; the keys' first memory layer and the
+  queries' read-out through ``[M_0; S_0]`` are one matmul (the keys' product with ``S_0`` is
+  computed and unused: one matmul is cheaper than two), every later layer's read-out through
+  ``[M_0; S_0]`` is one, the chunk-end update of ``M`` and ``S`` one per layer
+  (``[c_b delta | (E_b/E) delta]^T a``), and the state mix has its own backward
+  (:class:`_ChunkEnd`); per-chunk inputs are unbound, not sliced (a slice's backward zero-fills
+  a full-sequence gradient per chunk). The first chunk uses a zero momentum instead of a
+  special case, so every chunk runs the same graph. ``train.compile`` compiles that step once
+  (``torch.compile``, shapes fixed) and keeps the loop over chunks eager, so an outer
+  ``torch.compile`` of the model never unrolls the scan (which took minutes to compile).
   Larger chunks fill the matmuls better (the ``b x b`` dual form grows, the per-chunk state
   materialisation is amortised): see docs/BENCHMARKS.md for the chunk-size trade-off measured.
 * titans-pytorch (the reference implementation on PyPI) takes all surprise gradients of one
@@ -125,7 +133,7 @@ from torch import nn
 
 from tapered_megatron.config import ConfigError, at_least
 from tapered_megatron.models.base import Architecture, Counts, TokenMixer, register_architecture
-from tapered_megatron.models.layers import RotaryEmbedding, silu_grad
+from tapered_megatron.models.layers import RotaryEmbedding
 from tapered_megatron.models.mlp import SwiGLU
 from tapered_megatron.parallel import (
     ColumnParallelLinear,
@@ -256,7 +264,7 @@ def _chunk_step(
     ``(B_b, P_b, E_b)``. Few, large kernels: the first layer of the key pass and of
     the read-out through ``M_0`` and ``S_0`` is one matmul, every layer's read-out through
     ``[M_0; S_0]`` is one, and the chunk-end ``[M | S] = mix [M_0 | S_0] - updates`` is one
-    matmul and one ``baddbmm`` per layer.
+    matmul and one :class:`_ChunkEnd` per layer.
     """
     bsz, heads, b = v.shape[:3]
     flat = [ms.flatten(2, 3) for ms in state]  # [M_0; S_0] per layer, [B', H, 2 out, in]
@@ -270,8 +278,9 @@ def _chunk_step(
         acts.append(F.silu(pre[-1]))
         pre.append(acts[-1] @ w.mT)
     deltas = [pre.pop() - v]  # half the gradient of ||M(k) - v||^2 w.r.t. the output
-    for w, zl in zip(reversed(m0[1:]), reversed(pre)):
-        deltas.append((deltas[-1] @ w) * silu_grad(zl))
+    for w, zl, al in zip(reversed(m0[1:]), reversed(pre), reversed(acts[1:])):
+        sig = torch.sigmoid(zl)  # silu'(z) = s + silu(z) (1 - s), silu(z) at hand
+        deltas.append((deltas[-1] @ w) * torch.addcmul(sig, al, 1 - sig))
     deltas.reverse()
     # the per-token clip of the full gradient 2 delta a^T: theta_i min(1, 1 / ||.||), with
     # the factor 2 folded in
