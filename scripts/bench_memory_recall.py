@@ -16,7 +16,8 @@ restricted to a sliding window of ``window`` tokens in every model):
 
 * transformer: our transformer with its attention replaced by sliding-window attention;
 * titans MAG (window attention + memory), titans MAC (segments of ``window`` tokens), defaults
-  otherwise (chunk 8);
+  otherwise (chunk 8, no persistent tokens); ``mac-p4``: MAC with 4 persistent tokens (the
+  paper's MAC prepends persistent tokens; without them our MAC does not learn this task);
 * hope_attention (``hope``): its attention replaced by the same sliding-window attention, CMS
   periods 0 / 16 / 8, otherwise its defaults (learned rates, association update,
   ``hope.step_norm input``); ``hope-own``: the same with ``hope.step_norm own``, ``hope.lr 1``,
@@ -169,7 +170,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--eval-batches", type=int, default=16)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument(
-        "--models", nargs="+", default=["transformer", "mag", "mac", "hope", "hope-own"]
+        "--models",
+        nargs="+",
+        default=["transformer", "mag", "mac", "mac-p4", "hope", "hope-own"],
     )
     a = ap.parse_args(argv)
     if a.gap < LAYERS * a.window:
@@ -183,6 +186,10 @@ def main(argv: list[str] | None = None) -> int:
         "transformer": ("transformer",),
         "mag": ("titans",),
         "mac": ("titans", "--model.titans.variant", "mac"),
+        # MAC as the paper has it, with persistent tokens (as in bench_memory_archs.py): without
+        # them MAC stays at chance here even at 600 steps (see docs/BENCHMARKS.md)
+        "mac-p4": ("titans", "--model.titans.variant", "mac", "--model.titans.persistent_tokens",
+                   "4"),
         "hope": ("hope_attention",),
         # hope.step_norm own, large initial steps: fast in-context binding (see hope.py)
         "hope-own": ("hope_attention", "--model.hope.step_norm", "own", "--model.hope.lr", "1",
