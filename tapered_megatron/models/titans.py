@@ -94,7 +94,11 @@ Choices the paper leaves open, and ours:
   expressive and input-independent; their keys are not rotated by RoPE. Init normal(0,
   ``init_std``), so they start as near-uniform, near-zero-value "sinks". The memory branch of
   MAG/MAL does not see them (in the paper it does; a fixed prefix would only pre-load the memory
-  with the same input-independent content in every sequence).
+  with the same input-independent content in every sequence). MAC needs them: on the
+  associative-recall benchmark (scripts/bench_memory_recall.py) MAC without persistent tokens
+  stays at chance even after 600 steps, with 4 it learns; its segment-local attention gives a
+  segment's first queries only themselves and their memory tokens to attend to (the default
+  stays 0 for every variant; give MAC some, as the paper does).
 * Tensor parallelism: memory heads are split across TP ranks exactly like attention heads; every
   memory computation is local to its head, so the memory adds no communication (MAC: the two
   row-parallel maps ``W_h``, ``W_y`` add one all-reduce each per segment).
