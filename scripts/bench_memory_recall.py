@@ -16,7 +16,8 @@ restricted to a sliding window of ``window`` tokens in every model):
 
 * transformer: our transformer with its attention replaced by sliding-window attention;
 * titans MAG (window attention + memory), titans MAC (segments of ``window`` tokens), defaults
-  otherwise (chunk 8);
+  otherwise (chunk 8, no persistent tokens); ``mac-p4``: MAC with 4 persistent tokens (the
+  paper's MAC prepends persistent tokens; without them our MAC does not learn this task);
 * hope_attention (``hope``): its attention replaced by the same sliding-window attention, CMS
   periods 0 / 16 / 8, otherwise its defaults (learned rates, association update,
   ``hope.step_norm split``: ``W_2``'s step normalised by its own input with a gate of its own);
@@ -173,7 +174,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--models",
         nargs="+",
-        default=["transformer", "mag", "mac", "hope", "hope-input", "hope-own"],
+        default=["transformer", "mag", "mac", "mac-p4", "hope", "hope-input", "hope-own"],
     )
     a = ap.parse_args(argv)
     if a.gap < LAYERS * a.window:
@@ -187,6 +188,10 @@ def main(argv: list[str] | None = None) -> int:
         "transformer": ("transformer",),
         "mag": ("titans",),
         "mac": ("titans", "--model.titans.variant", "mac"),
+        # MAC as the paper has it, with persistent tokens (as in bench_memory_archs.py): without
+        # them MAC stays at chance here even at 600 steps (see docs/BENCHMARKS.md)
+        "mac-p4": ("titans", "--model.titans.variant", "mac", "--model.titans.persistent_tokens",
+                   "4"),
         "hope": ("hope_attention",),
         "hope-input": ("hope_attention", "--model.hope.step_norm", "input"),
         # hope.step_norm own, large initial steps: fast in-context binding (see hope.py)

@@ -25,7 +25,7 @@ The read-out ``M_t(q_t)`` never materialises ``M_t``: layer by
 layer, ``M_t x_t = B_t M_0 x_t + P_t S_0 x_t - sum_i c_{t,i} delta_i (a_i . x_t)``, i.e. two
 weight matmuls plus a causally masked ``b x b`` "attention" over the chunk's gradient factors
 (the dual form of TTT). At the chunk end ``M`` and ``S`` are materialised (one matmul per layer,
-``delta^T [c_b a | (E_b/E) a]``) and carried to the next chunk; the loop over chunks is the
+``[c_b delta | (E_b/E) delta]^T a``) and carried to the next chunk; the loop over chunks is the
 scan, one call of :func:`_chunk_step` per chunk. No Python loop over tokens.
 
 Choices the paper leaves open, and ours:
@@ -94,7 +94,11 @@ Choices the paper leaves open, and ours:
   expressive and input-independent; their keys are not rotated by RoPE. Init normal(0,
   ``init_std``), so they start as near-uniform, near-zero-value "sinks". The memory branch of
   MAG/MAL does not see them (in the paper it does; a fixed prefix would only pre-load the memory
-  with the same input-independent content in every sequence).
+  with the same input-independent content in every sequence). MAC needs them: on the
+  associative-recall benchmark (scripts/bench_memory_recall.py) MAC without persistent tokens
+  stays at chance even after 600 steps, with 4 it learns; its segment-local attention gives a
+  segment's first queries only themselves and their memory tokens to attend to (the default
+  stays 0 for every variant; give MAC some, as the paper does).
 * Tensor parallelism: memory heads are split across TP ranks exactly like attention heads; every
   memory computation is local to its head, so the memory adds no communication (MAC: the two
   row-parallel maps ``W_h``, ``W_y`` add one all-reduce each per segment).
@@ -102,10 +106,18 @@ Choices the paper leaves open, and ours:
   MAG mixer has about 1.8x the parameters of plain attention (its own memory q/k/v); MAC adds
   ``W_h`` and ``W_y``.
 * Speed: one kernel sequence per chunk (:func:`_chunk_step`: the key pass, the per-token clip,
-  the read-out of every layer, the chunk-end state); the first chunk uses a zero momentum
-  instead of a special case, so every chunk runs the same graph. ``train.compile`` compiles
-  that step once (``torch.compile``, shapes fixed) and keeps the loop over chunks eager, so an
-  outer ``torch.compile`` of the model never unrolls the scan (which took minutes to compile).
+  the read-out of every layer, the chunk-end state), few and large kernels: everything that
+  does not depend on the memory (gate products, ``q k^T``, key norms, keys and queries stacked)
+  is computed for all chunks at once before the loop; the keys' first memory layer and the
+  queries' read-out through ``[M_0; S_0]`` are one matmul (the keys' product with ``S_0`` is
+  computed and unused: one matmul is cheaper than two), every later layer's read-out through
+  ``[M_0; S_0]`` is one, the chunk-end update of ``M`` and ``S`` one per layer
+  (``[c_b delta | (E_b/E) delta]^T a``), and the state mix has its own backward
+  (:class:`_ChunkEnd`); per-chunk inputs are unbound, not sliced (a slice's backward zero-fills
+  a full-sequence gradient per chunk). The first chunk uses a zero momentum instead of a
+  special case, so every chunk runs the same graph. ``train.compile`` compiles that step once
+  (``torch.compile``, shapes fixed) and keeps the loop over chunks eager, so an outer
+  ``torch.compile`` of the model never unrolls the scan (which took minutes to compile).
   Larger chunks fill the matmuls better (the ``b x b`` dual form grows, the per-chunk state
   materialisation is amortised): see docs/BENCHMARKS.md for the chunk-size trade-off measured.
 * titans-pytorch (the reference implementation on PyPI) takes all surprise gradients of one
@@ -125,7 +137,7 @@ from torch import nn
 
 from tapered_megatron.config import ConfigError, at_least
 from tapered_megatron.models.base import Architecture, Counts, TokenMixer, register_architecture
-from tapered_megatron.models.layers import RotaryEmbedding, silu_grad
+from tapered_megatron.models.layers import RotaryEmbedding
 from tapered_megatron.models.mlp import SwiGLU
 from tapered_megatron.parallel import (
     ColumnParallelLinear,
@@ -200,33 +212,6 @@ def _state_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-def _mlp_forward_backward(
-    weights: list[torch.Tensor], k: torch.Tensor, v: torch.Tensor
-) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-    """Forward ``k`` through the memory MLP and back-propagate ``||M(k) - v||^2`` explicitly.
-
-    Returns per layer ``l`` the layer inputs ``a_l`` ([..., n, in_l]) and output-side errors
-    ``delta_l`` ([..., n, out_l]); token ``i``'s gradient of layer ``l`` is ``delta_l[i] a_l[i]^T``.
-    """
-    acts, pre = [k], []
-    x = k
-    for i, w in enumerate(weights):
-        z = x @ w.mT
-        if i < len(weights) - 1:
-            pre.append(z)
-            x = F.silu(z)
-            acts.append(x)
-        else:
-            x = z
-    delta = 2.0 * (x - v)
-    deltas = [delta]
-    for i in range(len(weights) - 1, 0, -1):
-        delta = (delta @ weights[i]) * silu_grad(pre[i - 1])
-        deltas.append(delta)
-    deltas.reverse()
-    return acts, deltas
-
-
 def mlp_read(weights: list[torch.Tensor], x: torch.Tensor) -> torch.Tensor:
     """``M(x)`` through fixed (per-sequence) memory weights ``[B or 1, H, out, in]``; x
     ``[B, H, n, D]``, computed in the weights' dtype with autocast off, returned in x's."""
@@ -262,50 +247,93 @@ def _chunk_coefficients(
     return coef, keep, mom, torch.exp(cum_e[..., -1]), mom_decay[..., -1, :]
 
 
-def _clip_scale(acts: list[torch.Tensor], deltas: list[torch.Tensor]) -> torch.Tensor:
-    """Per-token factor ``min(1, MAX_GRAD_NORM / ||grad_i||)``; ``||d a^T|| = ||d|| ||a||``."""
-    sq = sum(a.pow(2).sum(-1) * d.pow(2).sum(-1) for a, d in zip(acts, deltas))
-    return MAX_GRAD_NORM / torch.sqrt(sq.clamp_min(MAX_GRAD_NORM**2))
-
-
 def _chunk_step(
     state: list[torch.Tensor],
-    q: torch.Tensor,
-    k: torch.Tensor,
+    kq: torch.Tensor,
     v: torch.Tensor,
+    qk: torch.Tensor,
+    k_sq: torch.Tensor,
     theta: torch.Tensor,
     coef: torch.Tensor,
-    keep: torch.Tensor,
-    mom: torch.Tensor,
-    s_keep: torch.Tensor,
-    s_coef: torch.Tensor,
+    rates: torch.Tensor,
+    ends: torch.Tensor,
+    mix: torch.Tensor,
 ) -> tuple[torch.Tensor, list[torch.Tensor]]:
     """One chunk of the scan: read-out ``M_t(q_t)`` for its tokens and the chunk-end state.
 
-    ``state``: chunk-start ``[M | S]`` per layer (:class:`MemoryState` layout); ``q, k, v``
-    [B, H, b, D]; ``theta``, ``keep``, ``mom``, ``s_coef`` [B, H, b]; ``coef`` [B, H, b, b];
-    ``s_keep`` [B, H]. The chunk-end ``[M | S] = [[B_b, P_b], [0, E_b]] [M_0 | S_0] - updates``
-    is one ``baddbmm`` per layer (no elementwise passes over the state).
+    ``state``: chunk-start ``[M | S]`` per layer (:class:`MemoryState` layout); ``kq`` [B, H,
+    2b, D]: the chunk's keys then its queries; ``v`` [B, H, b, D]; ``qk`` [B, H, b, b]: ``q_t .
+    k_i``; ``k_sq`` and ``theta`` [B, H, b]; ``coef`` [B, H, b, b]; ``rates`` [B, H, b, 2, 1]:
+    ``(B_t, P_t)``; ``ends`` [B, H, b, 2]: ``(c_{b,i}, E_b / E_i) / theta_i``; ``mix`` [B, H, 3]:
+    ``(B_b, P_b, E_b)``. Few, large kernels: the first layer of the key pass and of
+    the read-out through ``M_0`` and ``S_0`` is one matmul, every layer's read-out through
+    ``[M_0; S_0]`` is one, and the chunk-end ``[M | S] = mix [M_0 | S_0] - updates`` is one
+    matmul and one :class:`_ChunkEnd` per layer.
     """
-    bsz, heads = q.shape[:2]
-    pairs = [ms.unbind(2) for ms in state]  # (M_0, S_0) per layer
-    acts, deltas = _mlp_forward_backward([m0 for m0, _ in pairs], k, v)
-    th = (theta * _clip_scale(acts, deltas))[..., None]
-    deltas = [d * th for d in deltas]  # theta_i folded into the gradient factors
-    kp, mm = keep[..., None], mom[..., None]
-    x = q
-    for layer, ((m0, s0), a, d) in enumerate(zip(pairs, acts, deltas)):
-        z = kp * (x @ m0.mT) + mm * (x @ s0.mT) - ((x @ a.mT) * coef) @ d
-        x = F.silu(z) if layer < len(state) - 1 else z
-    c_end, sc = coef[..., -1, :, None], s_coef[..., None]
-    zero = torch.zeros_like(s_keep)
-    mix = torch.stack((keep[..., -1], mom[..., -1], zero, s_keep), dim=-1).view(-1, 2, 2)
+    bsz, heads, b = v.shape[:3]
+    flat = [ms.flatten(2, 3) for ms in state]  # [M_0; S_0] per layer, [B', H, 2 out, in]
+    m0 = [ms[:, :, 0] for ms in state]
+    out = [w.shape[-2] for w in m0]
+    # keys: the key pass's first layer (the product with S_0 unused); queries: the read-out's.
+    # split / unbind: their backward writes each gradient once (slices zero-fill a full copy)
+    zk, zq = (kq @ flat[0].mT).unflatten(-1, (2, out[0])).split(b, dim=-3)
+    acts, pre = [kq[..., :b, :]], [zk.unbind(-2)[0]]
+    for w in m0[1:]:  # the rest of the key pass
+        acts.append(F.silu(pre[-1]))
+        pre.append(acts[-1] @ w.mT)
+    deltas = [pre.pop() - v]  # half the gradient of ||M(k) - v||^2 w.r.t. the output
+    for w, zl, al in zip(reversed(m0[1:]), reversed(pre), reversed(acts[1:])):
+        sig = torch.sigmoid(zl)  # silu'(z) = s + silu(z) (1 - s), silu(z) at hand
+        deltas.append((deltas[-1] @ w) * torch.addcmul(sig, al, 1 - sig))
+    deltas.reverse()
+    # the per-token clip of the full gradient 2 delta a^T: theta_i min(1, 1 / ||.||), with
+    # the factor 2 folded in
+    sq = k_sq * deltas[0].pow(2).sum(-1)
+    for a, d in zip(acts[1:], deltas[1:]):
+        sq = sq + a.pow(2).sum(-1) * d.pow(2).sum(-1)
+    th = theta * (MAX_GRAD_NORM * torch.rsqrt(sq.clamp_min(MAX_GRAD_NORM**2 / 4)))
+    c = coef * th[..., None, :]
+    x = (zq * rates).sum(-2) - (qk * c) @ deltas[0]
+    for layer in range(1, len(state)):
+        x = F.silu(x)
+        base = ((x @ flat[layer].mT).unflatten(-1, (2, out[layer])) * rates).sum(-2)
+        x = base - ((x @ acts[layer].mT) * c) @ deltas[layer]
+    ends = (ends * -th[..., None])[..., None]  # negated: the updates are subtracted
     new = []
     for ms, a, d in zip(state, acts, deltas):
-        upd = torch.stack((d.mT @ (c_end * a), d.mT @ (sc * a)), dim=2)  # [B, H, 2, out, in]
-        flat = ms.expand(bsz, heads, *ms.shape[2:]).reshape(bsz * heads, 2, -1)
-        new.append(torch.baddbmm(upd.view(bsz * heads, 2, -1), mix, flat, beta=-1.0).view_as(upd))
+        neg_upd = (d[..., None, :] * ends).flatten(-2).mT @ a  # [B, H, 2 out, in]
+        new.append(_ChunkEnd.apply(ms, neg_upd.view(bsz, heads, *ms.shape[2:]), mix))
     return x, new
+
+
+class _ChunkEnd(torch.autograd.Function):
+    """The chunk-end state ``[M; S] = [[B_b, P_b], [0, E_b]] [M_0; S_0] + neg_upd``.
+
+    ``old`` [B or 1, H, 2, out, in], ``neg_upd`` [B, H, 2, out, in], ``mix`` [B, H, 3]: ``(B_b,
+    P_b, E_b)``. Its own backward: two elementwise passes for the state's gradient and one
+    batched product for the gates' (autograd's ``baddbmm`` form ran a 2 x 2 batched matmul
+    over the state, a quarter of the scan's time).
+    """
+
+    @staticmethod
+    def forward(ctx, old: torch.Tensor, neg_upd: torch.Tensor, mix: torch.Tensor) -> torch.Tensor:
+        diag, off = mix[..., 0::2, None, None], mix[..., 1, None, None]
+        new = torch.addcmul(neg_upd, old, diag)
+        new[:, :, 0].addcmul_(old[:, :, 1], off)
+        ctx.save_for_backward(old, mix)
+        return new
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        old, mix = ctx.saved_tensors
+        diag, off = mix[..., 0::2, None, None], mix[..., 1, None, None]
+        g_old = grad * diag
+        g_old[:, :, 1].addcmul_(grad[:, :, 0], off)
+        prods = grad.flatten(3) @ old.flatten(3).mT  # [B, H, 2, 2]: <grad_r, old_c>
+        g_mix = torch.stack((prods[..., 0, 0], prods[..., 0, 1], prods[..., 1, 1]), dim=-1)
+        if old.shape[0] != grad.shape[0]:  # the shared initial state of every sequence
+            g_old = g_old.sum(0, keepdim=True)
+        return g_old, grad, g_mix
 
 
 _COMPILED: dict[str, object] = {}
@@ -369,15 +397,20 @@ def memory_scan(
             torch.log(eta.clamp_min(1e-30)).reshape(shape),
             torch.log1p(-alpha.clamp_max(1 - 1e-7)).reshape(shape),
         )
-        theta = theta.reshape(shape)
+        # everything that does not depend on the memory, for all chunks at once
         qc, kc, vc = (t.reshape(bsz, heads, n, b, -1) for t in (q, k, v))
+        kq = torch.cat((kc, qc), dim=3)
+        qk = qc @ kc.mT
+        k_sq = kc.pow(2).sum(-1)
+        theta = theta.reshape(shape)
+        rates = torch.stack((keep, mom), dim=-1)[..., None]
+        ends = torch.stack((coef[..., -1, :], s_coef), dim=-1)
+        mix = torch.stack((keep[..., -1], mom[..., -1], s_keep), dim=-1)
         layers = state.layers
         outs = []
-        for c in range(n):
-            y, layers = step(
-                layers, qc[:, :, c], kc[:, :, c], vc[:, :, c], theta[:, :, c], coef[:, :, c],
-                keep[:, :, c], mom[:, :, c], s_keep[:, :, c], s_coef[:, :, c],
-            )  # fmt: skip
+        per_chunk = (t.unbind(2) for t in (kq, vc, qk, k_sq, theta, coef, rates, ends, mix))
+        for args in zip(*per_chunk):  # unbind: one gradient stack, not a scatter per chunk
+            y, layers = step(layers, *args)
             outs.append(y)
         y = torch.stack(outs, dim=2).reshape(bsz, heads, n * b, -1)[:, :, :seq]
     return y.to(out_dtype), MemoryState(layers)
@@ -434,12 +467,18 @@ def causal_depthwise_conv(
 ) -> torch.Tensor:
     """Causal depthwise 1-D convolution; x [B, S, C], weight [C, K] (tap K-1 is the current).
 
-    ``prefix`` [B, K-1, C]: the inputs just before ``x`` (zeros when None).
+    ``prefix`` [B, K-1, C]: the inputs just before ``x`` (zeros when None). Written as K shifted
+    multiply-adds in x's own layout: for a few taps this is faster than ``conv1d`` (whose
+    depthwise kernels, forward and backward, plus the two transposes cost a third more).
     """
-    c, width = weight.shape
-    xt = x.transpose(1, 2)
-    xt = F.pad(xt, (width - 1, 0)) if prefix is None else torch.cat((prefix.transpose(1, 2), xt), 2)
-    return F.conv1d(xt, weight.unsqueeze(1).to(x.dtype), groups=c).transpose(1, 2)
+    width = weight.shape[1]
+    w = weight.to(x.dtype)
+    xp = F.pad(x, (0, 0, width - 1, 0)) if prefix is None else torch.cat((prefix, x), 1)
+    seq = x.shape[1]
+    y = xp[:, :seq] * w[:, 0]
+    for j in range(1, width):
+        y = torch.addcmul(y, xp[:, j : j + seq], w[:, j])
+    return y
 
 
 def _head_rms_norm(x: torch.Tensor, gain: torch.Tensor | None, eps: float) -> torch.Tensor:
