@@ -169,8 +169,11 @@ def main(argv: list[str] | None = None) -> int:
         logf.flush()
 
     t0 = time.time()
-    (out / "command.json").write_text(json.dumps({"command": meta["command"]}))
-    log(f"reproduce_tlm: {meta['command']} | {len(runs)} runs, {jobs} at a time | out {out}")
+    record = out / "command.json"  # what RESULTS.md shows: a subset rerun keeps the full one
+    if set(only) == set(ex.EXPERIMENTS) or not record.exists():
+        record.write_text(json.dumps({"command": meta["command"]}))
+    meta["command"] = json.loads(record.read_text())["command"]
+    log(f"reproduce_tlm: {_command(argv)} | {len(runs)} runs, {jobs} at a time | out {out}")
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # so `finally` records the time
     try:
         failed = ex.train_all(settings, runs, jobs, log)
@@ -190,7 +193,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _report_only(settings: ex.Settings, runs: list, results: Path, meta: dict) -> int:
-    """RESULTS.md from the finished runs, with the last training invocation's command."""
+    """RESULTS.md from the finished runs, with the command of the last training invocation that
+    ran every experiment (a rerun of a subset with ``--only`` does not replace it)."""
     from tapered_megatron.eval import report
 
     n = report.sync_records(settings, runs, results / "results" / "runs")

@@ -299,9 +299,14 @@ def test_killed_driver_reruns_only_what_is_left(tmp_path: Path) -> None:
     check_results(out / "report")
     tables = _table_lines(out / "report" / "RESULTS.md")
 
+    full = {"command": "python scripts/reproduce_tlm.py --out somewhere"}  # as if run before
+    (out / "command.json").write_text(json.dumps(full))
     again = _driver(out, "--only", "alignment", "--jobs", "1")
     assert "training: 2 of 2 runs already done, 0 to go" in again.stdout
     assert _table_lines(out / "report" / "RESULTS.md") == tables
+    # a rerun of a subset keeps the directory's full command as what RESULTS.md shows
+    assert json.loads((out / "command.json").read_text()) == full
+    assert f"Command: `{full['command']}`" in (out / "report" / "RESULTS.md").read_text()
 
 
 def test_rerun_from_another_checkout_or_launcher_is_accepted(tmp_path: Path) -> None:
