@@ -235,6 +235,9 @@ def _shape(name: str, a: argparse.Namespace, status: dict) -> dict:
         builds["hope_attention, teach signal"] = lambda: _ours(
             base, "--model.arch", "hope_attention", "--model.hope.update", "teach"
         )
+        builds["hope_attention, step_norm input"] = lambda: _ours(
+            base, "--model.arch", "hope_attention", "--model.hope.step_norm", "input"
+        )  # the rule before step_norm split: what the default's second gate costs
         if not a.no_peers:
             builds["peer: titans-pytorch MAC"] = lambda: _peer_titans_mac(base)
             builds["peer: nested-learning hope_attention, teach signal"] = lambda: _peer_hope_teach(

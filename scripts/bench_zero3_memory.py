@@ -123,7 +123,6 @@ def _worker(
     from tapered_megatron import parallel
     from tapered_megatron.models import build_model
     from tapered_megatron.training import optim
-    from tapered_megatron.training.launch import release_shm_workspace
     from tapered_megatron.training.trainer import build_partitioned
 
     with open("/proc/self/oom_score_adj", "w") as f:
@@ -131,7 +130,6 @@ def _worker(
     cfg, ds = bench_config(name, seq_len, world, extra, zero)
     parallel.init_model_parallel(1, 1)
     deepspeed.init_distributed(dist.get_backend())
-    release_shm_workspace(rank, world)  # a rank the watchdog kills leaves no /dev/shm file
     out: dict[str, Any] = {"rank": rank, "footprint": _mib("VmRSS")}
     t = time.perf_counter()
     model = build_model(cfg) if build == "whole" else build_partitioned(cfg, ds)
