@@ -136,6 +136,7 @@ from typing import TYPE_CHECKING, Literal
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.autograd.function import once_differentiable
 
 from tapered_megatron.config import ConfigError, at_least
 from tapered_megatron.models.base import Architecture, Counts, TokenMixer, register_architecture
@@ -250,7 +251,14 @@ def _chunk_coefficients(
     return coef, keep, mom, torch.exp(cum_e[..., -1]), mom_decay[..., -1, :]
 
 
-def _chunk_step(
+def _silu_parts(z: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``silu(z)`` and ``silu'(z) = s + silu(z) (1 - s)`` (``s = sigmoid(z)``)."""
+    s = torch.sigmoid(z)
+    a = z * s
+    return a, torch.addcmul(s, a, 1 - s)
+
+
+def _chunk_forward(
     state: list[torch.Tensor],
     kq: torch.Tensor,
     v: torch.Tensor,
@@ -261,92 +269,235 @@ def _chunk_step(
     rates: torch.Tensor,
     ends: torch.Tensor,
     mix: torch.Tensor,
-) -> tuple[torch.Tensor, list[torch.Tensor]]:
-    """One chunk of the scan: read-out ``M_t(q_t)`` for its tokens and the chunk-end state.
+) -> tuple[torch.Tensor, list[torch.Tensor], list[torch.Tensor]]:
+    """One chunk of the scan, without autograd: read-out ``M_t(q_t)`` for its tokens, the
+    chunk-end state, and what :func:`_chunk_backward` needs.
 
     ``state``: chunk-start ``[M | S]`` per layer (:class:`MemoryState` layout); ``kq`` [B, H,
     2b, D]: the chunk's keys then its queries; ``v`` [B, H, b, D]; ``qk`` [B, H, b, b]: ``q_t .
     k_i``; ``k_sq`` and ``theta`` [B, H, b]; ``coef`` [B, H, b, b]; ``rates`` [B, H, b, 2, 1]:
     ``(B_t, P_t)``; ``ends`` [B, H, b, 2]: ``(c_{b,i}, E_b / E_i) / theta_i``; ``mix`` [B, H, 3]:
-    ``(B_b, P_b, E_b)``. Few, large kernels: the first layer of the key pass and of
-    the read-out through ``M_0`` and ``S_0`` is one matmul, every layer's read-out through
-    ``[M_0; S_0]`` is one, and the chunk-end ``[M | S] = mix [M_0 | S_0] - updates`` is one
-    matmul and one :class:`_ChunkEnd` per layer.
+    ``(B_b, P_b, E_b)``. Few, large kernels: the first layer of the key pass and of the
+    read-out through ``M_0`` and ``S_0`` is one matmul (the keys' product with ``S_0`` is
+    computed and unused: cheaper than two), every layer's read-out through ``[M_0; S_0]`` is one,
+    and the chunk-end ``[M | S] = mix [M_0 | S_0] - updates`` is one matmul added in place.
     """
-    bsz, heads, b = v.shape[:3]
+    depth, b = len(state), v.shape[-2]
     flat = [ms.flatten(2, 3) for ms in state]  # [M_0; S_0] per layer, [B', H, 2 out, in]
     m0 = [ms[:, :, 0] for ms in state]
     out = [w.shape[-2] for w in m0]
-    # keys: the key pass's first layer (the product with S_0 unused); queries: the read-out's.
-    # split / unbind: their backward writes each gradient once (slices zero-fill a full copy)
+    # keys: the key pass's first layer; queries: the read-out's first layer (through M_0, S_0)
     zk, zq = (kq @ flat[0].mT).unflatten(-1, (2, out[0])).split(b, dim=-3)
-    acts, pre = [kq[..., :b, :]], [zk.unbind(-2)[0]]
+    acts, pre, dsilu = [kq[..., :b, :]], [zk[..., 0, :]], []
     for w in m0[1:]:  # the rest of the key pass
-        acts.append(F.silu(pre[-1]))
-        pre.append(acts[-1] @ w.mT)
-    deltas = [pre.pop() - v]  # half the gradient of ||M(k) - v||^2 w.r.t. the output
-    for w, zl, al in zip(reversed(m0[1:]), reversed(pre), reversed(acts[1:])):
-        sig = torch.sigmoid(zl)  # silu'(z) = s + silu(z) (1 - s), silu(z) at hand
-        deltas.append((deltas[-1] @ w) * torch.addcmul(sig, al, 1 - sig))
+        a, ds = _silu_parts(pre[-1])
+        acts.append(a)
+        dsilu.append(ds)
+        pre.append(a @ w.mT)
+    deltas = [pre[-1] - v]  # half the gradient of ||M(k) - v||^2 w.r.t. the output
+    dms = []  # delta_l M_l, l >= 1 (in layer order after the reverse)
+    for layer in range(depth - 1, 0, -1):
+        dms.append(deltas[-1] @ m0[layer])
+        deltas.append(dms[-1] * dsilu[layer - 1])
     deltas.reverse()
+    dms.reverse()
     # the per-token clip of the full gradient 2 delta a^T: theta_i min(1, 1 / ||.||), with
     # the factor 2 folded in
     sq = k_sq * deltas[0].pow(2).sum(-1)
     for a, d in zip(acts[1:], deltas[1:]):
         sq = sq + a.pow(2).sum(-1) * d.pow(2).sum(-1)
-    th = theta * (MAX_GRAD_NORM * torch.rsqrt(sq.clamp_min(MAX_GRAD_NORM**2 / 4)))
+    rs = MAX_GRAD_NORM * torch.rsqrt(sq.clamp_min(MAX_GRAD_NORM**2 / 4))
+    th = theta * rs
     c = coef * th[..., None, :]
+    zs, us, xsilu, scores = [zq], [], [], [qk]
     x = (zq * rates).sum(-2) - (qk * c) @ deltas[0]
-    for layer in range(1, len(state)):
-        x = F.silu(x)
-        base = ((x @ flat[layer].mT).unflatten(-1, (2, out[layer])) * rates).sum(-2)
-        x = base - ((x @ acts[layer].mT) * c) @ deltas[layer]
-    ends = (ends * -th[..., None])[..., None]  # negated: the updates are subtracted
+    for layer in range(1, depth):
+        u, ds = _silu_parts(x)
+        us.append(u)
+        xsilu.append(ds)
+        zs.append((u @ flat[layer].mT).unflatten(-1, (2, out[layer])))
+        scores.append(u @ acts[layer].mT)
+        x = (zs[-1] * rates).sum(-2) - (scores[-1] * c) @ deltas[layer]
+    # chunk end: [M; S] = [[B_b, P_b], [0, E_b]] [M_0; S_0] - [c_b delta | (E_b/E) delta]^T a
+    h = (ends * -th[..., None])[..., None]  # negated: the updates are subtracted
+    diag, off = mix[..., 0::2, None, None], mix[..., 1, None, None]
     new = []
     for ms, a, d in zip(state, acts, deltas):
-        neg_upd = (d[..., None, :] * ends).flatten(-2).mT @ a  # [B, H, 2 out, in]
-        new.append(_ChunkEnd.apply(ms, neg_upd.view(bsz, heads, *ms.shape[2:]), mix))
-    return x, new
+        upd = (d[..., None, :] * h).flatten(-2).mT @ a  # [B, H, 2 out, in]
+        nxt = torch.addcmul(upd.view(*upd.shape[:2], *ms.shape[2:]), ms, diag)
+        nxt[:, :, 0].addcmul_(ms[:, :, 1], off)
+        new.append(nxt)
+    saved = [*acts[1:], *pre[:-1], *dsilu, *deltas, *dms, *zs, *us, *xsilu, *scores, sq, rs, th]
+    return x, new, saved
 
 
-class _ChunkEnd(torch.autograd.Function):
-    """The chunk-end state ``[M; S] = [[B_b, P_b], [0, E_b]] [M_0; S_0] + neg_upd``.
+def _chunk_backward(
+    state: list[torch.Tensor],
+    kq: torch.Tensor,
+    k_sq: torch.Tensor,
+    theta: torch.Tensor,
+    coef: torch.Tensor,
+    rates: torch.Tensor,
+    ends: torch.Tensor,
+    mix: torch.Tensor,
+    saved: list[torch.Tensor],
+    gy: torch.Tensor,
+    g_new: list[torch.Tensor],
+) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """The gradients of one chunk of the scan (:func:`_chunk_forward`), written by hand.
 
-    ``old`` [B or 1, H, 2, out, in], ``neg_upd`` [B, H, 2, out, in], ``mix`` [B, H, 3]: ``(B_b,
-    P_b, E_b)``. Its own backward: two elementwise passes for the state's gradient and one
-    batched product for the gates' (autograd's ``baddbmm`` form ran a 2 x 2 batched matmul
-    over the state, a quarter of the scan's time).
+    ``gy`` [B, H, b, D] and ``g_new`` (per layer, the chunk-end state's gradient) in; out: the
+    chunk-start state's gradient per layer (``[B, H, ...]``: summed over sequences by the
+    caller when the state is shared) and the gradients of ``kq, v, qk, k_sq, theta, coef, rates,
+    ends, mix`` in that order.
+    """
+    depth = len(state)
+    n1 = depth - 1
+    it = iter(saved)
+    acts = [kq[..., : k_sq.shape[-1], :], *(next(it) for _ in range(n1))]
+    pre, dsilu = [next(it) for _ in range(n1)], [next(it) for _ in range(n1)]
+    deltas, dms = [next(it) for _ in range(depth)], [None, *(next(it) for _ in range(n1))]
+    zs, us = [next(it) for _ in range(depth)], [None, *(next(it) for _ in range(n1))]
+    xsilu, scores = [next(it) for _ in range(n1)], [next(it) for _ in range(depth)]
+    sq, rs, th = next(it), next(it), next(it)
+    b = k_sq.shape[-1]
+    out = [ms.shape[-2] for ms in state]
+    flat = [ms.flatten(2, 3) for ms in state]
+    c = coef * th[..., None, :]
+    h = ends * th[..., None]  # the chunk-end update's weights (c_{b,i}, theta_i E_b / E_i)
+    # the chunk end: the state mix and the updates
+    diag, off = mix[..., 0::2, None, None], mix[..., 1, None, None]
+    g_state, g_mix, gd, ga = [], 0, [], []
+    gh = 0
+    for ms, g, a, d, o in zip(state, g_new, acts, deltas, out):
+        prods = g.flatten(3) @ ms.flatten(3).mT  # [B, H, 2, 2]: <g_r, old_c>
+        g_mix = g_mix + torch.stack((prods[..., 0, 0], prods[..., 0, 1], prods[..., 1, 1]), -1)
+        gs = g * diag
+        gs[:, :, 1].addcmul_(g[:, :, 0], off)
+        g_state.append(gs)
+        gf = g.flatten(2, 3)
+        t = (a @ gf.mT).unflatten(-1, (2, o))  # [B, H, b, 2, out]: g_r a_i
+        gd.append(-(t * h[..., None]).sum(-2))
+        gh = gh - (t * d[..., None, :]).sum(-1)
+        ga.append(-((d[..., None, :] * h[..., None]).flatten(-2) @ gf))
+    # the read-out, last layer first
+    g = gy
+    gc = 0
+    g_rates = 0
+    for layer in range(n1, -1, -1):
+        g_rates = g_rates + (zs[layer] * g[..., None, :]).sum(-1, keepdim=True)
+        gr = (g[..., None, :] * rates).flatten(-2)  # [B, H, b, 2 out]: (B_t g, P_t g)
+        gw = g @ deltas[layer].mT  # of the masked scores' product
+        gd[layer] = gd[layer] - (scores[layer] * c).mT @ g
+        gc = gc - gw * scores[layer]
+        g_scores = gw * -c
+        if layer == 0:
+            g_qk, gr0 = g_scores, gr
+            break
+        gu = gr @ flat[layer] + g_scores @ acts[layer]
+        ga[layer] = ga[layer] + g_scores.mT @ us[layer]
+        g_state[layer] += (gr.mT @ us[layer]).view(g_state[layer].shape)
+        g = gu * xsilu[layer - 1]
+    # the clip
+    g_th = (gc * coef).sum(-2) + (gh * ends).sum(-1)
+    g_coef = gc * th[..., None, :]
+    g_ends = gh * th[..., None]
+    g_theta = g_th * rs
+    g_sq = torch.where(sq >= MAX_GRAD_NORM**2 / 4, g_th * theta * rs.pow(3) / (-2), 0.0)
+    g_k_sq = g_sq * deltas[0].pow(2).sum(-1)
+    gd[0] = gd[0] + (2 * g_sq * k_sq)[..., None] * deltas[0]
+    for layer in range(1, depth):
+        a, d = acts[layer], deltas[layer]
+        ga[layer] = ga[layer] + (2 * g_sq * d.pow(2).sum(-1))[..., None] * a
+        gd[layer] = gd[layer] + (2 * g_sq * a.pow(2).sum(-1))[..., None] * d
+    # the key pass: the deltas' backprop through M_l, then the forward pass
+    gp = [0] * depth
+    for layer in range(1, depth):
+        p, ds = pre[layer - 1], dsilu[layer - 1]
+        gdm = gd[layer - 1] * ds
+        gd[layer] = gd[layer] + gdm @ state[layer][:, :, 0].mT
+        g_state[layer][:, :, 0] += deltas[layer].mT @ gdm
+        s = torch.sigmoid(p)  # silu''(p) = s (1 - s) (2 + p (1 - 2 s))
+        gp[layer - 1] = gd[layer - 1] * dms[layer] * (s * (1 - s) * (2 + p * (1 - 2 * s)))
+    gp[n1] = gp[n1] + gd[n1]
+    g_v = -gd[n1]
+    for layer in range(n1, 0, -1):
+        g_state[layer][:, :, 0] += gp[layer].mT @ acts[layer]
+        ga[layer] = ga[layer] + gp[layer] @ state[layer][:, :, 0]
+        gp[layer - 1] = gp[layer - 1] + ga[layer] * dsilu[layer - 1]
+    gz = torch.cat((torch.cat((gp[0], torch.zeros_like(gp[0])), -1), gr0), -2)  # [2b, 2 out]
+    g_kq = gz @ flat[0]
+    g_kq[..., :b, :] += ga[0]
+    g_state[0] += (gz.mT @ kq).view(g_state[0].shape)
+    return g_state, [g_kq, g_v, g_qk, g_k_sq, g_theta, g_coef, g_rates, g_ends, g_mix]
+
+
+class _Scan(torch.autograd.Function):
+    """The loop over chunks with a hand-written backward (the state's gradient carried by hand,
+    chunks in reverse order); one graph node for the whole scan.
+
+    Inputs are per-chunk stacks (chunk axis 2, as :func:`_chunk_forward` takes them one chunk
+    at a time) and the initial state's layers; outputs the read-out ``[B, H, n, b, D]`` and the
+    final state's layers. The forward keeps every chunk's start state and the few per-token
+    intermediates the backward needs (nothing when no input needs a gradient). Not twice
+    differentiable.
     """
 
     @staticmethod
-    def forward(ctx, old: torch.Tensor, neg_upd: torch.Tensor, mix: torch.Tensor) -> torch.Tensor:
-        diag, off = mix[..., 0::2, None, None], mix[..., 1, None, None]
-        new = torch.addcmul(neg_upd, old, diag)
-        new[:, :, 0].addcmul_(old[:, :, 1], off)
-        ctx.save_for_backward(old, mix)
-        return new
+    def forward(ctx, compiled: bool, *args: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        fwd = _compiled("forward") if compiled else _chunk_forward
+        per_chunk, layers = args[:9], list(args[9:])
+        keep = any(ctx.needs_input_grad)
+        states, ys, saved = [layers], [], []
+        for chunk in zip(*(t.unbind(2) for t in per_chunk)):
+            y, new, inner = fwd(states[-1], *chunk)
+            ys.append(y)
+            if keep:
+                saved.extend(inner)
+            states.append(new)
+        if keep:
+            kq, _, _, k_sq, theta, coef, rates, ends, mix = per_chunk
+            ctx.compiled, ctx.sizes = compiled, (len(layers), len(saved) // len(ys))
+            prior = [t for s in states[:-1] for t in s]
+            ctx.save_for_backward(kq, k_sq, theta, coef, rates, ends, mix, *prior, *saved)
+        return (torch.stack(ys, dim=2), *states[-1])
 
     @staticmethod
-    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        old, mix = ctx.saved_tensors
-        diag, off = mix[..., 0::2, None, None], mix[..., 1, None, None]
-        g_old = grad * diag
-        g_old[:, :, 1].addcmul_(grad[:, :, 0], off)
-        prods = grad.flatten(3) @ old.flatten(3).mT  # [B, H, 2, 2]: <grad_r, old_c>
-        g_mix = torch.stack((prods[..., 0, 0], prods[..., 0, 1], prods[..., 1, 1]), dim=-1)
-        if old.shape[0] != grad.shape[0]:  # the shared initial state of every sequence
-            g_old = g_old.sum(0, keepdim=True)
-        return g_old, grad, g_mix
+    @once_differentiable
+    def backward(ctx, gy: torch.Tensor, *g_layers: torch.Tensor) -> tuple[torch.Tensor | None]:
+        bwd = _compiled("backward") if ctx.compiled else _chunk_backward
+        depth, per = ctx.sizes
+        kq, *inputs = ctx.saved_tensors[:7]
+        rest = ctx.saved_tensors[7:]
+        n = kq.shape[2]
+        chunks = list(zip(*(t.unbind(2) for t in (kq, *inputs))))
+        grads: list[list[torch.Tensor]] = [[] for _ in range(9)]
+        g_state = list(g_layers)
+        with torch.autocast(gy.device.type, enabled=False):
+            for c, g_y in zip(reversed(range(n)), reversed(gy.unbind(2))):
+                state = list(rest[c * depth : (c + 1) * depth])
+                inner = list(rest[n * depth + c * per : n * depth + (c + 1) * per])
+                g_state, g_inputs = bwd(state, *chunks[c], inner, g_y, g_state)
+                for acc, g in zip(grads, g_inputs):
+                    acc.append(g)
+        first = rest[:depth]
+        g_init = [
+            g.sum(0, keepdim=True) if s.shape[0] != g.shape[0] else g
+            for g, s in zip(g_state, first)
+        ]
+        return (None, *(torch.stack(acc[::-1], dim=2) for acc in grads), *g_init)
 
 
 _COMPILED: dict[str, object] = {}
 
 
-def _compiled_chunk_step():
-    """:func:`_chunk_step` under ``torch.compile`` (built once per process, shapes fixed)."""
-    if "step" not in _COMPILED:
-        _COMPILED["step"] = torch.compile(_chunk_step, dynamic=False)
-    return _COMPILED["step"]
+def _compiled(part: str):
+    """:func:`_chunk_forward` or :func:`_chunk_backward` under ``torch.compile`` (built once per
+    process, shapes fixed)."""
+    if part not in _COMPILED:
+        fn = _chunk_forward if part == "forward" else _chunk_backward
+        _COMPILED[part] = torch.compile(fn, dynamic=False)
+    return _COMPILED[part]
 
 
 @torch.compiler.disable
@@ -385,7 +536,6 @@ def memory_scan(
     bsz, heads, seq, _ = q.shape
     b = max(1, min(chunk_size, seq))
     pad = (-seq) % b
-    step = _compiled_chunk_step() if compiled else _chunk_step
     with torch.autocast(q.device.type, enabled=False):
         q, k, v, theta, eta, alpha = (t.to(dtype) for t in (q, k, v, theta, eta, alpha))
         if state is None:
@@ -409,14 +559,9 @@ def memory_scan(
         rates = torch.stack((keep, mom), dim=-1)[..., None]
         ends = torch.stack((coef[..., -1, :], s_coef), dim=-1)
         mix = torch.stack((keep[..., -1], mom[..., -1], s_keep), dim=-1)
-        layers = state.layers
-        outs = []
-        per_chunk = (t.unbind(2) for t in (kq, vc, qk, k_sq, theta, coef, rates, ends, mix))
-        for args in zip(*per_chunk):  # unbind: one gradient stack, not a scatter per chunk
-            y, layers = step(layers, *args)
-            outs.append(y)
-        y = torch.stack(outs, dim=2).reshape(bsz, heads, n * b, -1)[:, :, :seq]
-    return y.to(out_dtype), MemoryState(layers)
+        out = _Scan.apply(compiled, kq, vc, qk, k_sq, theta, coef, rates, ends, mix, *state.layers)
+        y = out[0].reshape(bsz, heads, n * b, -1)[:, :, :seq]
+    return y.to(out_dtype), MemoryState(list(out[1:]))
 
 
 # --------------------------------------------------------------------------------------------
