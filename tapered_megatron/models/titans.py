@@ -258,6 +258,11 @@ def _silu_parts(z: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return a, torch.addcmul(s, a, 1 - s)
 
 
+def _pad_half(x: torch.Tensor) -> torch.Tensor:
+    """``[x | 0]``: a gradient factor of ``M`` only, as a factor of ``[M; S]``."""
+    return torch.cat((x, torch.zeros_like(x)), -1)
+
+
 def _chunk_forward(
     state: list[torch.Tensor],
     kq: torch.Tensor,
@@ -319,13 +324,14 @@ def _chunk_forward(
         scores.append(u @ acts[layer].mT)
         x = (zs[-1] * rates).sum(-2) - (scores[-1] * c) @ deltas[layer]
     # chunk end: [M; S] = [[B_b, P_b], [0, E_b]] [M_0; S_0] - [c_b delta | (E_b/E) delta]^T a
-    h = (ends * -th[..., None])[..., None]  # negated: the updates are subtracted
+    h = (ends * th[..., None])[..., None]
     diag, off = mix[..., 0::2, None, None], mix[..., 1, None, None]
     new = []
     for ms, a, d in zip(state, acts, deltas):
-        upd = (d[..., None, :] * h).flatten(-2).mT @ a  # [B, H, 2 out, in]
-        nxt = torch.addcmul(upd.view(*upd.shape[:2], *ms.shape[2:]), ms, diag)
+        nxt = ms * diag
         nxt[:, :, 0].addcmul_(ms[:, :, 1], off)
+        upd = (d[..., None, :] * h).flatten(-2)  # [B, H, b, 2 out]
+        nxt.flatten(0, 1).flatten(1, 2).baddbmm_(upd.flatten(0, 1).mT, a.flatten(0, 1), alpha=-1)
         new.append(nxt)
     saved = [*acts[1:], *pre[:-1], *dsilu, *deltas, *dms, *zs, *us, *xsilu, *scores, sq, rs, th]
     return x, new, saved
@@ -368,6 +374,7 @@ def _chunk_backward(
     # the chunk end: the state mix and the updates
     diag, off = mix[..., 0::2, None, None], mix[..., 1, None, None]
     g_state, g_mix, gd, ga = [], 0, [], []
+    rows: list[list[torch.Tensor]] = [[] for _ in state]  # of the state's gradient: X^T Y
     gh = 0
     for ms, g, a, d, o in zip(state, g_new, acts, deltas, out):
         prods = g.flatten(3) @ ms.flatten(3).mT  # [B, H, 2, 2]: <g_r, old_c>
@@ -396,7 +403,7 @@ def _chunk_backward(
             break
         gu = gr @ flat[layer] + g_scores @ acts[layer]
         ga[layer] = ga[layer] + g_scores.mT @ us[layer]
-        g_state[layer] += (gr.mT @ us[layer]).view(g_state[layer].shape)
+        rows[layer] = [gr, us[layer]]
         g = gu * xsilu[layer - 1]
     # the clip
     g_th = (gc * coef).sum(-2) + (gh * ends).sum(-1)
@@ -416,19 +423,22 @@ def _chunk_backward(
         p, ds = pre[layer - 1], dsilu[layer - 1]
         gdm = gd[layer - 1] * ds
         gd[layer] = gd[layer] + gdm @ state[layer][:, :, 0].mT
-        g_state[layer][:, :, 0] += deltas[layer].mT @ gdm
+        rows[layer] += [_pad_half(deltas[layer]), gdm]
         s = torch.sigmoid(p)  # silu''(p) = s (1 - s) (2 + p (1 - 2 s))
         gp[layer - 1] = gd[layer - 1] * dms[layer] * (s * (1 - s) * (2 + p * (1 - 2 * s)))
     gp[n1] = gp[n1] + gd[n1]
     g_v = -gd[n1]
     for layer in range(n1, 0, -1):
-        g_state[layer][:, :, 0] += gp[layer].mT @ acts[layer]
+        rows[layer] += [_pad_half(gp[layer]), acts[layer]]
         ga[layer] = ga[layer] + gp[layer] @ state[layer][:, :, 0]
         gp[layer - 1] = gp[layer - 1] + ga[layer] * dsilu[layer - 1]
-    gz = torch.cat((torch.cat((gp[0], torch.zeros_like(gp[0])), -1), gr0), -2)  # [2b, 2 out]
+    gz = torch.cat((_pad_half(gp[0]), gr0), -2)  # [2b, 2 out]
     g_kq = gz @ flat[0]
     g_kq[..., :b, :] += ga[0]
-    g_state[0] += (gz.mT @ kq).view(g_state[0].shape)
+    rows[0] = [gz, kq]
+    for gs, terms in zip(g_state, rows):  # every matmul term of the state's gradient at once
+        x, y = (torch.cat(terms[i::2], -2) for i in (0, 1))
+        gs.flatten(0, 1).flatten(1, 2).baddbmm_(x.flatten(0, 1).mT, y.flatten(0, 1))
     return g_state, [g_kq, g_v, g_qk, g_k_sq, g_theta, g_coef, g_rates, g_ends, g_mix]
 
 
