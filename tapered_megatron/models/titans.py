@@ -352,10 +352,10 @@ def _chunk_backward(
 ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """The gradients of one chunk of the scan (:func:`_chunk_forward`), written by hand.
 
-    ``gy`` [B, H, b, D] and ``g_new`` (per layer, the chunk-end state's gradient) in; out: the
-    chunk-start state's gradient per layer (``[B, H, ...]``: summed over sequences by the
-    caller when the state is shared) and the gradients of ``kq, v, qk, k_sq, theta, coef, rates,
-    ends, mix`` in that order.
+    ``gy`` [B, H, b, D] and ``g_new`` (per layer, the chunk-end state's gradient, contiguous
+    ``[B, H, ...]``) in; out: the chunk-start state's gradient per layer, written over
+    ``g_new`` (summed over sequences by the caller when the state is shared), and the
+    gradients of ``kq, v, qk, k_sq, theta, coef, rates, ends, mix`` in that order.
     """
     depth = len(state)
     n1 = depth - 1
@@ -372,21 +372,20 @@ def _chunk_backward(
     c = coef * th[..., None, :]
     h = ends * th[..., None]  # the chunk-end update's weights (c_{b,i}, theta_i E_b / E_i)
     # the chunk end: the state mix and the updates
-    diag, off = mix[..., 0::2, None, None], mix[..., 1, None, None]
-    g_state, g_mix, gd, ga = [], 0, [], []
+    g_mix, gd, ga = 0, [], []
     rows: list[list[torch.Tensor]] = [[] for _ in state]  # of the state's gradient: X^T Y
     gh = 0
     for ms, g, a, d, o in zip(state, g_new, acts, deltas, out):
         prods = g.flatten(3) @ ms.flatten(3).mT  # [B, H, 2, 2]: <g_r, old_c>
         g_mix = g_mix + torch.stack((prods[..., 0, 0], prods[..., 0, 1], prods[..., 1, 1]), -1)
-        gs = g * diag
-        gs[:, :, 1].addcmul_(g[:, :, 0], off)
-        g_state.append(gs)
         gf = g.flatten(2, 3)
         t = (a @ gf.mT).unflatten(-1, (2, o))  # [B, H, b, 2, out]: g_r a_i
         gd.append(-(t * h[..., None]).sum(-2))
         gh = gh - (t * d[..., None, :]).sum(-1)
         ga.append(-((d[..., None, :] * h[..., None]).flatten(-2) @ gf))
+        # in place (the buffer stays in cache): [g_M; g_S] <- [B_b g_M; P_b g_M + E_b g_S]
+        g[:, :, 1].mul_(mix[..., 2, None, None]).addcmul_(g[:, :, 0], mix[..., 1, None, None])
+        g[:, :, 0].mul_(mix[..., 0, None, None])
     # the read-out, last layer first
     g = gy
     gc = 0
@@ -436,10 +435,10 @@ def _chunk_backward(
     g_kq = gz @ flat[0]
     g_kq[..., :b, :] += ga[0]
     rows[0] = [gz, kq]
-    for gs, terms in zip(g_state, rows):  # every matmul term of the state's gradient at once
+    for gs, terms in zip(g_new, rows):  # every matmul term of the state's gradient at once
         x, y = (torch.cat(terms[i::2], -2) for i in (0, 1))
         gs.flatten(0, 1).flatten(1, 2).baddbmm_(x.flatten(0, 1).mT, y.flatten(0, 1))
-    return g_state, [g_kq, g_v, g_qk, g_k_sq, g_theta, g_coef, g_rates, g_ends, g_mix]
+    return g_new, [g_kq, g_v, g_qk, g_k_sq, g_theta, g_coef, g_rates, g_ends, g_mix]
 
 
 class _Scan(torch.autograd.Function):
@@ -482,7 +481,7 @@ class _Scan(torch.autograd.Function):
         n = kq.shape[2]
         chunks = list(zip(*(t.unbind(2) for t in (kq, *inputs))))
         grads: list[list[torch.Tensor]] = [[] for _ in range(9)]
-        g_state = list(g_layers)
+        g_state = [g.clone(memory_format=torch.contiguous_format) for g in g_layers]
         with torch.autocast(gy.device.type, enabled=False):
             for c, g_y in zip(reversed(range(n)), reversed(gy.unbind(2))):
                 state = list(rest[c * depth : (c + 1) * depth])
