@@ -4,6 +4,8 @@ TP=2 vs TP=1, tapered-vs-uniform budget, training on real text. Helpers here are
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -11,7 +13,13 @@ from real_text import train_losses
 
 from tapered_megatron.config import load_config
 from tapered_megatron.models import build_model, count_model, lm_loss
-from tapered_megatron.models.titans import MAX_GRAD_NORM, NeuralMemory, TitansMixer, memory_scan
+from tapered_megatron.models.titans import (
+    MAX_GRAD_NORM,
+    MemoryState,
+    NeuralMemory,
+    TitansMixer,
+    memory_scan,
+)
 from tapered_megatron.parallel import init_parameters
 from tapered_megatron.parallel.local_launch import run_workers
 
@@ -225,10 +233,12 @@ def test_scan_continues_from_a_state():
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
 
 
-def test_scan_gradients_match_finite_differences():
-    """The scan's backward (autograd through the chunk step, the chunk-end state's own backward)
-    against finite differences in fp64: two sequences sharing the initial state, a ragged last
-    chunk, the final state as an output too."""
+@pytest.mark.parametrize("depth, from_state", [(2, False), (3, True)])
+def test_scan_gradients_match_finite_differences(depth, from_state):
+    """The scan's hand-written backward against finite differences in fp64: two sequences
+    sharing the initial state (or each continuing from its own state, as MAC's segments), a
+    ragged last chunk, the final state as an output too, and the per-token clip both active
+    and inactive (small and large values in turn)."""
     g = torch.Generator().manual_seed(0)
     bsz, heads, seq, dim, hidden = 2, 2, 7, 3, 4
 
@@ -239,15 +249,30 @@ def test_scan_gradients_match_finite_differences():
         F.normalize(r(bsz, heads, seq, dim), dim=-1),
         F.normalize(r(bsz, heads, seq, dim), dim=-1),
     )
+    scale = torch.tensor([0.05, 2.0] * seq, dtype=torch.float64)[:seq, None]
+    v = r(bsz, heads, seq, dim) * scale
     gates = [torch.sigmoid(r(bsz, heads, seq) + b) for b in (-1.0, 1.0, -2.0)]
-    weights = [r(heads, hidden, dim) / 2, r(heads, dim, hidden) / 2]
-    inputs = [t.requires_grad_() for t in (q, k, r(bsz, heads, seq, dim), *gates, *weights)]
+    sizes = [dim, *[hidden] * (depth - 1), dim]
+    weights = [r(heads, o, i) / 2 for i, o in itertools.pairwise(sizes)]
+    start = [r(bsz, heads, 2, *w.shape[1:]) / 2 for w in weights] if from_state else []
+    inputs = [t.requires_grad_() for t in (q, k, v, *gates, *(start or weights))]
 
-    def scan(q, k, v, theta, eta, alpha, w1, w2):
-        y, state = memory_scan(q, k, v, theta, eta, alpha, [w1, w2], chunk_size=3)
-        return (y, *state.layers)
+    def scan(q, k, v, theta, eta, alpha, *layers):
+        state = MemoryState(list(layers)) if from_state else None
+        y, end = memory_scan(q, k, v, theta, eta, alpha, list(layers), 3, state)
+        return (y, *end.layers)
 
-    assert torch.autograd.gradcheck(scan, inputs, atol=1e-7, rtol=1e-5)
+    # the first chunk's gradients (at the initial weights) fall on both sides of the clip
+    m = [x[:, :, 0] for x in start] or [w.expand(bsz, -1, -1, -1) for w in weights]
+    norms = []
+    for t in range(3):
+        wg = [w.detach().clone().requires_grad_() for w in m]
+        loss = (_mlp(wg, k[:, :, t].detach()) - v[:, :, t].detach()).pow(2).sum()
+        grads = torch.autograd.grad(loss, wg)
+        norms.append(torch.sqrt(sum(x.pow(2).sum((-1, -2)) for x in grads)))  # per sequence, head
+    norms = torch.stack(norms)
+    assert norms.min() < MAX_GRAD_NORM < norms.max()
+    assert torch.autograd.gradcheck(scan, inputs, atol=1e-7, rtol=1e-5, fast_mode=depth > 2)
 
 
 def test_causal_conv_equals_conv1d():
