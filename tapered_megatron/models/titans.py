@@ -26,7 +26,7 @@ layer, ``M_t x_t = B_t M_0 x_t + P_t S_0 x_t - sum_i c_{t,i} delta_i (a_i . x_t)
 weight matmuls plus a causally masked ``b x b`` "attention" over the chunk's gradient factors
 (the dual form of TTT). At the chunk end ``M`` and ``S`` are materialised (one matmul per layer,
 ``[c_b delta | (E_b/E) delta]^T a``) and carried to the next chunk; the loop over chunks is the
-scan, one call of :func:`_chunk_step` per chunk. No Python loop over tokens.
+scan, one call of :func:`_chunk_forward` per chunk. No Python loop over tokens.
 
 Choices the paper leaves open, and ours:
 
@@ -107,21 +107,32 @@ Choices the paper leaves open, and ours:
 * The memory MLP is state, not the tapered site: the block's separate SwiGLU MLP tapers. The
   MAG mixer has about 1.8x the parameters of plain attention (its own memory q/k/v); MAC adds
   ``W_h`` and ``W_y``.
-* Speed: one kernel sequence per chunk (:func:`_chunk_step`: the key pass, the per-token clip,
-  the read-out of every layer, the chunk-end state), few and large kernels: everything that
-  does not depend on the memory (gate products, ``q k^T``, key norms, keys and queries stacked)
-  is computed for all chunks at once before the loop; the keys' first memory layer and the
-  queries' read-out through ``[M_0; S_0]`` are one matmul (the keys' product with ``S_0`` is
-  computed and unused: one matmul is cheaper than two), every later layer's read-out through
-  ``[M_0; S_0]`` is one, the chunk-end update of ``M`` and ``S`` one per layer
-  (``[c_b delta | (E_b/E) delta]^T a``), and the state mix has its own backward
-  (:class:`_ChunkEnd`); per-chunk inputs are unbound, not sliced (a slice's backward zero-fills
-  a full-sequence gradient per chunk). The first chunk uses a zero momentum instead of a
-  special case, so every chunk runs the same graph. ``train.compile`` compiles that step once
-  (``torch.compile``, shapes fixed) and keeps the loop over chunks eager, so an outer
-  ``torch.compile`` of the model never unrolls the scan (which took minutes to compile).
-  Larger chunks fill the matmuls better (the ``b x b`` dual form grows, the per-chunk state
-  materialisation is amortised): see docs/BENCHMARKS.md for the chunk-size trade-off measured.
+* Speed: the scan is one autograd node (:class:`_Scan`) with a hand-written backward. Its
+  forward runs one kernel sequence per chunk without autograd (:func:`_chunk_forward`: the key
+  pass, the per-token clip, the read-out of every layer, the chunk-end state) and keeps every
+  chunk's start state plus a few per-token intermediates; its backward walks the chunks in
+  reverse (:func:`_chunk_backward`), carrying the state's gradient by hand in one buffer per
+  layer that is updated in place (``[g_M; g_S] <- [B_b g_M; P_b g_M + E_b g_S]``, then every
+  matmul term of the state's gradient, read-out, key pass and delta backprop, in one batched
+  ``baddbmm`` per layer). Against autograd through the same chunk step (session 4's form) it
+  saves the graph bookkeeping, the zero-filled gradients of state views and the separate
+  accumulation of each state use (state-sized passes dominate at head dim 64): the scan's
+  forward + backward at the library shape takes 0.80x the time at chunk 16 and 0.86x at chunk
+  32 (one core, CPU time). Few and large kernels: everything that does not depend on the
+  memory (gate products, ``q k^T``, key norms, keys and queries stacked) is computed for all
+  chunks at once before the scan; the keys' first memory layer and the queries' read-out
+  through ``[M_0; S_0]`` are one matmul (the keys' product with ``S_0`` is computed and unused:
+  one matmul is cheaper than two), every later layer's read-out through ``[M_0; S_0]`` is one,
+  the chunk-end update of ``M`` and ``S`` one per layer (``[c_b delta | (E_b/E) delta]^T a``,
+  added in place). The first chunk uses a zero momentum instead of a special case, so every
+  chunk runs the same kernels. Gradients equal autograd's to fp64 round-off (tested against
+  finite differences in fp64); the scan is not twice differentiable. ``train.compile``
+  compiles the chunk forward and backward once each (``torch.compile``, shapes fixed) and
+  keeps the loop over chunks eager, so an outer ``torch.compile`` of the model never unrolls
+  the scan (which took minutes to compile); on one CPU core it speeds the scan up at chunk
+  32 and 64 (0.87x and 0.67x of eager), not at chunk 16. Larger chunks fill the matmuls
+  better (the ``b x b`` dual form grows, the per-chunk state materialisation is amortised):
+  see docs/BENCHMARKS.md for the chunk-size trade-off measured.
 * titans-pytorch (the reference implementation on PyPI) takes all surprise gradients of one
   forward call w.r.t. the call's starting weights and reads out with chunk-granular weights;
   ours takes them at each chunk start and reads out per token, so chunk size 1 is exact.
@@ -195,7 +206,7 @@ def _validate(cfg: Config) -> None:
 class MemoryState:
     """The memory between chunks: per layer the weights ``M`` and momentum ``S`` stacked,
     ``[B or 1, H, 2, out_l, in_l]`` (index 0: ``M``, 1: ``S``), in fp32 (fp64 for fp64 inputs).
-    Stacked so that the chunk-end update of both is one batched matmul (``_chunk_step``)."""
+    Stacked so that the chunk-end update of both is one batched matmul (:func:`_chunk_forward`)."""
 
     layers: list[torch.Tensor]
 
@@ -531,14 +542,17 @@ def memory_scan(
             = D); used when ``state`` is None (the start of a sequence).
         chunk_size: tokens per chunk ``b``; gradients inside a chunk use the chunk-start weights.
         state: the memory to continue from (e.g. the previous MAC segment's final state).
-        compiled: run each chunk through the compiled :func:`_chunk_step`.
+        compiled: run each chunk through the compiled :func:`_chunk_forward` and
+            :func:`_chunk_backward`.
 
     Returns:
         ``y`` [B, H, S, D] with ``y_t = M_t(q_t)`` (in q's dtype) and the state after the last
         token (fp32, or fp64 for fp64 inputs).
 
     Never traced by an outer ``torch.compile`` (the chunk loop would be unrolled); with
-    ``compiled`` the loop body is one compiled graph reused for every chunk.
+    ``compiled`` the loop body is one compiled graph reused for every chunk (one for the
+    forward, one for the backward). Differentiable once (a hand-written backward, see
+    :class:`_Scan`); double backward is not supported.
     """
     out_dtype = q.dtype
     dtype = _state_dtype(q.dtype)
