@@ -487,8 +487,8 @@ class _Scan(torch.autograd.Function):
     def backward(ctx, gy: torch.Tensor, *g_layers: torch.Tensor) -> tuple[torch.Tensor | None]:
         bwd = _compiled("backward") if ctx.compiled else _chunk_backward
         depth, per = ctx.sizes
-        kq, *inputs = ctx.saved_tensors[:7]
-        rest = ctx.saved_tensors[7:]
+        kq, *inputs = (saved := ctx.saved_tensors)[:7]  # unpacked once (activation checkpointing)
+        rest = saved[7:]
         n = kq.shape[2]
         chunks = list(zip(*(t.unbind(2) for t in (kq, *inputs))))
         grads: list[list[torch.Tensor]] = [[] for _ in range(9)]
