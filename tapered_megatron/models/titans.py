@@ -482,23 +482,79 @@ def gate_bias_init(heads: int, window: int) -> torch.Tensor:
     )
 
 
-def causal_depthwise_conv(
-    x: torch.Tensor, weight: torch.Tensor, prefix: torch.Tensor | None = None
-) -> torch.Tensor:
-    """Causal depthwise 1-D convolution; x [B, S, C], weight [C, K] (tap K-1 is the current).
+NORMALIZE_EPS = 1e-12  # l2 normalisation of q and k: x / max(||x||, eps), as F.normalize
 
-    ``prefix`` [B, K-1, C]: the inputs just before ``x`` (zeros when None). Written as K shifted
-    multiply-adds in x's own layout: for a few taps this is faster than ``conv1d`` (whose
-    depthwise kernels, forward and backward, plus the two transposes cost a third more).
+
+class _ConvSiluNorm(torch.autograd.Function):
+    """Causal depthwise convolution, SiLU, then per-head l2 normalisation of the leading
+    channels, with a hand-written backward (see :func:`conv_silu_normalize`)."""
+
+    @staticmethod
+    def forward(
+        ctx,
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        prefix: torch.Tensor | None,
+        head_dim: int,
+        normalized: int,
+    ) -> torch.Tensor:
+        width, seq = weight.shape[1], x.shape[1]
+        w = weight.to(x.dtype)
+        xp = F.pad(x, (0, 0, width - 1, 0)) if prefix is None else torch.cat((prefix, x), 1)
+        z = xp[:, :seq] * w[:, 0]
+        for j in range(1, width):
+            z.addcmul_(xp[:, j : j + seq], w[:, j])
+        y = F.silu(z)
+        yn = y[..., :normalized].unflatten(-1, (-1, head_dim))
+        norm = torch.linalg.vector_norm(yn, dim=-1, keepdim=True)
+        yn.div_(norm.clamp_min(NORMALIZE_EPS))
+        ctx.save_for_backward(xp, w, z, y, norm)
+        ctx.head_dim, ctx.normalized, ctx.prefix = head_dim, normalized, prefix is not None
+        ctx.weight_dtype = weight.dtype
+        return y
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        xp, w, z, y, norm = ctx.saved_tensors
+        width, seq, n = w.shape[1], z.shape[1], ctx.normalized
+        # l2 normalisation: g <- (g - y (g . y)) / ||a||  (g / eps where the norm is clamped)
+        gz = grad.clone(memory_format=torch.contiguous_format)
+        gn = gz[..., :n].unflatten(-1, (-1, ctx.head_dim))
+        yn = y[..., :n].unflatten(-1, (-1, ctx.head_dim))
+        dot = torch.linalg.vecdot(gn, yn, dim=-1).unsqueeze(-1)
+        dot = torch.where(norm >= NORMALIZE_EPS, dot, 0.0)
+        gn.addcmul_(yn, dot, value=-1).div_(norm.clamp_min(NORMALIZE_EPS))
+        torch.ops.aten.silu_backward.grad_input(gz, z, grad_input=gz)
+        # convolution: every tap's input and weight gradient; one scratch buffer for all taps
+        # (a fresh product per tap cost 3x the time in allocation)
+        gxp = torch.zeros_like(xp)
+        gw = torch.empty_like(w)
+        scratch = torch.empty_like(gz)
+        for j in range(width):
+            gxp[:, j : j + seq].addcmul_(gz, w[:, j])
+            gw[:, j] = torch.mul(gz, xp[:, j : j + seq], out=scratch).sum((0, 1))
+        prefix = gxp[:, : width - 1] if ctx.prefix else None
+        return gxp[:, width - 1 :], gw.to(ctx.weight_dtype), prefix, None, None
+
+
+def conv_silu_normalize(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    prefix: torch.Tensor | None,
+    head_dim: int,
+    normalized: int,
+) -> torch.Tensor:
+    """``silu(conv(x))`` with its first ``normalized`` channels l2-normalised per head.
+
+    The convolution is causal and depthwise: x [B, S, C], weight [C, K] (tap K-1 is the current
+    token); ``prefix`` [B, K-1, C] are the inputs just before ``x`` (zeros when None). Written as
+    K shifted multiply-adds in x's own layout (for a few taps faster than ``conv1d``, whose
+    depthwise kernels and transposes cost a third more). The normalisation is ``F.normalize``'s
+    (``a / max(||a||, 1e-12)`` over each group of ``head_dim`` channels). One autograd node with
+    its own backward: autograd's graph of the same ops (a zero-filled slice gradient and a fresh
+    product per tap, the normalisation's norm, clamp and division) took twice the time.
     """
-    width = weight.shape[1]
-    w = weight.to(x.dtype)
-    xp = F.pad(x, (0, 0, width - 1, 0)) if prefix is None else torch.cat((prefix, x), 1)
-    seq = x.shape[1]
-    y = xp[:, :seq] * w[:, 0]
-    for j in range(1, width):
-        y = torch.addcmul(y, xp[:, j : j + seq], w[:, j])
-    return y
+    return _ConvSiluNorm.apply(x, weight, prefix, head_dim, normalized)
 
 
 def _head_rms_norm(x: torch.Tensor, gain: torch.Tensor | None, eps: float) -> torch.Tensor:
@@ -601,20 +657,22 @@ class NeuralMemory(nn.Module):
         """q, k, v [B, H, S, D] of ``x`` and the conv tail (the last K-1 projected inputs)
         for the next call; ``tail`` continues the convolution from a previous call."""
         pre = self.qkv(x)
-        q, k, v = self._split_heads(F.silu(causal_depthwise_conv(pre, self.conv, tail)), 3)
+        d = self.dims.head_dim
+        qkv = conv_silu_normalize(pre, self.conv, tail, d, 2 * self.local_heads * d)
+        q, k, v = self._split_heads(qkv, 3)
         width = self.conv.shape[1]
         hist = pre if tail is None else torch.cat((tail, pre), dim=1)
         if hist.shape[1] < width - 1:
             hist = F.pad(hist, (0, 0, width - 1 - hist.shape[1], 0))
         tail = hist[:, hist.shape[1] - (width - 1) :]
-        return F.normalize(q, dim=-1), F.normalize(k, dim=-1), v, tail
+        return q, k, v, tail
 
     def queries(self, x: torch.Tensor) -> torch.Tensor:
         """Read-only queries of ``x`` [B, H, S, D]: the memory's q projection, conv and SiLU."""
         n = self.local_heads * self.dims.head_dim
         pre = F.linear(copy_to_tp_region(x), self.qkv.weight[:n])
-        (q,) = self._split_heads(F.silu(causal_depthwise_conv(pre, self.conv[:n])), 1)
-        return F.normalize(q, dim=-1)
+        q = conv_silu_normalize(pre, self.conv[:n], None, self.dims.head_dim, n)
+        return self._split_heads(q, 1)[0]
 
     def initial_state(self, dtype: torch.dtype) -> MemoryState:
         """The memory at the start of a sequence (learned weights, zero momentum)."""
