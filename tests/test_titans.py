@@ -245,6 +245,43 @@ def test_scan_gradients_match_finite_differences():
     assert torch.autograd.gradcheck(scan, inputs, atol=1e-7, rtol=1e-5)
 
 
+@pytest.mark.parametrize(
+    "seq, window, persistent",
+    [(32, 8, 0), (32, 8, 3), (29, 5, 1), (24, 8, 0), (32, 32, 0), (20, 32, 2), (16, 1, 0)],
+)
+def test_window_attention_equals_dense_softmax(seq, window, persistent):
+    """Every form :func:`window_attention` picks (blocks, ragged last block, the dense window
+    mask, plain causal, persistent tokens) equals softmax attention written plainly with the
+    dense window mask: outputs and gradients of q, k, v and the persistent pairs, fp64."""
+    from tapered_megatron.models.titans import window_attention
+
+    g = torch.Generator().manual_seed(0)
+    bsz, heads, dim = 2, 3, 4
+    inputs = [torch.randn(bsz, seq, heads, dim, generator=g, dtype=torch.float64) for _ in "qkv"]
+    if persistent:
+        inputs.append(torch.randn(heads, 2, persistent, dim, generator=g, dtype=torch.float64))
+    inputs = [t.requires_grad_() for t in inputs]
+
+    def plain(q, k, v, p=None):
+        t = torch.arange(seq)
+        allowed = (t[None] <= t[:, None]) & (t[:, None] - t[None] < window)
+        q, k, v = (x.transpose(1, 2) for x in (q, k, v))
+        if p is not None:
+            k = torch.cat((p[:, 0].expand(bsz, -1, -1, -1), k), 2)
+            v = torch.cat((p[:, 1].expand(bsz, -1, -1, -1), v), 2)
+            allowed = torch.cat((torch.ones(seq, persistent, dtype=torch.bool), allowed), 1)
+        scores = (q @ k.mT / dim**0.5).masked_fill(~allowed, float("-inf"))
+        return (scores.softmax(-1) @ v).transpose(1, 2)
+
+    got = window_attention(*inputs[:3], window, inputs[3] if persistent else None)
+    ref = plain(*inputs)
+    torch.testing.assert_close(got, ref, rtol=1e-12, atol=1e-12)
+    grad = torch.randn(ref.shape, generator=g, dtype=torch.float64)
+    expected = torch.autograd.grad(ref, inputs, grad)
+    for a, b in zip(torch.autograd.grad(got, inputs, grad), expected):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+
+
 @pytest.mark.parametrize("width", [1, 4])
 def test_conv_silu_normalize_equals_plain_ops(width):
     """The fused convolution + SiLU + per-head l2 normalisation equals ``conv1d`` with left zero

