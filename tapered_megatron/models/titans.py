@@ -746,8 +746,8 @@ class NeuralMemory(nn.Module):
     def gate_values(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """theta, eta, alpha, each [B, H_local, S]."""
         g = torch.sigmoid(self.gates(x) + self.gate_bias)  # [B, S, 3 H_local]
-        g = g.view(*g.shape[:2], 3, self.local_heads).permute(2, 0, 3, 1)
-        return g[0], g[1], g[2]
+        theta, eta, alpha = g.view(*g.shape[:2], 3, self.local_heads).permute(2, 0, 3, 1).unbind(0)
+        return theta, eta, alpha
 
     def _split_heads(self, t: torch.Tensor, parts: int) -> tuple[torch.Tensor, ...]:
         bsz, seq, _ = t.shape
