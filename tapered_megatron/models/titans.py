@@ -63,10 +63,14 @@ Choices the paper leaves open, and ours:
   fp32 overflow after a dozen training steps); with it the memory grows at most linearly.
 * q, k, v: own projections (not shared with attention), then a causal depthwise convolution of
   width ``conv_size``, then SiLU; q and k are l2-normalised per head. v is not normalised.
+  Convolution, SiLU and normalisation are one autograd node with its own backward
+  (:func:`conv_silu_normalize`; autograd's graph of the same ops took twice the time).
 * MAG (default): ``o = W_o [RMSNorm_h(attn) * sigmoid(RMSNorm_h(mem))]`` with per-head RMS norms
   carrying learnable vector gains ("normalise with learnable vector-valued weights, then a
   non-linearity"); the attention branch is sliding-window causal softmax attention (window
-  ``window``, RoPE, its own q/k/v); the memory reads the block input ``x``.
+  ``window``, RoPE, its own q/k/v; by blocks of the window where that is faster,
+  :func:`window_attention`); the memory reads the block input ``x``. The norms, the sigmoid and
+  the product are one autograd node (:func:`gated_head_norms`).
 * MAL: the memory layer first (``W_m RMSNorm_h(mem)``), then sliding-window attention over its
   output. LMM (memory only): ``o = W_o RMSNorm_h(mem)``.
 * MAC (memory as context, the paper's section 4.1), segments of ``window`` tokens, processed in
