@@ -303,6 +303,17 @@ def test_gated_head_norms_equal_plain_ops():
     for a, b in zip(torch.autograd.grad(got, inputs, grad), expected):
         torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
     assert torch.autograd.gradcheck(lambda *t: gated_head_norms(*t, 1e-5), inputs)
+    # as under bf16 autocast: bf16 activations, fp32 gains; gradients in each input's dtype
+    mixed = [
+        t.detach().to(d).requires_grad_()
+        for t, d in zip(inputs, [torch.bfloat16] * 2 + [torch.float32] * 2)
+    ]
+    got, ref = gated_head_norms(*mixed, 1e-5), plain(*mixed)
+    torch.testing.assert_close(got, ref, rtol=2e-2, atol=2e-2)
+    grads = torch.autograd.grad(got, mixed, grad.float())
+    for a, b, t in zip(grads, torch.autograd.grad(ref, mixed, grad.float()), mixed):
+        assert a.dtype == t.dtype
+        torch.testing.assert_close(a.float(), b.float(), rtol=5e-2, atol=5e-2)
 
 
 @pytest.mark.parametrize("width", [1, 4])

@@ -597,9 +597,16 @@ class _GatedNorms(torch.autograd.Function):
         for g, x_hat, rsqrt, gain in ((g_a, a_hat, a_rsqrt, ga_), (g_m, m_hat, m_rsqrt, gm_)):
             # RMS norm: dx = (g - x_hat mean(g x_hat)) / rms(x), g taken w.r.t. x_hat
             g = g.mul_(gain)
+            x_hat = x_hat.to(g.dtype)  # bf16 under autocast; g follows the fp32 gains
             dot = torch.linalg.vecdot(g, x_hat, dim=-1).unsqueeze(-1) / x_hat.shape[-1]
-            outs.append(g.addcmul_(x_hat, dot, value=-1).mul_(rsqrt).to(x_hat.dtype))
-        return outs[0], outs[1], g_ga.to(ga.dtype), g_gm.to(gm.dtype), None
+            outs.append(g.addcmul_(x_hat, dot, value=-1).mul_(rsqrt))
+        return (
+            outs[0].to(a_hat.dtype),
+            outs[1].to(m_hat.dtype),
+            g_ga.to(ga.dtype),
+            g_gm.to(gm.dtype),
+            None,
+        )
 
 
 def gated_head_norms(
