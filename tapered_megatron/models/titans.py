@@ -768,8 +768,9 @@ class NeuralMemory(nn.Module):
     def project(
         self, x: torch.Tensor, tail: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """q, k, v [B, H, S, D] of ``x`` and the conv tail (the last K-1 projected inputs)
-        for the next call; ``tail`` continues the convolution from a previous call."""
+        """q, k, v [B, H, S, D] of ``x`` (q, k l2-normalised per head) and the conv tail (the
+        last K-1 projected inputs) for the next call; ``tail`` continues the convolution from a
+        previous call."""
         pre = self.qkv(x)
         d = self.dims.head_dim
         qkv = conv_silu_normalize(pre, self.conv, tail, d, 2 * self.local_heads * d)
@@ -782,7 +783,8 @@ class NeuralMemory(nn.Module):
         return q, k, v, tail
 
     def queries(self, x: torch.Tensor) -> torch.Tensor:
-        """Read-only queries of ``x`` [B, H, S, D]: the memory's q projection, conv and SiLU."""
+        """Read-only queries of ``x`` [B, H, S, D]: the memory's q projection, conv, SiLU and
+        l2 normalisation."""
         n = self.local_heads * self.dims.head_dim
         pre = F.linear(copy_to_tp_region(x), self.qkv.weight[:n])
         q = conv_silu_normalize(pre, self.conv[:n], None, self.dims.head_dim, n)
