@@ -179,13 +179,8 @@ def _memory_inputs(seq: int = 24, depth: int = 3):
     mem = NeuralMemory(cfg)
     init_parameters(mem, 0)
     x = torch.randn(2, seq, cfg.model.d_model)
-    h, d = mem.local_heads, mem.dims.head_dim
-    from tapered_megatron.models.titans import causal_depthwise_conv
-
     with torch.no_grad():
-        qkv = F.silu(causal_depthwise_conv(mem.qkv(x), mem.conv))
-        q, k, v = qkv.view(2, seq, 3, h, d).permute(2, 0, 3, 1, 4)
-        q, k = F.normalize(q, dim=-1), F.normalize(k, dim=-1)
+        q, k, v, _ = mem.project(x)
         theta, eta, alpha = mem.gate_values(x)
     return q, k, v, theta, eta, alpha, [w.detach() for w in mem.memory]
 
@@ -275,19 +270,119 @@ def test_scan_gradients_match_finite_differences(depth, from_state):
     assert torch.autograd.gradcheck(scan, inputs, atol=1e-7, rtol=1e-5, fast_mode=depth > 2)
 
 
-def test_causal_conv_equals_conv1d():
-    """The shifted multiply-adds equal ``conv1d`` with left zero padding, or with a prefix."""
-    from tapered_megatron.models.titans import causal_depthwise_conv
+@pytest.mark.parametrize(
+    "seq, window, persistent",
+    [(32, 8, 0), (32, 8, 3), (29, 5, 1), (24, 8, 0), (32, 32, 0), (20, 32, 2), (16, 1, 0)],
+)
+def test_window_attention_equals_dense_softmax(seq, window, persistent):
+    """Every form :func:`window_attention` picks (blocks, ragged last block, the dense window
+    mask, plain causal, persistent tokens) equals softmax attention written plainly with the
+    dense window mask: outputs and gradients of q, k, v and the persistent pairs, fp64."""
+    from tapered_megatron.models.titans import window_attention
 
     g = torch.Generator().manual_seed(0)
-    x, prefix, w = (
-        torch.randn(2, 9, 6, generator=g),
-        torch.randn(2, 3, 6, generator=g),
-        torch.randn(6, 4, generator=g),
-    )
-    for pre, padded in ((None, F.pad(x, (0, 0, 3, 0))), (prefix, torch.cat((prefix, x), 1))):
-        ref = F.conv1d(padded.transpose(1, 2), w.unsqueeze(1), groups=6).transpose(1, 2)
-        torch.testing.assert_close(causal_depthwise_conv(x, w, pre), ref, rtol=1e-6, atol=1e-6)
+    bsz, heads, dim = 2, 3, 4
+    inputs = [torch.randn(bsz, seq, heads, dim, generator=g, dtype=torch.float64) for _ in "qkv"]
+    if persistent:
+        inputs.append(torch.randn(heads, 2, persistent, dim, generator=g, dtype=torch.float64))
+    inputs = [t.requires_grad_() for t in inputs]
+
+    def plain(q, k, v, p=None):
+        t = torch.arange(seq)
+        allowed = (t[None] <= t[:, None]) & (t[:, None] - t[None] < window)
+        q, k, v = (x.transpose(1, 2) for x in (q, k, v))
+        if p is not None:
+            k = torch.cat((p[:, 0].expand(bsz, -1, -1, -1), k), 2)
+            v = torch.cat((p[:, 1].expand(bsz, -1, -1, -1), v), 2)
+            allowed = torch.cat((torch.ones(seq, persistent, dtype=torch.bool), allowed), 1)
+        scores = (q @ k.mT / dim**0.5).masked_fill(~allowed, float("-inf"))
+        return (scores.softmax(-1) @ v).transpose(1, 2)
+
+    got = window_attention(*inputs[:3], window, inputs[3] if persistent else None)
+    ref = plain(*inputs)
+    torch.testing.assert_close(got, ref, rtol=1e-12, atol=1e-12)
+    grad = torch.randn(ref.shape, generator=g, dtype=torch.float64)
+    expected = torch.autograd.grad(ref, inputs, grad)
+    for a, b in zip(torch.autograd.grad(got, inputs, grad), expected):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+
+
+def test_gated_head_norms_equal_plain_ops():
+    """MAG's/MAC's gated output (one autograd node) equals two per-head RMS norms with gains, a
+    sigmoid and a product: output and the gradients of both inputs and both gains, fp64, the
+    memory read-out non-contiguous as the scan returns it; finite-difference check."""
+    from tapered_megatron.models.titans import _head_rms_norm, gated_head_norms
+
+    g = torch.Generator().manual_seed(0)
+    r = lambda *s: torch.randn(*s, generator=g, dtype=torch.float64)  # noqa: E731
+    inputs = [r(2, 5, 3, 4), r(2, 3, 5, 4).transpose(1, 2), 1 + r(12), 1 + r(12)]
+    inputs = [t.requires_grad_() for t in inputs]
+
+    def plain(a, m, ga, gm):
+        return _head_rms_norm(a, ga, 1e-5) * torch.sigmoid(_head_rms_norm(m, gm, 1e-5))
+
+    got, ref = gated_head_norms(*inputs, 1e-5), plain(*inputs)
+    torch.testing.assert_close(got, ref, rtol=1e-12, atol=1e-12)
+    grad = r(2, 5, 3, 4)
+    expected = torch.autograd.grad(ref, inputs, grad)
+    for a, b in zip(torch.autograd.grad(got, inputs, grad), expected):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+    assert torch.autograd.gradcheck(lambda *t: gated_head_norms(*t, 1e-5), inputs)
+    # as under bf16 autocast: bf16 activations, fp32 gains; gradients in each input's dtype
+    mixed = [
+        t.detach().to(d).requires_grad_()
+        for t, d in zip(inputs, [torch.bfloat16] * 2 + [torch.float32] * 2)
+    ]
+    got, ref = gated_head_norms(*mixed, 1e-5), plain(*mixed)
+    torch.testing.assert_close(got, ref, rtol=2e-2, atol=2e-2)
+    grads = torch.autograd.grad(got, mixed, grad.float())
+    for a, b, t in zip(grads, torch.autograd.grad(ref, mixed, grad.float()), mixed):
+        assert a.dtype == t.dtype
+        torch.testing.assert_close(a.float(), b.float(), rtol=5e-2, atol=5e-2)
+
+
+@pytest.mark.parametrize("width", [1, 4])
+def test_conv_silu_normalize_equals_plain_ops(width):
+    """The fused convolution + SiLU + per-head l2 normalisation equals ``conv1d`` with left zero
+    padding (or a prefix), ``F.silu`` and ``F.normalize``: outputs and the gradients of x, the
+    weight and the prefix in fp64, within round-off; its backward passes a finite-difference
+    check, a head whose activations vanish (the clamped norm) included."""
+    from tapered_megatron.models.titans import conv_silu_normalize
+
+    g = torch.Generator().manual_seed(0)
+    bsz, seq, heads, dim = 2, 9, 3, 4  # heads: q, k normalised, v not
+    r = lambda *s: torch.randn(*s, generator=g, dtype=torch.float64)  # noqa: E731
+    x, prefix, w = r(bsz, seq, heads * dim), r(bsz, width - 1, heads * dim), r(heads * dim, width)
+    # the first head's norm is clamped (< 1e-12) where silu(-35 + noise) ~ -2e-14
+    w[:dim] = F.one_hot(torch.tensor(width - 1), width).double()  # the current token only
+    x[1, 2:5, :dim] = -35.0 + r(3, dim)
+
+    def activations(x, w, pre):
+        padded = F.pad(x, (0, 0, width - 1, 0)) if pre is None else torch.cat((pre, x), 1)
+        a = F.conv1d(padded.transpose(1, 2), w.unsqueeze(1), groups=heads * dim).transpose(1, 2)
+        return F.silu(a).unflatten(-1, (heads, dim))
+
+    def plain(x, w, pre):
+        a = activations(x, w, pre)
+        return torch.cat((F.normalize(a[:, :, :2], dim=-1), a[:, :, 2:]), 2).flatten(-2)
+
+    grad = r(bsz, seq, heads * dim)
+    for pre in (None, prefix):
+        inputs = [t.clone().requires_grad_() for t in (x, w) + ((pre,) if pre is not None else ())]
+        args = (*inputs[:2], inputs[2] if pre is not None else None)
+        got = conv_silu_normalize(*args, dim, 2 * dim)
+        ref = plain(*args)
+        norms = activations(*args)[:, :, 0].norm(dim=-1)
+        assert (norms < 1e-12).any()  # the clamped case is there: cannot pass vacuously
+        torch.testing.assert_close(got, ref, rtol=1e-12, atol=1e-12)
+        for a, b in zip(
+            torch.autograd.grad(got, inputs, grad), torch.autograd.grad(ref, inputs, grad)
+        ):
+            torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+        assert torch.autograd.gradcheck(
+            lambda *t: conv_silu_normalize(t[0], t[1], t[2] if len(t) > 2 else None, dim, 2 * dim),
+            inputs,
+        )
 
 
 def mac_reference(mixer: TitansMixer, x: torch.Tensor, chunk: int) -> torch.Tensor:
