@@ -321,15 +321,14 @@ class _UpdatingWindow(torch.autograd.Function):
             xw.new_zeros(bsz, n, h),
             torch.zeros_like(xw),
         )
-        gvs, out, errs = torch.empty_like(gv0), torch.empty_like(xw), torch.zeros_like(xw)
-        das, norms = xw.new_zeros(bsz, n, h), xw.new_zeros(2, bsz, n)
+        out, errs, das = torch.empty_like(xw), torch.zeros_like(xw), xw.new_zeros(bsz, n, h)
+        dgvs, norms = xw.new_zeros(bsz, n, 2 * h), xw.new_zeros(2, bsz, n)
         held = []  # per period: a A^T and e E^T over the held factors (dual form)
         for j in range(periods):
             s, t = j * c, min((j + 1) * c, n)
-            gv = gv0[:, s:t]
+            gv = gv0[:, s:t]  # corrected in place: gv0 ends as the pre-activations
             if j:
-                gv = torch.baddbmm(gv, xx[:, s - c : t - c, :s], fac_d[:, :s], alpha=-1)
-            gvs[:, s:t] = gv
+                gv.baddbmm_(xx[:, s - c : t - c, :s], fac_d[:, :s], alpha=-1)
             g, v = gv.chunk(2, dim=-1)
             sig = torch.sigmoid(g)
             sg = g * sig  # silu(g)
@@ -353,7 +352,9 @@ class _UpdatingWindow(torch.autograd.Function):
             held.append((qa, pe))
             errs[:, s:t], das[:, s:t] = e, da
             # silu'(g) = sig (1 + g (1 - sig)) = sig + silu(g) (1 - sig)
-            dgv = torch.cat([da * v * torch.addcmul(sig, sg, 1 - sig), da * sg], dim=-1)
+            dgv = dgvs[:, s:t]
+            torch.mul(da * v, torch.addcmul(sig, sg, 1 - sig), out=dgv[..., :h])
+            torch.mul(da, sg, out=dgv[..., h:])
             # per token: the gradient's norm (||d x^T|| = ||d|| ||x||) clipped to sqrt(d), the
             # rate, and each step divided by a squared input norm (hope.step_norm, module doc)
             nrm = torch.stack((a.square().sum(-1), dgv.square().sum(-1)))
@@ -370,7 +371,7 @@ class _UpdatingWindow(torch.autograd.Function):
                 spec.record.append(spec.start + t)
         ctx.spec, ctx.held, ctx.tgt_len = spec, held, tgt.shape[1]
         ctx.save_for_backward(
-            xw, w13, w2, r13, r2, xsq, gvs, fac_d, fac_a, fac_e, errs, das, norms, xx
+            xw, w13, w2, r13, r2, xsq, gv0, dgvs, fac_d, fac_a, fac_e, errs, das, norms, xx
         )
         if spec.final:
             return out
@@ -380,7 +381,7 @@ class _UpdatingWindow(torch.autograd.Function):
     @once_differentiable
     def backward(ctx, dout, dw13n=None, dw2n=None):
         spec, held = ctx.spec, ctx.held
-        xw, w13, w2, r13, r2, xsq, gvs, fac_d, fac_a, fac_e, errs, das, norms, xx = (
+        xw, w13, w2, r13, r2, xsq, gvs, dgv, fac_d, fac_a, fac_e, errs, das, norms, xx = (
             ctx.saved_tensors
         )
         bsz, n, d = xw.shape
@@ -397,17 +398,19 @@ class _UpdatingWindow(torch.autograd.Function):
         if dw2n is not None:  # and W_2' = W_2 - E^T A
             d_e.baddbmm_(fac_a, dw2n.mT, alpha=-1)
             d_a.baddbmm_(fac_e, dw2n, alpha=-1)
-        dgvs, dos, ddas = torch.empty_like(gvs), torch.empty_like(dout), torch.zeros_like(das)
+        dgvs, dos, ddas = torch.zeros_like(gvs), torch.empty_like(dout), torch.zeros_like(das)
         dxx = torch.zeros_like(xx) if xx is not None else None
         dr13, dr2, dxsq = torch.zeros_like(r13), torch.zeros_like(r2), torch.zeros_like(xsq)
         dtgt = xw.new_zeros(bsz, ctx.tgt_len, d) if assoc else None
-        # the forward's elementwise chain, recomputed for the whole window at once
+        # what the periods' chain rule needs, for the whole window at once: silu(g), silu'(g),
+        # v silu'(g), v silu''(g) (silu'' = sig (1 - sig) (2 + g (1 - 2 sig)))
         g, v = gvs.chunk(2, dim=-1)
         sig = torch.sigmoid(g)
-        sg = g * sig  # silu(g)
-        e, da = errs[:, :m], das[:, :m]
-        sp = torch.addcmul(sig[:, :m], sg[:, :m], 1 - sig[:, :m])  # silu'(g)
-        dgv = torch.cat([da * v[:, :m] * sp, da * sg[:, :m]], dim=-1)
+        sg = g * sig
+        sig1 = sig * (1 - sig)
+        sp = torch.addcmul(sig, sg, 1 - sig)
+        vsp, v2 = v * sp, v * sig1 * torch.addcmul(torch.full_like(g, 2.0), g, 1 - 2 * sig)
+        e, da, dgv = errs[:, :m], das[:, :m], dgv[:, :m]
         a_sq, g_sq, e_sq = norms[0, :, :m], norms[1, :, :m], e.square().sum(-1)
         q, clip, s13, s2, den = _scales(
             spec.step_norm, a_sq, g_sq, e_sq, xsq[:, :m], r13[:, :m], r2[:, :m], d, c
@@ -418,10 +421,9 @@ class _UpdatingWindow(torch.autograd.Function):
             a, dact, do = fac_a[:, s:t], d_a[:, s:t], dout[:, s:t]
             vj, sgj = v[:, s:t], sg[:, s:t]
             qa, pe = held[j]
-            dsg = dv = dsig = None
             if t <= m:  # the period's update
                 p = slice(s, t)
-                ej, daj, spj, dgvj = e[:, p], da[:, p], sp[:, p], dgv[:, p]
+                ej, daj, dgvj = e[:, p], da[:, p], dgv[:, p]
                 dd_j, de_j = d_d[:, p], d_e[:, p]
                 ds2, ds13 = (de_j * ej).sum(-1), (dd_j * dgvj).sum(-1)
                 if den is None:  # input: W_2's step is W_13's
@@ -443,24 +445,22 @@ class _UpdatingWindow(torch.autograd.Function):
                 ddgv = torch.addcmul(dd_j * s13[:, p, None], dgvj, 2 * dg_sq[..., None])
                 dact.addcmul_(a, 2 * da_sq[..., None])
                 ddg, ddv = ddgv.chunk(2, dim=-1)
-                # dgv = [da v silu'(g), da silu(g)]
-                dda = torch.addcmul(ddg * vj * spj, ddv, sgj)
+                # dgv = [da v silu'(g), da silu(g)]: the parts of dg and dv through dgv
+                dda = torch.addcmul(ddg * vsp[:, p], ddv, sgj)
                 ddas[:, p] = dda
-                dv = ddg * daj * spj
-                dsp = ddg * daj * vj
-                dsg = torch.addcmul(ddv * daj, dsp, 1 - sig[:, p])
-                dsig = dsp * (1 - sgj)
+                dgg = ddg * daj
+                dgv_j = dgvs[:, p]
+                torch.addcmul(ddv * daj * sp[:, p], dgg, v2[:, p], out=dgv_j[..., :h])
+                torch.mul(dgg, sp[:, p], out=dgv_j[..., h:])
                 if j:  # da = e W_2 - (e E^T) A
-                    dp = -(dda @ fac_a[:, :s].mT)
-                    d_a[:, :s].baddbmm_(pe.mT, dda, alpha=-1)
-                    d_e[:, :s].baddbmm_(dp.mT, ej)
+                    dp = dda @ fac_a[:, :s].mT  # minus the gradient of e E^T
                 if assoc:  # e = o - u_{t+1}: its gradient reaches the output and the target
                     de = torch.addcmul(
                         de_j * s2[:, p, None], ej, (2 / d * dq * a_sq[:, p])[..., None]
                     )
                     de = de + dda @ w2.mT
                     if j:
-                        de.baddbmm_(dp, fac_e[:, :s])
+                        de.baddbmm_(dp, fac_e[:, :s], alpha=-1)
                     de = reduce_from_tp_region(de) if spec.tp else de
                     do = do + de
                     dtgt[:, p] = -de
@@ -468,18 +468,19 @@ class _UpdatingWindow(torch.autograd.Function):
             # o = a W_2^T - (a A^T) E
             dact += do @ w2
             if j:
-                dqa = -(do @ fac_e[:, :s].mT)
-                d_e[:, :s].baddbmm_(qa.mT, do, alpha=-1)
-                dact.baddbmm_(dqa, fac_a[:, :s])
-                d_a[:, :s].baddbmm_(dqa.mT, a)
-            # a = silu(g) v, silu(g) = g sig
-            dsg = dact * vj if dsg is None else dsg.addcmul_(dact, vj)
-            dv = dact * sgj if dv is None else dv.addcmul_(dact, sgj)
-            gj, sigj = g[:, s:t], sig[:, s:t]
-            dsig = dsg * gj if dsig is None else dsig.addcmul_(dsg, gj)
+                dqa = do @ fac_e[:, :s].mT  # minus the gradient of a A^T
+                dact.baddbmm_(dqa, fac_a[:, :s], alpha=-1)
+                # minus the held factors' gradients: both products' terms in one each
+                ga, xa, ge, xe = dqa, a, qa, do
+                if t <= m:
+                    ga, xa = torch.cat([pe, dqa], dim=1), torch.cat([dda, a], dim=1)
+                    ge, xe = torch.cat([dp, qa], dim=1), torch.cat([ej, do], dim=1)
+                d_a[:, :s].baddbmm_(ga.mT, xa, alpha=-1)
+                d_e[:, :s].baddbmm_(ge.mT, xe, alpha=-1)
+            # a = silu(g) v
             dgv_j = dgvs[:, s:t]
-            torch.addcmul(dsg * sigj, dsig, sigj * (1 - sigj), out=dgv_j[..., :h])
-            dgv_j[..., h:] = dv
+            dgv_j[..., :h].addcmul_(dact * vj, sp[:, s:t])
+            dgv_j[..., h:].addcmul_(dact, sgj)
             if j:  # gv = x W_13^T - (x X^T) D
                 torch.bmm(dgv_j, fac_d[:, :s].mT, out=dxx[:, s - c : t - c, :s])
                 d_d[:, :s].baddbmm_(xx[:, s - c : t - c, :s].mT, dgv_j, alpha=-1)
