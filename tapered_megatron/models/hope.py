@@ -286,6 +286,11 @@ def _scales(
     return q, clip, s13, clip * r2 / den, den
 
 
+def _sq_norm(x: torch.Tensor) -> torch.Tensor:
+    """Squared norms over the last dimension, one pass."""
+    return torch.linalg.vector_norm(x, dim=-1).square()
+
+
 def _wgrad(dy: torch.Tensor, x: torch.Tensor, shared: bool) -> torch.Tensor:
     """``dy^T x`` for ``dy`` [B, L, m], ``x`` [B, L, k]: ``[m, k]`` summed over the batch for a
     shared weight, ``[B, m, k]`` for per-sequence weights."""
@@ -332,8 +337,7 @@ class _UpdatingWindow(torch.autograd.Function):
             g, v = gv.chunk(2, dim=-1)
             sig = torch.sigmoid(g)
             sg = g * sig  # silu(g)
-            a = sg * v
-            fac_a[:, s:t] = a
+            a = torch.mul(sg, v, out=fac_a[:, s:t])
             o = a @ w2.mT
             qa = pe = None
             if j:
@@ -344,27 +348,31 @@ class _UpdatingWindow(torch.autograd.Function):
             if spec.final and j == periods - 1:
                 held.append((qa, pe))
                 break
-            e = tgt[:, s:t] if spec.teach else o - tgt[:, s:t]
-            da = ew2[:, s:t] if spec.teach else e @ w2
+            e, da = errs[:, s:t], das[:, s:t]
+            if spec.teach:
+                e.copy_(tgt[:, s:t])
+                da.copy_(ew2[:, s:t])
+            else:
+                torch.sub(o, tgt[:, s:t], out=e)
+                torch.matmul(e, w2, out=da)
             if j:
                 pe = e @ fac_e[:, :s].mT
-                da = torch.baddbmm(da, pe, fac_a[:, :s], alpha=-1)
+                da.baddbmm_(pe, fac_a[:, :s], alpha=-1)
             held.append((qa, pe))
-            errs[:, s:t], das[:, s:t] = e, da
             # silu'(g) = sig (1 + g (1 - sig)) = sig + silu(g) (1 - sig)
             dgv = dgvs[:, s:t]
             torch.mul(da * v, torch.addcmul(sig, sg, 1 - sig), out=dgv[..., :h])
             torch.mul(da, sg, out=dgv[..., h:])
             # per token: the gradient's norm (||d x^T|| = ||d|| ||x||) clipped to sqrt(d), the
             # rate, and each step divided by a squared input norm (hope.step_norm, module doc)
-            nrm = torch.stack((a.square().sum(-1), dgv.square().sum(-1)))
+            nrm = torch.stack((_sq_norm(a), _sq_norm(dgv)))
             nrm = reduce_from_tp_region(nrm) if spec.tp else nrm  # full norms on every rank
             norms[:, :, s:t] = nrm
             _, _, s13, s2, _ = _scales(
-                spec.step_norm, *nrm, e.square().sum(-1), xsq[:, s:t], r13[:, s:t], r2[:, s:t], d, c
+                spec.step_norm, *nrm, _sq_norm(e), xsq[:, s:t], r13[:, s:t], r2[:, s:t], d, c
             )
-            fac_d[:, s:t] = dgv * s13[..., None]
-            fac_e[:, s:t] = e * s2[..., None]
+            torch.mul(dgv, s13[..., None], out=fac_d[:, s:t])
+            torch.mul(e, s2[..., None], out=fac_e[:, s:t])
             if spec.record is not None and bool(
                 fac_d[:, s:t].abs().amax() + fac_e[:, s:t].abs().amax() > 0
             ):
@@ -398,7 +406,8 @@ class _UpdatingWindow(torch.autograd.Function):
         if dw2n is not None:  # and W_2' = W_2 - E^T A
             d_e.baddbmm_(fac_a, dw2n.mT, alpha=-1)
             d_a.baddbmm_(fac_e, dw2n, alpha=-1)
-        dgvs, dos, ddas = torch.zeros_like(gvs), torch.empty_like(dout), torch.zeros_like(das)
+        dgvs, ddas = torch.zeros_like(gvs), torch.zeros_like(das)
+        dos = dout.clone(memory_format=torch.contiguous_format)
         dxx = torch.zeros_like(xx) if xx is not None else None
         dr13, dr2, dxsq = torch.zeros_like(r13), torch.zeros_like(r2), torch.zeros_like(xsq)
         dtgt = xw.new_zeros(bsz, ctx.tgt_len, d) if assoc else None
@@ -411,14 +420,14 @@ class _UpdatingWindow(torch.autograd.Function):
         sp = torch.addcmul(sig, sg, 1 - sig)
         vsp, v2 = v * sp, v * sig1 * torch.addcmul(torch.full_like(g, 2.0), g, 1 - 2 * sig)
         e, da, dgv = errs[:, :m], das[:, :m], dgv[:, :m]
-        a_sq, g_sq, e_sq = norms[0, :, :m], norms[1, :, :m], e.square().sum(-1)
+        a_sq, g_sq, e_sq = norms[0, :, :m], norms[1, :, :m], _sq_norm(e)
         q, clip, s13, s2, den = _scales(
             spec.step_norm, a_sq, g_sq, e_sq, xsq[:, :m], r13[:, :m], r2[:, :m], d, c
         )
         dclip_dq = torch.where(q >= 1.0, -0.5 * clip.pow(3), 0.0)  # rsqrt(max(q, 1))'
         for j in reversed(range(periods)):
             s, t = j * c, min((j + 1) * c, n)
-            a, dact, do = fac_a[:, s:t], d_a[:, s:t], dout[:, s:t]
+            a, dact, do = fac_a[:, s:t], d_a[:, s:t], dos[:, s:t]  # do: completed in place
             vj, sgj = v[:, s:t], sg[:, s:t]
             qa, pe = held[j]
             if t <= m:  # the period's update
@@ -446,8 +455,7 @@ class _UpdatingWindow(torch.autograd.Function):
                 dact.addcmul_(a, 2 * da_sq[..., None])
                 ddg, ddv = ddgv.chunk(2, dim=-1)
                 # dgv = [da v silu'(g), da silu(g)]: the parts of dg and dv through dgv
-                dda = torch.addcmul(ddg * vsp[:, p], ddv, sgj)
-                ddas[:, p] = dda
+                dda = torch.addcmul(ddg * vsp[:, p], ddv, sgj, out=ddas[:, p])
                 dgg = ddg * daj
                 dgv_j = dgvs[:, p]
                 torch.addcmul(ddv * daj * sp[:, p], dgg, v2[:, p], out=dgv_j[..., :h])
@@ -458,13 +466,12 @@ class _UpdatingWindow(torch.autograd.Function):
                     de = torch.addcmul(
                         de_j * s2[:, p, None], ej, (2 / d * dq * a_sq[:, p])[..., None]
                     )
-                    de = de + dda @ w2.mT
+                    de += dda @ w2.mT
                     if j:
                         de.baddbmm_(dp, fac_e[:, :s], alpha=-1)
                     de = reduce_from_tp_region(de) if spec.tp else de
-                    do = do + de
-                    dtgt[:, p] = -de
-            dos[:, s:t] = do
+                    do += de
+                    torch.neg(de, out=dtgt[:, p])
             # o = a W_2^T - (a A^T) E
             dact += do @ w2
             if j:
