@@ -354,7 +354,7 @@ class _UpdatingWindow(torch.autograd.Function):
                 da.copy_(ew2[:, s:t])
             else:
                 torch.sub(o, tgt[:, s:t], out=e)
-                torch.matmul(e, w2, out=da)
+                da.copy_(e @ w2)  # (matmul with a strided out= is not reliable)
             if j:
                 pe = e @ fac_e[:, :s].mT
                 da.baddbmm_(pe, fac_a[:, :s], alpha=-1)
