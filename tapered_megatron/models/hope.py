@@ -99,17 +99,17 @@ Choices the paper leaves open, and ours:
   they are folded into per-sequence weights at the end of every *window* of whole periods,
   which bounds the per-token cost; the window is the one with the fewest multiply-adds per
   token (:func:`window_macs`, each fold costed as at least ``FOLD_DEPTH`` tokens deep; at the
-  library shape, d 256, periods 64 and 16, seq 256: 128 tokens). Per window, ``x W_13^T``
-  for every token and ``x_t X^T`` for every later period (``X`` are the level's inputs, known
-  in advance) are one matmul each before the period loop (with ``teach``, so is ``e W_2``), so
-  the loop only adds the dual-form corrections (fused ``baddbmm``) and ``W_2``; the factors
-  live in preallocated window buffers. Each window is one autograd function with a
-  hand-written backward (:class:`_UpdatingWindow`: the periods in reverse, the elementwise
-  chain recomputed for the whole window at once, the factors' gradients accumulated in place,
-  the weights' gradients as one product per window), exact to autograd's gradients of the
-  same forward (fp64 gradcheck in tests). Building per-sequence weight copies every period
-  instead was 25x slower than a static level on CPU (elementwise passes over ``B x 3 d w``
-  per period).
+  library shape, d 256, periods 64 and 16, seq 256: 128 tokens; at d 1024, period 64, seq
+  1024: 256). Per window, ``x W_13^T`` for every token and ``x_t X^T`` for every later period
+  (``X`` are the level's inputs, known in advance) are one matmul each before the period loop
+  (with ``teach``, so is ``e W_2``), so the loop only adds the dual-form corrections and
+  ``W_2``; the factors live in preallocated window buffers. Each window is one autograd
+  function with a hand-written backward (:class:`_UpdatingWindow`: the periods in reverse, the
+  chain rule's elementwise factors computed for the whole window at once, the factors'
+  gradients accumulated in place, each weight's gradient one product per window), exact to
+  autograd's gradients of the same forward (fp64 gradcheck in tests). Building per-sequence
+  weight copies every period instead was 25x slower than a static level on CPU (elementwise
+  passes over ``B x 3 d w`` per period).
 * Tensor parallelism: every level's hidden width is split over TP ranks (``W_g, W_u``
   column-parallel, ``W_2`` row-parallel); the inner gradient needs the full level output, which
   the row-parallel all-reduce already provides, so updates cost no extra communication. The rate
@@ -145,10 +145,12 @@ if TYPE_CHECKING:
 NORM_EPS = 1e-2  # added to a level input's squared norm before it divides the step (module doc)
 W2_GATE_GAIN = 10.0  # split: W_2's gate is sigmoid(gain (u w + b)), so it can open in few steps
 # choosing a level's fold window, a fold is costed as if its window had at least this many
-# tokens: folding shorter windows was slower than FLOPs say (hope_attention at the library
-# shape, one CPU thread: windows of 64 tokens 1.1-1.2x the time of 128 at periods 16 and 64,
-# 16 tokens 1.7x; issue 14, session 5)
-FOLD_DEPTH = 128
+# tokens: folds of short windows were slower than their FLOPs say. Calibrated on one CPU thread
+# (issue 14, session 5): at the library shape (d 256, seq 256, periods 64 and 16, batch 8)
+# windows of 128 tokens were the fastest (64: 1.1-1.2x its time, 16: 1.7x, 256: 1.0-1.2x); at
+# d 1024, seq 1024, period 64, batch 1, 128 tokens took 1.12x the time of 256 (256 to 1024:
+# within 2 %). 160 picks 128 and 256 there.
+FOLD_DEPTH = 160
 
 
 @dataclass(frozen=True)
