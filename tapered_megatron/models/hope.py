@@ -414,66 +414,71 @@ class _UpdatingWindow(torch.autograd.Function):
         dr13, dr2, dxsq = torch.zeros_like(r13), torch.zeros_like(r2), torch.zeros_like(xsq)
         dtgt = xw.new_zeros(bsz, ctx.tgt_len, d) if assoc else None
         # what the periods' chain rule needs, for the whole window at once: silu(g), silu'(g),
-        # v silu'(g), v silu''(g) (silu'' = sig (1 - sig) (2 + g (1 - 2 sig)))
+        # v silu'(g), v silu''(g) (silu'' = sig (1 - sig) (2 + g (1 - 2 sig))), and per token
+        # the step scales' partial derivatives
         g, v = gvs.chunk(2, dim=-1)
         sig = torch.sigmoid(g)
         sg = g * sig
-        sig1 = sig * (1 - sig)
         sp = torch.addcmul(sig, sg, 1 - sig)
-        vsp, v2 = v * sp, v * sig1 * torch.addcmul(torch.full_like(g, 2.0), g, 1 - 2 * sig)
+        vsp = v * sp
+        v2 = v * sig * (1 - sig) * torch.addcmul(torch.full_like(g, 2.0), g, 1 - 2 * sig)
         e, da, dgv = errs[:, :m], das[:, :m], dgv[:, :m]
         a_sq, g_sq, e_sq = norms[0, :, :m], norms[1, :, :m], _sq_norm(e)
         q, clip, s13, s2, den = _scales(
             spec.step_norm, a_sq, g_sq, e_sq, xsq[:, :m], r13[:, :m], r2[:, :m], d, c
         )
         dclip_dq = torch.where(q >= 1.0, -0.5 * clip.pow(3), 0.0)  # rsqrt(max(q, 1))'
+        upd = [e, da, dgv, d_d, d_e, ddas, r13, clip, dclip_dq, xsq, g_sq, e_sq / d, 2 / d * a_sq]
+        upd += [s13[..., None], s2[..., None], dr13, dr2, dxsq, dtgt]
+        upd += [] if den is None else [r2[:, :m] / den, clip / den, -s2 / den]
+        # every buffer split into its periods once (views); the update's over the first m tokens
+        every = [x.split(c, dim=1) for x in (fac_a, d_a, dos, v, sg, sp, vsp, v2, dgvs)]
+        upd = [x[:, :m].split(c, dim=1) if x is not None else None for x in upd]
         for j in reversed(range(periods)):
             s, t = j * c, min((j + 1) * c, n)
-            a, dact, do = fac_a[:, s:t], d_a[:, s:t], dos[:, s:t]  # do: completed in place
-            vj, sgj = v[:, s:t], sg[:, s:t]
+            a, dact, do, vj, sgj, spj, vspj, v2j, dgv_j = (x[j] for x in every)
             qa, pe = held[j]
             if t <= m:  # the period's update
-                p = slice(s, t)
-                ej, daj, dgvj = e[:, p], da[:, p], dgv[:, p]
-                dd_j, de_j = d_d[:, p], d_e[:, p]
+                ej, daj, dgvj, dd_j, de_j, ddaj, r13j, clipj, dqj, xsqj, gsqj, esqj, asqj, *rest = (
+                    x[j] if x is not None else None for x in upd
+                )
+                s13j, s2j, dr13j, dr2j, dxsqj, dtgtj, *ratios = rest
                 ds2, ds13 = (de_j * ej).sum(-1), (dd_j * dgvj).sum(-1)
                 if den is None:  # input: W_2's step is W_13's
                     ds13 = ds13 + ds2
-                    dclip, da_sq = ds13 * r13[:, p], 0.0
+                    dclip, da_sq = ds13 * r13j, None
                 else:
-                    dclip = ds13 * r13[:, p] + ds2 * r2[:, p] / den[:, p]
-                    dr2[:, p] = ds2 * clip[:, p] / den[:, p]
-                    da_sq = -ds2 * s2[:, p] / den[:, p]
+                    r2_den, clip_den, s2_den = ratios
+                    dclip = torch.addcmul(ds13 * r13j, ds2, r2_den)
+                    torch.mul(ds2, clip_den, out=dr2j)
+                    da_sq = ds2 * s2_den
                     if spec.step_norm == "split":  # the period's mean ||a||^2 in every divisor
-                        da_sq = da_sq + da_sq.sum(1, keepdim=True) / c
-                dr13[:, p] = ds13 * clip[:, p]
-                dq = dclip_dq[:, p] * dclip
-                dg_sq = dq * xsq[:, p]
-                dxsq[:, p] = dq * g_sq[:, p]
-                da_sq = da_sq + dq * e_sq[:, p] / d
+                        da_sq = da_sq + da_sq.mean(1, keepdim=True)
+                torch.mul(ds13, clipj, out=dr13j)
+                dq = dqj * dclip
+                dg_sq = dq * xsqj
+                torch.mul(dq, gsqj, out=dxsqj)
+                da_sq = dq * esqj if da_sq is None else torch.addcmul(da_sq, dq, esqj)
                 if spec.tp:  # the norms' gradients summed over ranks, as their copy does
                     da_sq, dg_sq = reduce_from_tp_region(torch.stack((da_sq, dg_sq))).unbind(0)
-                ddgv = torch.addcmul(dd_j * s13[:, p, None], dgvj, 2 * dg_sq[..., None])
+                ddgv = torch.addcmul(dd_j * s13j, dgvj, 2 * dg_sq[..., None])
                 dact.addcmul_(a, 2 * da_sq[..., None])
                 ddg, ddv = ddgv.chunk(2, dim=-1)
                 # dgv = [da v silu'(g), da silu(g)]: the parts of dg and dv through dgv
-                dda = torch.addcmul(ddg * vsp[:, p], ddv, sgj, out=ddas[:, p])
+                dda = torch.addcmul(ddg * vspj, ddv, sgj, out=ddaj)
                 dgg = ddg * daj
-                dgv_j = dgvs[:, p]
-                torch.addcmul(ddv * daj * sp[:, p], dgg, v2[:, p], out=dgv_j[..., :h])
-                torch.mul(dgg, sp[:, p], out=dgv_j[..., h:])
+                torch.addcmul(ddv * daj * spj, dgg, v2j, out=dgv_j[..., :h])
+                torch.mul(dgg, spj, out=dgv_j[..., h:])
                 if j:  # da = e W_2 - (e E^T) A
                     dp = dda @ fac_a[:, :s].mT  # minus the gradient of e E^T
                 if assoc:  # e = o - u_{t+1}: its gradient reaches the output and the target
-                    de = torch.addcmul(
-                        de_j * s2[:, p, None], ej, (2 / d * dq * a_sq[:, p])[..., None]
-                    )
+                    de = torch.addcmul(de_j * s2j, ej, (dq * asqj)[..., None])
                     de += dda @ w2.mT
                     if j:
                         de.baddbmm_(dp, fac_e[:, :s], alpha=-1)
                     de = reduce_from_tp_region(de) if spec.tp else de
                     do += de
-                    torch.neg(de, out=dtgt[:, p])
+                    torch.neg(de, out=dtgtj)
             # o = a W_2^T - (a A^T) E
             dact += do @ w2
             if j:
@@ -487,8 +492,7 @@ class _UpdatingWindow(torch.autograd.Function):
                 d_a[:, :s].baddbmm_(ga.mT, xa, alpha=-1)
                 d_e[:, :s].baddbmm_(ge.mT, xe, alpha=-1)
             # a = silu(g) v
-            dgv_j = dgvs[:, s:t]
-            dgv_j[..., :h].addcmul_(dact * vj, sp[:, s:t])
+            dgv_j[..., :h].addcmul_(dact * vj, spj)
             dgv_j[..., h:].addcmul_(dact, sgj)
             if j:  # gv = x W_13^T - (x X^T) D
                 torch.bmm(dgv_j, fac_d[:, :s].mT, out=dxx[:, s - c : t - c, :s])
