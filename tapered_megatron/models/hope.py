@@ -331,26 +331,29 @@ class _UpdatingWindow(torch.autograd.Function):
         out, errs, das = torch.empty_like(xw), torch.zeros_like(xw), xw.new_zeros(bsz, n, h)
         dgvs, norms = xw.new_zeros(bsz, n, 2 * h), xw.new_zeros(2, bsz, n)
         held = []  # per period: a A^T and e E^T over the held factors (dual form)
+        # the buffers split into their periods once (views); gv0 is corrected in place and
+        # ends as the pre-activations
+        bufs = [gv0, fac_a, out, errs, das, dgvs, norms[0], norms[1], fac_d, fac_e, xsq, r13, r2]
+        parts = [x.split(c, dim=1) for x in bufs]
         for j in range(periods):
+            gv, a, oj, e, da, dgv, a_sq, g_sq, dj, ej, xsqj, r13j, r2j = (x[j] for x in parts)
             s, t = j * c, min((j + 1) * c, n)
-            gv = gv0[:, s:t]  # corrected in place: gv0 ends as the pre-activations
             if j:
                 gv.baddbmm_(xx[:, s - c : t - c, :s], fac_d[:, :s], alpha=-1)
             g, v = gv.chunk(2, dim=-1)
             sig = torch.sigmoid(g)
             sg = g * sig  # silu(g)
-            a = torch.mul(sg, v, out=fac_a[:, s:t])
+            torch.mul(sg, v, out=a)
             o = a @ w2.mT
             qa = pe = None
             if j:
                 qa = a @ fac_a[:, :s].mT
                 o = torch.baddbmm(o, qa, fac_e[:, :s], alpha=-1)
             o = reduce_from_tp_region(o)
-            out[:, s:t] = o
+            oj.copy_(o)
             if spec.final and j == periods - 1:
                 held.append((qa, pe))
                 break
-            e, da = errs[:, s:t], das[:, s:t]
             if spec.teach:
                 e.copy_(tgt[:, s:t])
                 da.copy_(ew2[:, s:t])
@@ -362,22 +365,23 @@ class _UpdatingWindow(torch.autograd.Function):
                 da.baddbmm_(pe, fac_a[:, :s], alpha=-1)
             held.append((qa, pe))
             # silu'(g) = sig (1 + g (1 - sig)) = sig + silu(g) (1 - sig)
-            dgv = dgvs[:, s:t]
             torch.mul(da * v, torch.addcmul(sig, sg, 1 - sig), out=dgv[..., :h])
             torch.mul(da, sg, out=dgv[..., h:])
             # per token: the gradient's norm (||d x^T|| = ||d|| ||x||) clipped to sqrt(d), the
             # rate, and each step divided by a squared input norm (hope.step_norm, module doc)
-            nrm = torch.stack((_sq_norm(a), _sq_norm(dgv)))
-            nrm = reduce_from_tp_region(nrm) if spec.tp else nrm  # full norms on every rank
-            norms[:, :, s:t] = nrm
+            if spec.tp:  # full norms on every rank
+                nrm = reduce_from_tp_region(torch.stack((_sq_norm(a), _sq_norm(dgv))))
+                a_sq.copy_(nrm[0])
+                g_sq.copy_(nrm[1])
+            else:
+                torch.linalg.vector_norm(a, dim=-1, out=a_sq).square_()
+                torch.linalg.vector_norm(dgv, dim=-1, out=g_sq).square_()
             _, _, s13, s2, _ = _scales(
-                spec.step_norm, *nrm, _sq_norm(e), xsq[:, s:t], r13[:, s:t], r2[:, s:t], d, c
+                spec.step_norm, a_sq, g_sq, _sq_norm(e), xsqj, r13j, r2j, d, c
             )
-            torch.mul(dgv, s13[..., None], out=fac_d[:, s:t])
-            torch.mul(e, s2[..., None], out=fac_e[:, s:t])
-            if spec.record is not None and bool(
-                fac_d[:, s:t].abs().amax() + fac_e[:, s:t].abs().amax() > 0
-            ):
+            torch.mul(dgv, s13[..., None], out=dj)
+            torch.mul(e, s2[..., None], out=ej)
+            if spec.record is not None and bool(dj.abs().amax() + ej.abs().amax() > 0):
                 spec.record.append(spec.start + t)
         ctx.spec, ctx.held, ctx.tgt_len = spec, held, tgt.shape[1]
         ctx.save_for_backward(
