@@ -323,13 +323,14 @@ class _UpdatingWindow(torch.autograd.Function):
         # x_t X^T for every later period of the window: one product, rows split per period
         xx = xw[:, c:] @ xw[:, :last].mT if last else None
         ew2 = tgt @ w2 if spec.teach else None  # the error is known: e W_2 in one matmul
+        # window buffers; rows of a final period without update stay unset and are never read
         fac_d, fac_a, fac_e = (
-            xw.new_zeros(bsz, n, 2 * h),
-            xw.new_zeros(bsz, n, h),
-            torch.zeros_like(xw),
+            gv0.new_empty(gv0.shape),
+            xw.new_empty(bsz, n, h),
+            xw.new_empty(xw.shape),
         )
-        out, errs, das = torch.empty_like(xw), torch.zeros_like(xw), xw.new_zeros(bsz, n, h)
-        dgvs, norms = xw.new_zeros(bsz, n, 2 * h), xw.new_zeros(2, bsz, n)
+        out, errs, das = torch.empty_like(xw), torch.empty_like(xw), torch.empty_like(fac_a)
+        dgvs, norms = torch.empty_like(gv0), xw.new_empty(2, bsz, n)
         held = []  # per period: a A^T and e E^T over the held factors (dual form)
         # the buffers split into their periods once (views); gv0 is corrected in place and
         # ends as the pre-activations
@@ -405,18 +406,25 @@ class _UpdatingWindow(torch.autograd.Function):
         m = last if spec.final else n  # tokens whose period makes an update (whole periods)
         shared, assoc = w13.dim() == 2, not spec.teach
         # gradients of the factor buffers, completed period by period from the last one
-        d_d, d_a, d_e, dxw = (torch.zeros_like(t) for t in (fac_d, fac_a, fac_e, xw))
-        if dw13n is not None:  # the fold W_13' = W_13 - D^T X
-            d_d.baddbmm_(xw, dw13n.mT, alpha=-1)
-            dxw.baddbmm_(fac_d, dw13n, alpha=-1)
-        if dw2n is not None:  # and W_2' = W_2 - E^T A
-            d_e.baddbmm_(fac_a, dw2n.mT, alpha=-1)
-            d_a.baddbmm_(fac_e, dw2n, alpha=-1)
-        dgvs, ddas = torch.zeros_like(gvs), torch.zeros_like(das)
+        if dw13n is None:  # else the fold W_13' = W_13 - D^T X
+            d_d, dxw = torch.zeros_like(fac_d), torch.zeros_like(xw)
+        else:
+            d_d = torch.baddbmm(fac_d, xw, dw13n.mT, beta=0, alpha=-1)
+            dxw = torch.baddbmm(xw, fac_d, dw13n, beta=0, alpha=-1)
+        if dw2n is None:  # else the fold W_2' = W_2 - E^T A
+            d_e, d_a = torch.zeros_like(fac_e), torch.zeros_like(fac_a)
+        else:
+            d_e = torch.baddbmm(fac_e, fac_a, dw2n.mT, beta=0, alpha=-1)
+            d_a = torch.baddbmm(fac_a, fac_e, dw2n, beta=0, alpha=-1)
+        dgvs, ddas = torch.empty_like(gvs), torch.empty_like(das)
+        dgvs[:, m:].zero_()  # the periods with an update write theirs before adding to them
         dos = dout.clone(memory_format=torch.contiguous_format)
         dxx = torch.zeros_like(xx) if xx is not None else None
         dr13, dr2, dxsq = torch.zeros_like(r13), torch.zeros_like(r2), torch.zeros_like(xsq)
-        dtgt = xw.new_zeros(bsz, ctx.tgt_len, d) if assoc else None
+        dtgt = None
+        if assoc:
+            dtgt = xw.new_empty(bsz, ctx.tgt_len, d)
+            dtgt[:, m:].zero_()
         # what the periods' chain rule needs, for the whole window at once: silu(g), silu'(g),
         # v silu'(g), v silu''(g) (silu'' = sig (1 - sig) (2 + g (1 - 2 sig))), and per token
         # the step scales' partial derivatives
@@ -506,7 +514,7 @@ class _UpdatingWindow(torch.autograd.Function):
         if xx is not None:  # dxx holds -d(x X^T)
             dxw[:, c:].baddbmm_(dxx, xw[:, :last], alpha=-1)
             dxw[:, :last].baddbmm_(dxx.mT, xw[:, c:], alpha=-1)
-        dw2 = _wgrad(dos, fac_a, shared) + _wgrad(errs, ddas, shared)
+        dw2 = _wgrad(dos, fac_a, shared) + _wgrad(errs[:, :m], ddas[:, :m], shared)
         if dw13n is not None:
             dw13 = dw13 + (dw13n.sum(0) if shared else dw13n)
         if dw2n is not None:
