@@ -155,6 +155,56 @@ def test_cms_level_equals_plain_reference(seq, rate, update, periods, norm):
 
 
 @pytest.mark.parametrize(
+    "teach, norm, final, shared",
+    [
+        (False, "split", True, True),
+        (False, "split", False, False),
+        (False, "input", False, True),
+        (False, "own", True, False),
+        (True, "split", False, True),
+        (True, "own", True, True),
+        (True, "input", True, False),
+    ],
+)
+def test_window_backward_equals_numerical_gradients(teach, norm, final, shared, monkeypatch):
+    """The hand-written backward of one window (``_UpdatingWindow``) against fp64 finite
+    differences of its forward: outputs and, unless final, the folded weights, w.r.t. every
+    input (level inputs, shared or per-sequence weights, targets, rates, norms), second-order
+    terms included; inner gradients clipped for some tokens and not for others."""
+    from tapered_megatron.models import hope
+    from tapered_megatron.models.hope import _scales, _UpdatingWindow, _WindowSpec
+
+    gen = torch.Generator().manual_seed(5)
+    bsz, d, h, c = 2, 4, 3, 3
+    n = 11 if final else 12  # a final window may end in a short period
+
+    def rand(*shape, scale=1.0):
+        x = torch.randn(*shape, generator=gen, dtype=torch.float64) * scale
+        return x.requires_grad_()
+
+    batch = () if shared else (bsz,)
+    xw, w13, w2 = rand(bsz, n, d), rand(*batch, 2 * h, d, scale=0.7), rand(*batch, d, h)
+    tgt = rand(bsz, n - final, d).detach().requires_grad_(not teach)
+    r13, r2 = (torch.rand(bsz, n, generator=gen, dtype=torch.float64) for _ in range(2))
+    xsq = torch.rand(bsz, n, generator=gen, dtype=torch.float64) * 2
+    inputs = (xw, w13, w2, tgt, r13.requires_grad_(), r2.requires_grad_(), xsq.requires_grad_())
+    spec = _WindowSpec(c, norm, teach, final, False, 0, None)
+    clipped = []
+
+    def scales(*args):  # records which tokens' inner gradients the forward clips
+        out = _scales(*args)
+        clipped.append(out[0].detach() >= 1)
+        return out
+
+    with monkeypatch.context() as patch:
+        patch.setattr(hope, "_scales", scales)
+        _UpdatingWindow.apply(spec, *inputs)
+    share = torch.cat([x.flatten() for x in clipped]).double().mean()
+    assert 0.1 < share < 0.9, share  # both branches of the clip are exercised
+    assert torch.autograd.gradcheck(lambda *x: _UpdatingWindow.apply(spec, *x), inputs)
+
+
+@pytest.mark.parametrize(
     "overrides",
     [
         [],

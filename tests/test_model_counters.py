@@ -128,9 +128,9 @@ def test_meta_build_allocates_nothing():
 def test_forward_flops_agree_with_torch_flop_counter(arch):
     """An independent count: PyTorch's FlopCounterMode over one forward pass (matmuls and
     attention) against ``count_model``'s forward FLOPs per token, at d 128, 2 layers, seq 256.
-    Measured ratios counted / torch: transformer 1.13, gated 1.12, titans 1.03, hope 1.11 (the
-    two counts differ in convention, e.g. Hope's dual form is counted at its average factor
-    length); a 2x slip in any counter fails."""
+    Measured ratios counted / torch: transformer 1.13, gated 1.12, titans 1.03, hope 1.20
+    (torch's counter skips in-place products such as the ``baddbmm_`` of Hope's dual-form
+    corrections; counting them, 1.11); a 2x slip in any counter fails."""
     from arch_args import for_arch
     from torch.utils.flop_counter import FlopCounterMode
 

@@ -501,8 +501,9 @@ def test_tapered_and_uniform_budgets_match():
 @pytest.mark.distributed
 def test_tp2_equals_tp1_titans_and_hope():
     """One launch of two processes covers every Titans variant (MAC and persistent tokens
-    included) and hope_attention (the CMS's in-context updates with learned rates, association
-    and teach signal), to keep the default run short."""
+    included) and hope_attention (the CMS's in-context updates: association and teach signal,
+    every W_2 step norm, learned and constant rates, folded windows), to keep the default run
+    short."""
     assert_tp_equal(
         {
             "mag": ["titans"],
@@ -518,6 +519,14 @@ def test_tp2_equals_tp1_titans_and_hope():
             "mag_persistent": ["titans", "--model.titans.persistent_tokens", "2"],
             "hope": ["hope_attention"],
             "hope_teach": ["hope_attention", "--model.hope.update", "teach"],
+            "hope_own": ["hope_attention", "--model.hope.step_norm", "own"],
+            # input, constant rates; seq 300: folded windows, a short last period; init std
+            # 0.07: a third of the inner gradients clipped (the clip's gradient across ranks)
+            "hope_input": [
+                "hope_attention",
+                *("--model.hope.step_norm", "input", "--model.hope.rate", "constant"),
+                *("--model.seq_len", "300", "--model.init_std", "0.07"),
+            ],
         }
     )
 

@@ -96,14 +96,20 @@ Choices the paper leaves open, and ours:
   Updated weights are per sequence; a new sequence starts from the learned weights.
 * Computation: the accumulated updates are kept as factors (``W_13 = W^0 - sum r D^T X``,
   ``W_2 = W^0 - sum r E^T A``) and applied in dual form (``x W^T = x W_0^T - (x X^T) D``);
-  they are folded into per-sequence weights once ``d_model`` tokens (a window, rounded up to
-  whole periods) have accumulated, which bounds the per-token cost. Per window, ``x W_13^T``
-  for every token and ``x_t X^T`` for every later period (``X`` are the level's inputs, known
-  in advance) are one matmul each before the period loop (with ``teach``, so is ``e W_2``), so
-  the loop only adds the dual-form corrections (fused ``baddbmm``) and ``W_2``; each period's
-  ``D | A | E`` factors are one tensor (one concatenation per period for all three). Building
-  per-sequence weight copies every period instead was 25x slower than a static level on CPU
-  (elementwise passes over ``B x 3 d w`` per period).
+  they are folded into per-sequence weights at the end of every *window* of whole periods,
+  which bounds the per-token cost; the window is the one with the fewest multiply-adds per
+  token (:func:`window_macs`, each fold costed as at least ``FOLD_DEPTH`` tokens deep; at the
+  library shape, d 256, periods 64 and 16, seq 256: 128 tokens; at d 1024, period 64, seq
+  1024: 256). Per window, ``x W_13^T`` for every token and ``x_t X^T`` for every later period
+  (``X`` are the level's inputs, known in advance) are one matmul each before the period loop
+  (with ``teach``, so is ``e W_2``), so the loop only adds the dual-form corrections and
+  ``W_2``; the factors live in preallocated window buffers. Each window is one autograd
+  function with a hand-written backward (:class:`_UpdatingWindow`: the periods in reverse, the
+  chain rule's elementwise factors computed for the whole window at once, the factors'
+  gradients accumulated in place, each weight's gradient one product per window), exact to
+  autograd's gradients of the same forward (fp64 gradcheck in tests). Building per-sequence
+  weight copies every period instead was 25x slower than a static level on CPU (elementwise
+  passes over ``B x 3 d w`` per period).
 * Tensor parallelism: every level's hidden width is split over TP ranks (``W_g, W_u``
   column-parallel, ``W_2`` row-parallel); the inner gradient needs the full level output, which
   the row-parallel all-reduce already provides, so updates cost no extra communication. The rate
@@ -119,7 +125,9 @@ from typing import TYPE_CHECKING, Literal
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.autograd.function import once_differentiable
 
+from tapered_megatron.autocast import autocast_off, autocast_operands
 from tapered_megatron.config import ConfigError, at_least
 from tapered_megatron.models.attention import Attention
 from tapered_megatron.models.base import Architecture, Counts, MLPSlot, register_architecture
@@ -136,6 +144,13 @@ if TYPE_CHECKING:
 
 NORM_EPS = 1e-2  # added to a level input's squared norm before it divides the step (module doc)
 W2_GATE_GAIN = 10.0  # split: W_2's gate is sigmoid(gain (u w + b)), so it can open in few steps
+# choosing a level's fold window, a fold is costed as if its window had at least this many
+# tokens: folds of short windows were slower than their FLOPs say. Calibrated on one CPU thread
+# (issue 14, session 5): at the library shape (d 256, seq 256, periods 64 and 16, batch 8)
+# windows of 128 tokens were the fastest (64: 1.1-1.2x its time, 16: 1.7x, 256: 1.0-1.2x); at
+# d 1024, seq 1024, period 64, batch 1, 128 tokens took 1.12x the time of 256 (256 to 1024:
+# within 2 %). 160 picks 128 and 256 there.
+FOLD_DEPTH = 160
 
 
 @dataclass(frozen=True)
@@ -204,6 +219,309 @@ def _gate(
     return w, nn.Parameter(torch.full((1,), _logit(init) / gain))
 
 
+def fold_window(d: int, h: int, c: int, seq: int) -> int:
+    """Tokens per window of a level of width ``h`` (all TP ranks) and period ``c`` over a
+    sequence of ``seq``: the whole number of periods with the fewest multiply-adds per token
+    (:func:`window_macs`), each fold costed at a depth of at least ``FOLD_DEPTH`` tokens; ties
+    go to the longer window."""
+    counts = range(1, -(-seq // c) + 1)
+    best = min(counts, key=lambda k: (window_macs(d, h, c, seq, k * c, FOLD_DEPTH), -k))
+    return best * c
+
+
+def window_macs(d: int, h: int, c: int, seq: int, window: int, fold_depth: int = 0) -> float:
+    """Forward multiply-adds per token of an updating level of width ``h`` and period ``c``
+    beyond its static ``3 d h``, with windows of ``window`` tokens over a sequence of ``seq``:
+    ``e W_2`` (``d h``; the error's ``W_2`` product), per window ``x X^T`` over its later periods
+    (``(L - c) (L - c) d``, ``L`` the window's length), the dual-form corrections of period ``j``
+    over the ``j c`` held tokens (``c j c (2 h + 2 (h + d))``: ``G D``, ``a A^T E``,
+    ``e E^T A``), and the fold of every window but the last (``3 d h L``; with ``fold_depth``,
+    ``3 d h max(L, fold_depth)``)."""
+    total = 0.0
+    for w0 in range(0, seq, window):
+        n = min(window, seq - w0)
+        total += max(n - c, 0) * ((n - 1) // c * c) * d
+        for j in range(1, -(-n // c)):
+            total += min(c, n - j * c) * j * c * (2 * h + 2 * (h + d))
+        if w0 + window < seq:
+            total += 3 * d * h * max(n, fold_depth)
+    return d * h + total / seq
+
+
+@dataclass(frozen=True, eq=False)
+class _WindowSpec:
+    """What one :class:`_UpdatingWindow` does besides its tensors."""
+
+    period: int
+    step_norm: str
+    teach: bool  # the error is the given signal (else: the association error f(u_t) - u_{t+1})
+    final: bool  # the window ends the sequence: its last period makes no update, no fold
+    tp: bool  # tensor parallel: all-reduce the output and the norms (and their gradients)
+    start: int  # the window's first position in the sequence (for ``record``)
+    record: list | None  # positions at which the level's weights change are appended here
+
+
+def _scales(
+    norm: str,
+    a_sq: torch.Tensor,
+    g_sq: torch.Tensor,
+    e_sq: torch.Tensor,
+    xsq: torch.Tensor,
+    r13: torch.Tensor,
+    r2: torch.Tensor,
+    d: int,
+    c: int,
+) -> tuple[torch.Tensor, ...]:
+    """Per token of a period [B, c]: the squared inner-gradient norm over ``d`` (``q``), its
+    clip ``rsqrt(max(q, 1))``, ``W_13``'s and ``W_2``'s step scales and ``W_2``'s divisor
+    (``None`` with ``step_norm input``, whose ``W_2`` step is ``W_13``'s)."""
+    q = torch.addcmul(g_sq * xsq, a_sq, e_sq, value=1 / d)
+    clip = q.clamp_min(1.0).rsqrt()
+    s13 = clip * r13
+    if norm == "input":
+        return q, clip, s13, s13, None
+    if norm == "own":
+        den = a_sq + NORM_EPS
+    else:  # split: plus the mean over each period of c tokens
+        mean = a_sq.unflatten(1, (-1, c)).mean(-1, keepdim=True)
+        den = (a_sq.unflatten(1, (-1, c)) + mean).flatten(1) + NORM_EPS
+    return q, clip, s13, clip * r2 / den, den
+
+
+def _sq_norm(x: torch.Tensor) -> torch.Tensor:
+    """Squared norms over the last dimension, one pass."""
+    return torch.linalg.vector_norm(x, dim=-1).square()
+
+
+def _wgrad(dy: torch.Tensor, x: torch.Tensor, shared: bool) -> torch.Tensor:
+    """``dy^T x`` for ``dy`` [B, L, m], ``x`` [B, L, k]: ``[m, k]`` summed over the batch for a
+    shared weight, ``[B, m, k]`` for per-sequence weights."""
+    return dy.flatten(0, 1).mT @ x.flatten(0, 1) if shared else dy.mT @ x
+
+
+class _UpdatingWindow(torch.autograd.Function):
+    """One window of :meth:`CMSLevel.forward_updating`: its periods' outputs and, unless it is
+    the final window, the per-sequence weights with its factors folded in.
+
+    Inputs: the window's level inputs ``xw`` [B, L, d], the window-start weights ``w13``
+    ([2h, d] shared or [B, 2h, d] per sequence) and ``w2`` ([d, h] or [B, d, h]), the targets
+    (association: ``u_{t+1}``; teach: the signal), per-token ``W_13`` / ``W_2`` rates ``r13``,
+    ``r2`` [B, L] and ``||x||^2 / d``. The factors live in preallocated window buffers (no
+    concatenation); the backward runs the periods in reverse, recomputing the elementwise
+    chain from the saved pre-activations, products and norms, and accumulates the factors'
+    gradients in buffers; it gives autograd's gradients of the same forward, second-order
+    terms included (tests/test_hope.py compares them in fp64).
+    """
+
+    @staticmethod
+    def forward(ctx, spec, xw, w13, w2, tgt, r13, r2, xsq):
+        bsz, n, d = xw.shape
+        h, c = w2.shape[-1], spec.period
+        periods = -(-n // c)
+        last = (periods - 1) * c  # where the window's last period starts
+        gv0 = xw @ w13.mT  # x W_13^T of the window, one matmul
+        # x_t X^T for every later period of the window: one product, rows split per period
+        xx = xw[:, c:] @ xw[:, :last].mT if last else None
+        ew2 = tgt @ w2 if spec.teach else None  # the error is known: e W_2 in one matmul
+        # window buffers; rows of a final period without update stay unset and are never read
+        fac_d, fac_a, fac_e = (
+            gv0.new_empty(gv0.shape),
+            xw.new_empty(bsz, n, h),
+            xw.new_empty(xw.shape),
+        )
+        out, errs, das = torch.empty_like(xw), torch.empty_like(xw), torch.empty_like(fac_a)
+        dgvs, norms = torch.empty_like(gv0), xw.new_empty(2, bsz, n)
+        held = []  # per period: a A^T and e E^T over the held factors (dual form)
+        # the buffers split into their periods once (views); gv0 is corrected in place and
+        # ends as the pre-activations
+        bufs = [gv0, fac_a, out, errs, das, dgvs, norms[0], norms[1], fac_d, fac_e, xsq, r13, r2]
+        parts = [x.split(c, dim=1) for x in bufs]
+        for j in range(periods):
+            gv, a, oj, e, da, dgv, a_sq, g_sq, dj, ej, xsqj, r13j, r2j = (x[j] for x in parts)
+            s, t = j * c, min((j + 1) * c, n)
+            if j:
+                gv.baddbmm_(xx[:, s - c : t - c, :s], fac_d[:, :s], alpha=-1)
+            g, v = gv.chunk(2, dim=-1)
+            sig = torch.sigmoid(g)
+            sg = g * sig  # silu(g)
+            torch.mul(sg, v, out=a)
+            o = a @ w2.mT
+            qa = pe = None
+            if j:
+                qa = a @ fac_a[:, :s].mT
+                o = torch.baddbmm(o, qa, fac_e[:, :s], alpha=-1)
+            o = reduce_from_tp_region(o)
+            oj.copy_(o)
+            if spec.final and j == periods - 1:
+                held.append((qa, pe))
+                break
+            if spec.teach:
+                e.copy_(tgt[:, s:t])
+                da.copy_(ew2[:, s:t])
+            else:
+                torch.sub(o, tgt[:, s:t], out=e)
+                da.copy_(e @ w2)  # (matmul with a strided out= is not reliable)
+            if j:
+                pe = e @ fac_e[:, :s].mT
+                da.baddbmm_(pe, fac_a[:, :s], alpha=-1)
+            held.append((qa, pe))
+            # silu'(g) = sig (1 + g (1 - sig)) = sig + silu(g) (1 - sig)
+            torch.mul(da * v, torch.addcmul(sig, sg, 1 - sig), out=dgv[..., :h])
+            torch.mul(da, sg, out=dgv[..., h:])
+            # per token: the gradient's norm (||d x^T|| = ||d|| ||x||) clipped to sqrt(d), the
+            # rate, and each step divided by a squared input norm (hope.step_norm, module doc)
+            if spec.tp:  # full norms on every rank
+                nrm = reduce_from_tp_region(torch.stack((_sq_norm(a), _sq_norm(dgv))))
+                a_sq.copy_(nrm[0])
+                g_sq.copy_(nrm[1])
+            else:
+                torch.linalg.vector_norm(a, dim=-1, out=a_sq).square_()
+                torch.linalg.vector_norm(dgv, dim=-1, out=g_sq).square_()
+            _, _, s13, s2, _ = _scales(
+                spec.step_norm, a_sq, g_sq, _sq_norm(e), xsqj, r13j, r2j, d, c
+            )
+            torch.mul(dgv, s13[..., None], out=dj)
+            torch.mul(e, s2[..., None], out=ej)
+            if spec.record is not None and bool(dj.abs().amax() + ej.abs().amax() > 0):
+                spec.record.append(spec.start + t)
+        ctx.spec, ctx.held, ctx.tgt_len = spec, held, tgt.shape[1]
+        ctx.save_for_backward(
+            xw, w13, w2, r13, r2, xsq, gv0, dgvs, fac_d, fac_a, fac_e, errs, das, norms, xx
+        )
+        if spec.final:
+            return out
+        return out, w13 - fac_d.mT @ xw, w2 - fac_e.mT @ fac_a  # fold the window
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, dout, dw13n=None, dw2n=None):
+        spec, held = ctx.spec, ctx.held
+        xw, w13, w2, r13, r2, xsq, gvs, dgv, fac_d, fac_a, fac_e, errs, das, norms, xx = (
+            ctx.saved_tensors
+        )
+        bsz, n, d = xw.shape
+        h, c = w2.shape[-1], spec.period
+        periods = -(-n // c)
+        last = (periods - 1) * c
+        m = last if spec.final else n  # tokens whose period makes an update (whole periods)
+        shared, assoc = w13.dim() == 2, not spec.teach
+        # gradients of the factor buffers, completed period by period from the last one
+        if dw13n is None:  # else the fold W_13' = W_13 - D^T X
+            d_d, dxw = torch.zeros_like(fac_d), torch.zeros_like(xw)
+        else:
+            d_d = torch.baddbmm(fac_d, xw, dw13n.mT, beta=0, alpha=-1)
+            dxw = torch.baddbmm(xw, fac_d, dw13n, beta=0, alpha=-1)
+        if dw2n is None:  # else the fold W_2' = W_2 - E^T A
+            d_e, d_a = torch.zeros_like(fac_e), torch.zeros_like(fac_a)
+        else:
+            d_e = torch.baddbmm(fac_e, fac_a, dw2n.mT, beta=0, alpha=-1)
+            d_a = torch.baddbmm(fac_a, fac_e, dw2n, beta=0, alpha=-1)
+        dgvs, ddas = torch.empty_like(gvs), torch.empty_like(das)
+        dgvs[:, m:].zero_()  # the periods with an update write theirs before adding to them
+        dos = dout.clone(memory_format=torch.contiguous_format)
+        dxx = torch.zeros_like(xx) if xx is not None else None
+        dr13, dr2, dxsq = torch.zeros_like(r13), torch.zeros_like(r2), torch.zeros_like(xsq)
+        dtgt = None
+        if assoc:
+            dtgt = xw.new_empty(bsz, ctx.tgt_len, d)
+            dtgt[:, m:].zero_()
+        # what the periods' chain rule needs, for the whole window at once: silu(g), silu'(g),
+        # v silu'(g), v silu''(g) (silu'' = sig (1 - sig) (2 + g (1 - 2 sig))), and per token
+        # the step scales' partial derivatives
+        g, v = gvs.chunk(2, dim=-1)
+        sig = torch.sigmoid(g)
+        sg = g * sig
+        sp = torch.addcmul(sig, sg, 1 - sig)
+        vsp = v * sp
+        v2 = v * sig * (1 - sig) * torch.addcmul(torch.full_like(g, 2.0), g, 1 - 2 * sig)
+        e, da, dgv = errs[:, :m], das[:, :m], dgv[:, :m]
+        a_sq, g_sq, e_sq = norms[0, :, :m], norms[1, :, :m], _sq_norm(e)
+        q, clip, s13, s2, den = _scales(
+            spec.step_norm, a_sq, g_sq, e_sq, xsq[:, :m], r13[:, :m], r2[:, :m], d, c
+        )
+        dclip_dq = torch.where(q >= 1.0, -0.5 * clip.pow(3), 0.0)  # rsqrt(max(q, 1))'
+        upd = [e, da, dgv, d_d, d_e, ddas, r13, clip, dclip_dq, xsq, g_sq, e_sq / d, 2 / d * a_sq]
+        upd += [s13[..., None], s2[..., None], dr13, dr2, dxsq, dtgt]
+        upd += [] if den is None else [r2[:, :m] / den, clip / den, -s2 / den]
+        # every buffer split into its periods once (views); the update's over the first m tokens
+        every = [x.split(c, dim=1) for x in (fac_a, d_a, dos, v, sg, sp, vsp, v2, dgvs)]
+        upd = [x[:, :m].split(c, dim=1) if x is not None else None for x in upd]
+        for j in reversed(range(periods)):
+            s, t = j * c, min((j + 1) * c, n)
+            a, dact, do, vj, sgj, spj, vspj, v2j, dgv_j = (x[j] for x in every)
+            qa, pe = held[j]
+            if t <= m:  # the period's update
+                ej, daj, dgvj, dd_j, de_j, ddaj, r13j, clipj, dqj, xsqj, gsqj, esqj, asqj, *rest = (
+                    x[j] if x is not None else None for x in upd
+                )
+                s13j, s2j, dr13j, dr2j, dxsqj, dtgtj, *ratios = rest
+                ds2, ds13 = (de_j * ej).sum(-1), (dd_j * dgvj).sum(-1)
+                if den is None:  # input: W_2's step is W_13's
+                    ds13 = ds13 + ds2
+                    dclip, da_sq = ds13 * r13j, None
+                else:
+                    r2_den, clip_den, s2_den = ratios
+                    dclip = torch.addcmul(ds13 * r13j, ds2, r2_den)
+                    torch.mul(ds2, clip_den, out=dr2j)
+                    da_sq = ds2 * s2_den
+                    if spec.step_norm == "split":  # the period's mean ||a||^2 in every divisor
+                        da_sq = da_sq + da_sq.mean(1, keepdim=True)
+                torch.mul(ds13, clipj, out=dr13j)
+                dq = dqj * dclip
+                dg_sq = dq * xsqj
+                torch.mul(dq, gsqj, out=dxsqj)
+                da_sq = dq * esqj if da_sq is None else torch.addcmul(da_sq, dq, esqj)
+                if spec.tp:  # the norms' gradients summed over ranks, as their copy does
+                    da_sq, dg_sq = reduce_from_tp_region(torch.stack((da_sq, dg_sq))).unbind(0)
+                ddgv = torch.addcmul(dd_j * s13j, dgvj, 2 * dg_sq[..., None])
+                dact.addcmul_(a, 2 * da_sq[..., None])
+                ddg, ddv = ddgv.chunk(2, dim=-1)
+                # dgv = [da v silu'(g), da silu(g)]: the parts of dg and dv through dgv
+                dda = torch.addcmul(ddg * vspj, ddv, sgj, out=ddaj)
+                dgg = ddg * daj
+                torch.addcmul(ddv * daj * spj, dgg, v2j, out=dgv_j[..., :h])
+                torch.mul(dgg, spj, out=dgv_j[..., h:])
+                if j:  # da = e W_2 - (e E^T) A
+                    dp = dda @ fac_a[:, :s].mT  # minus the gradient of e E^T
+                if assoc:  # e = o - u_{t+1}: its gradient reaches the output and the target
+                    de = torch.addcmul(de_j * s2j, ej, (dq * asqj)[..., None])
+                    de += dda @ w2.mT
+                    if j:
+                        de.baddbmm_(dp, fac_e[:, :s], alpha=-1)
+                    de = reduce_from_tp_region(de) if spec.tp else de
+                    do += de
+                    torch.neg(de, out=dtgtj)
+            # o = a W_2^T - (a A^T) E
+            dact += do @ w2
+            if j:
+                dqa = do @ fac_e[:, :s].mT  # minus the gradient of a A^T
+                dact.baddbmm_(dqa, fac_a[:, :s], alpha=-1)
+                # minus the held factors' gradients: both products' terms in one each
+                ga, xa, ge, xe = dqa, a, qa, do
+                if t <= m:
+                    ga, xa = torch.cat([pe, dqa], dim=1), torch.cat([dda, a], dim=1)
+                    ge, xe = torch.cat([dp, qa], dim=1), torch.cat([ej, do], dim=1)
+                d_a[:, :s].baddbmm_(ga.mT, xa, alpha=-1)
+                d_e[:, :s].baddbmm_(ge.mT, xe, alpha=-1)
+            # a = silu(g) v
+            dgv_j[..., :h].addcmul_(dact * vj, spj)
+            dgv_j[..., h:].addcmul_(dact, sgj)
+            if j:  # gv = x W_13^T - (x X^T) D
+                torch.bmm(dgv_j, fac_d[:, :s].mT, out=dxx[:, s - c : t - c, :s])
+                d_d[:, :s].baddbmm_(xx[:, s - c : t - c, :s].mT, dgv_j, alpha=-1)
+        dw13 = _wgrad(dgvs, xw, shared)
+        dxw += dgvs @ w13
+        if xx is not None:  # dxx holds -d(x X^T)
+            dxw[:, c:].baddbmm_(dxx, xw[:, :last], alpha=-1)
+            dxw[:, :last].baddbmm_(dxx.mT, xw[:, c:], alpha=-1)
+        dw2 = _wgrad(dos, fac_a, shared) + _wgrad(errs[:, :m], ddas[:, :m], shared)
+        if dw13n is not None:
+            dw13 = dw13 + (dw13n.sum(0) if shared else dw13n)
+        if dw2n is not None:
+            dw2 = dw2 + (dw2n.sum(0) if shared else dw2n)
+        return None, dxw, dw13, dw2, dtgt, dr13, dr2, dxsq
+
+
 class CMSLevel(SwiGLU):
     """One level of the chain: a SwiGLU of width ``d_ff`` with an update period (0: never).
 
@@ -255,96 +573,45 @@ class CMSLevel(SwiGLU):
         ``W_13 = W_13^0 - sum r D^T X`` and ``W_2 = W_2^0 - sum r E^T A`` over the tokens seen so
         far (``r`` the per-token rate and clip, folded into ``D`` and ``E``), and applied as
         ``x W^T = x W_0^T - (x X^T) D`` (the dual form), so no per-sequence weight copy is built;
-        the factors are folded into materialised per-sequence weights once ``d_model`` tokens
-        have accumulated (a *window*), which bounds the dual form's cost per token.
+        the factors are folded into materialised per-sequence weights at the end of every
+        *window* of :func:`fold_window` tokens, which bounds the dual form's cost per token.
+        Each window is one :class:`_UpdatingWindow` (hand-written backward).
         """
         seq, c, d = u.shape[1], self.period, u.shape[-1]
-        tp = get_tensor_model_parallel_world_size() > 1
+        if seq <= c:  # no boundary inside the sequence: the static level
+            return self(u)
         ul = copy_to_tp_region(u)
-        w13, w2 = self.w13.weight, self.w2.weight  # shared [2h, d], [d, h] until materialised
-        h = w2.shape[-1]
-        # per-token quantities of the whole sequence in one pass each, split into periods (one
-        # backward concatenation, not a zero-filled full-size gradient per slice)
+        # per-token quantities of the whole sequence, each in one pass
         rate = self.rates(u, eta)
         x_sq = ul.square().sum(-1)
-        r13_all = (rate / x_sq.clamp_min(NORM_EPS)).split(c, dim=1)  # W_13: rate / ||u_t||^2
-        if self.step_norm == "split":
-            rate = self.rates(u, eta, w2=True)
-        r2_all = rate.split(c, dim=1)
-        xsq_all = (x_sq / d).split(c, dim=1)
-        if teach is None:
-            err_all = u[:, 1:].split(c, dim=1)  # association targets u_{t+1}
-        else:
-            teach = teach.to(u.dtype)
-            err_all = teach.split(c, dim=1)  # the error itself
-        window = -(-d // c) * c  # tokens between folds
+        r13 = rate / x_sq.clamp_min(NORM_EPS)  # W_13: rate / ||u_t||^2
+        r2 = self.rates(u, eta, w2=True) if self.step_norm == "split" else rate
+        tgt = u[:, 1:] if teach is None else teach.to(u.dtype)  # association targets u_{t+1}
+        ops = autocast_operands(ul, self.w13.weight, self.w2.weight, tgt, r13, r2, x_sq / d)
+        xs, w13, w2, tgt, r13, r2, xsq = ops
+        window = fold_window(d, w2.shape[-1] * get_tensor_model_parallel_world_size(), c, seq)
         outs = []
-        for w0 in range(0, seq, window):
-            xw = ul[:, w0 : w0 + window]
-            gv_all = (xw @ w13.mT).split(c, dim=1)  # x W_13^T of the window, one matmul
-            if teach is not None:  # the error is known: e W_2 of the window in one matmul too
-                ew2_all = (teach[:, w0 : w0 + window] @ w2).split(c, dim=1)
-            # x_t X^T for every later period of the window: one product, rows split per period
-            last = (xw.shape[1] - 1) // c * c  # where the window's last period starts
-            if last:
-                xx_all = (xw[:, c:] @ xw[:, :last].mT).split(c, dim=1)
-            pieces: list[torch.Tensor] = []  # per period [B, c, 2h + h + d]: D | A | E
-            for j, gv in enumerate(gv_all):
-                p = w0 // c + j
-                end = min((p + 1) * c, seq)
-                if j:
-                    fac = torch.cat(pieces, dim=1) if j > 1 else pieces[0]
-                    dp, ap, ep = fac.split((2 * h, h, d), dim=-1)
-                    gv = torch.baddbmm(gv, xx_all[j - 1][..., : j * c], dp, alpha=-1)
-                g, v = gv.chunk(2, dim=-1)
-                sig = torch.sigmoid(g)
-                sg = g * sig  # silu(g)
-                a = sg * v
-                o = a @ w2.mT
-                if j:
-                    o = torch.baddbmm(o, a @ ap.mT, ep, alpha=-1)
-                out = reduce_from_tp_region(o)
-                outs.append(out)
-                if end >= seq:
-                    break
-                if teach is None:
-                    e = copy_to_tp_region(out - err_all[p])
-                    da = e @ w2
+        with autocast_off(u.device):
+            for w0 in range(0, seq, window):
+                spec = _WindowSpec(
+                    period=c,
+                    step_norm=self.step_norm,
+                    teach=teach is not None,
+                    final=w0 + window >= seq,
+                    tp=get_tensor_model_parallel_world_size() > 1,
+                    start=w0,
+                    record=record,
+                )
+                win = slice(w0, w0 + window)
+                res = _UpdatingWindow.apply(
+                    spec, xs[:, win], w13, w2, tgt[:, win], r13[:, win], r2[:, win], xsq[:, win]
+                )
+                if spec.final:
+                    out = res
                 else:
-                    e, da = err_all[p], ew2_all[j]
-                if j:
-                    da = torch.baddbmm(da, e @ ep.mT, ap, alpha=-1)
-                # silu'(g) = sig (1 + g (1 - sig)) = sig + silu(g) (1 - sig)
-                dgv = torch.cat([da * (v * torch.addcmul(sig, sg, 1 - sig)), da * sg], dim=-1)
-                # per token: the gradient's norm (||d x^T|| = ||d|| ||x||) clipped to sqrt(d), the
-                # rate, and each step divided by a squared input norm (hope.step_norm, module doc)
-                a_sq, dgv_sq = a.square().sum(-1), dgv.square().sum(-1)
-                if tp:  # full norms on every rank; the copy sums their rank-local gradients
-                    a_sq, dgv_sq = copy_to_tp_region(
-                        reduce_from_tp_region(torch.stack((a_sq, dgv_sq)))
-                    ).unbind(0)
-                clip = torch.addcmul(dgv_sq * xsq_all[p], a_sq, e.square().sum(-1), value=1 / d)
-                clip = clip.clamp_min(1.0).rsqrt()
-                step13 = clip * r13_all[p]
-                if self.step_norm == "input":
-                    e2 = e * step13[..., None]
-                elif self.step_norm == "own":
-                    e2 = e * (clip * r2_all[p] / (a_sq + NORM_EPS))[..., None]
-                else:  # split: W_2's own rate over ||a_t||^2 + the period's mean ||a||^2
-                    a_sq_mean = a_sq.mean(1, keepdim=True)
-                    e2 = e * (clip * r2_all[p] / (a_sq + a_sq_mean + NORM_EPS))[..., None]
-                pieces.append(torch.cat([dgv * step13[..., None], a, e2], -1))
-                if record is not None and bool(
-                    pieces[-1][..., : 2 * h].abs().amax() + pieces[-1][..., 3 * h :].abs().amax()
-                    > 0
-                ):
-                    record.append(end)
-                if (j + 1) * c >= window:  # fold the window's factors into the weights
-                    fac = torch.cat(pieces, dim=1) if j else pieces[0]
-                    dp, ap, ep = fac.split((2 * h, h, d), dim=-1)
-                    w13 = w13 - dp.mT @ xw
-                    w2 = w2 - ep.mT @ ap
-        return torch.cat(outs, dim=1)
+                    out, w13, w2 = res
+                outs.append(out)
+        return torch.cat(outs, dim=1) if len(outs) > 1 else outs[0]
 
 
 class ContinuumMemory(MLPSlot):
@@ -383,23 +650,18 @@ class ContinuumMemory(MLPSlot):
         for w, period in zip(widths, h.periods):
             base = SwiGLU.counts(cfg, layer, dtype_bytes, d_ff=w)
             if period > 0 and h.lr > 0:
-                # per token: e W2 (d w); in a window of win = min(s, L) tokens (L: d rounded up
-                # to whole periods) the dual form over n ~ (win - C) / 2 held factor tokens,
-                # G D, a A^T E, e E^T A (n (2d + 4w)), and x X^T for the window ((win - C)^2 d
-                # per window); the fold into weights (3 d w per token of a folded window, every
-                # window but the last); kept: D, E, clip scale (2w + d + 1), the three n-wide
-                # products, the folded per-sequence weights; a learned rate: d + 1 params, d MACs
-                s, win_full = m.seq_len, -(-d // period) * period
-                win = min(s, win_full)
-                n = (win - period) / 2
-                folded = (s - 1) // win_full * win_full / s  # share of tokens in folded windows
-                macs = (
-                    d * w + 3 * d * w * folded + n * (2 * d + 4 * w) + (win - period) ** 2 * d / win
-                )
-                elems = 2 * w + d + 1 + 3 * n + 3 * w
                 gates = (1 + (h.step_norm == "split")) if h.rate == "learned" else 0
-                gate = gates * (d + 1)
-                base = base + Counts(gate, 2.0 * (macs + gate), (elems + 1) * dtype_bytes)
+                gate, s, macs, elems = gates * (d + 1), m.seq_len, 0.0, 0.0
+                if s > period:  # else the level runs static
+                    # per token: window_macs (e W_2, x X^T, the dual form, the folds) at the
+                    # window forward_updating picks, the gates' d MACs; kept: the corrected
+                    # pre-activation, D, A, E, the error and its W_2 product (2w + 2w + w + d +
+                    # d + w), norms, rates (5), x X^T and the two held dual-form products
+                    # (about 2 (L - c) per token in a window of L)
+                    win = fold_window(d, w, period, s)
+                    macs = window_macs(d, w, period, s, win) + gate
+                    elems = 6 * w + 2 * d + 5 + 2 * (min(win, s) - period)
+                base = base + Counts(gate, 2.0 * macs, elems * dtype_bytes)
             total = total + base
         return total
 
