@@ -118,7 +118,7 @@ Choices the paper leaves open, and ours:
   reverse (:func:`_chunk_backward`), carrying the state's gradient by hand in one buffer per
   layer that is updated in place (``[g_M; g_S] <- [B_b g_M; P_b g_M + E_b g_S]``, then every
   matmul term of the state's gradient, read-out, key pass and delta backprop, in one batched
-  ``baddbmm`` per layer). Against autograd through the same chunk step (session 4's form) it
+  ``baddbmm`` per layer). Against autograd through the same chunk step (the form it replaced) it
   saves the graph bookkeeping, the zero-filled gradients of state views and the separate
   accumulation of each state use (state-sized passes dominate at head dim 64): the scan's
   forward + backward at the library shape takes 0.80x the time at chunk 16 and 0.86x at chunk
