@@ -168,9 +168,10 @@ def test_cms_level_equals_plain_reference(seq, rate, update, periods, norm):
 )
 def test_window_backward_equals_numerical_gradients(teach, norm, final, shared, monkeypatch):
     """The hand-written backward of one window (``_UpdatingWindow``) against fp64 finite
-    differences of its forward: outputs and, unless final, the folded weights, w.r.t. every
-    input (level inputs, shared or per-sequence weights, targets, rates, norms), second-order
-    terms included; inner gradients clipped for some tokens and not for others."""
+    differences of its forward: outputs and, unless final, the ``W_13`` factors and the folded
+    ``W_2``, w.r.t. every input (level inputs, pre-activations, shared or per-sequence ``W_2``,
+    targets, rates, norms), second-order terms included; inner gradients clipped for some
+    tokens and not for others."""
     from tapered_megatron.models import hope
     from tapered_megatron.models.hope import _scales, _UpdatingWindow, _WindowSpec
 
@@ -183,11 +184,12 @@ def test_window_backward_equals_numerical_gradients(teach, norm, final, shared, 
         return x.requires_grad_()
 
     batch = () if shared else (bsz,)
-    xw, w13, w2 = rand(bsz, n, d), rand(*batch, 2 * h, d, scale=0.7), rand(*batch, d, h)
+    xw, w2 = rand(bsz, n, d), rand(*batch, d, h)
+    gv = (xw @ rand(2 * h, d, scale=0.7).mT).detach().requires_grad_()
     tgt = rand(bsz, n - final, d).detach().requires_grad_(not teach)
     r13, r2 = (torch.rand(bsz, n, generator=gen, dtype=torch.float64) for _ in range(2))
     xsq = torch.rand(bsz, n, generator=gen, dtype=torch.float64) * 2
-    inputs = (xw, w13, w2, tgt, r13.requires_grad_(), r2.requires_grad_(), xsq.requires_grad_())
+    inputs = (xw, gv, w2, tgt, r13.requires_grad_(), r2.requires_grad_(), xsq.requires_grad_())
     spec = _WindowSpec(c, norm, teach, final, False, 0, None)
     clipped = []
 

@@ -96,14 +96,15 @@ Choices the paper leaves open, and ours:
   Updated weights are per sequence; a new sequence starts from the learned weights.
 * Computation: the accumulated updates are kept as factors (``W_13 = W^0 - sum r D^T X``,
   ``W_2 = W^0 - sum r E^T A``) and applied in dual form (``x W^T = x W_0^T - (x X^T) D``);
-  they are folded into per-sequence weights at the end of every *window* of whole periods,
-  which bounds the per-token cost; the window is the one with the fewest multiply-adds per
-  token (:func:`window_macs`, each fold costed as at least ``FOLD_DEPTH`` tokens deep; at the
-  library shape, d 256, periods 64 and 16, seq 256: 128 tokens; at d 1024, period 64, seq
-  1024: 256). Per window, ``x W_13^T`` for every token and ``x_t X^T`` for every later period
-  (``X`` are the level's inputs, known in advance) are one matmul each before the period loop
-  (with ``teach``, so is ``e W_2``), so the loop only adds the dual-form corrections and
-  ``W_2``; the factors live in preallocated window buffers. Each window is one autograd
+  ``W_2``'s are folded into per-sequence weights at the end of every *window* of whole
+  periods, which bounds the per-token cost; the window is the one with the fewest multiply-adds
+  per token (:func:`window_macs`, each fold costed as at least ``FOLD_DEPTH`` tokens deep; at
+  the library shape, d 256, periods 64 and 16, seq 256: 128 tokens; at d 1024, period 64, seq
+  1024: 256). ``W_13`` is only applied to the level's inputs ``X``, known in advance, so it is
+  never folded: per window, ``x W_13^T`` (shared weights) minus the earlier windows' updates
+  ``(x X^T) D`` and ``x_t X^T`` for every later period are a few matmuls before the period loop
+  (with ``teach``, so is ``e W_2``), so the loop only adds the in-window dual-form corrections
+  and ``W_2``; the factors live in preallocated window buffers. Each window is one autograd
   function with a hand-written backward (:class:`_UpdatingWindow`: the periods in reverse, the
   chain rule's elementwise factors computed for the whole window at once, the factors'
   gradients accumulated in place, each weight's gradient one product per window), exact to
@@ -147,9 +148,10 @@ W2_GATE_GAIN = 10.0  # split: W_2's gate is sigmoid(gain (u w + b)), so it can o
 # choosing a level's fold window, a fold is costed as if its window had at least this many
 # tokens: folds of short windows were slower than their FLOPs say. Calibrated on one CPU thread
 # (issue 14, session 5): at the library shape (d 256, seq 256, periods 64 and 16, batch 8)
-# windows of 128 tokens were the fastest (64: 1.1-1.2x its time, 16: 1.7x, 256: 1.0-1.2x); at
-# d 1024, seq 1024, period 64, batch 1, 128 tokens took 1.12x the time of 256 (256 to 1024:
-# within 2 %). 160 picks 128 and 256 there.
+# windows of 128 tokens were the fastest (64: 1.1-1.2x its time, 16: 1.7x, 256: 1.0-1.2x; with
+# W_13 in dual form across windows: 64 and 256 1.0-1.16x); at d 1024, seq 1024, period 64,
+# batch 1, 128 tokens took 1.12x the time of 256 (256 to 1024: within 3 %). 160 picks 128 and
+# 256 there.
 FOLD_DEPTH = 160
 
 
@@ -235,16 +237,17 @@ def window_macs(d: int, h: int, c: int, seq: int, window: int, fold_depth: int =
     ``e W_2`` (``d h``; the error's ``W_2`` product), per window ``x X^T`` over its later periods
     (``(L - c) (L - c) d``, ``L`` the window's length), the dual-form corrections of period ``j``
     over the ``j c`` held tokens (``c j c (2 h + 2 (h + d))``: ``G D``, ``a A^T E``,
-    ``e E^T A``), and the fold of every window but the last (``3 d h L``; with ``fold_depth``,
-    ``3 d h max(L, fold_depth)``)."""
+    ``e E^T A``), the earlier windows' ``W_13`` updates in dual form (``L s (d + 2 h)`` for a
+    window starting at ``s``: ``(x X^T) D``) and the fold of ``W_2`` at the end of every window
+    but the last (``d h L``; with ``fold_depth``, ``d h max(L, fold_depth)``)."""
     total = 0.0
     for w0 in range(0, seq, window):
         n = min(window, seq - w0)
-        total += max(n - c, 0) * ((n - 1) // c * c) * d
+        total += max(n - c, 0) * ((n - 1) // c * c) * d + n * w0 * (d + 2 * h)
         for j in range(1, -(-n // c)):
             total += min(c, n - j * c) * j * c * (2 * h + 2 * (h + d))
         if w0 + window < seq:
-            total += 3 * d * h * max(n, fold_depth)
+            total += d * h * max(n, fold_depth)
     return d * h + total / seq
 
 
@@ -301,10 +304,12 @@ def _wgrad(dy: torch.Tensor, x: torch.Tensor, shared: bool) -> torch.Tensor:
 
 class _UpdatingWindow(torch.autograd.Function):
     """One window of :meth:`CMSLevel.forward_updating`: its periods' outputs and, unless it is
-    the final window, the per-sequence weights with its factors folded in.
+    the final window, its ``W_13`` factors ``D`` [B, L, 2h] (later windows apply them in dual
+    form) and the per-sequence ``W_2`` with its factors folded in.
 
-    Inputs: the window's level inputs ``xw`` [B, L, d], the window-start weights ``w13``
-    ([2h, d] shared or [B, 2h, d] per sequence) and ``w2`` ([d, h] or [B, d, h]), the targets
+    Inputs: the window's level inputs ``xw`` [B, L, d], their pre-activations ``gv`` [B, L, 2h]
+    under the window-start ``W_13`` (``x W_13^T`` with the earlier windows' updates), the
+    window-start ``w2`` ([d, h] shared or [B, d, h] per sequence), the targets
     (association: ``u_{t+1}``; teach: the signal), per-token ``W_13`` / ``W_2`` rates ``r13``,
     ``r2`` [B, L] and ``||x||^2 / d``. The factors live in preallocated window buffers (no
     concatenation); the backward runs the periods in reverse, recomputing the elementwise
@@ -314,12 +319,12 @@ class _UpdatingWindow(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, spec, xw, w13, w2, tgt, r13, r2, xsq):
+    def forward(ctx, spec, xw, gv, w2, tgt, r13, r2, xsq):
         bsz, n, d = xw.shape
         h, c = w2.shape[-1], spec.period
         periods = -(-n // c)
         last = (periods - 1) * c  # where the window's last period starts
-        gv0 = xw @ w13.mT  # x W_13^T of the window, one matmul
+        gv0 = gv.clone(memory_format=torch.contiguous_format)  # corrected in place below
         # x_t X^T for every later period of the window: one product, rows split per period
         xx = xw[:, c:] @ xw[:, :last].mT if last else None
         ew2 = tgt @ w2 if spec.teach else None  # the error is known: e W_2 in one matmul
@@ -386,17 +391,17 @@ class _UpdatingWindow(torch.autograd.Function):
                 spec.record.append(spec.start + t)
         ctx.spec, ctx.held, ctx.tgt_len = spec, held, tgt.shape[1]
         ctx.save_for_backward(
-            xw, w13, w2, r13, r2, xsq, gv0, dgvs, fac_d, fac_a, fac_e, errs, das, norms, xx
+            xw, w2, r13, r2, xsq, gv0, dgvs, fac_d, fac_a, fac_e, errs, das, norms, xx
         )
         if spec.final:
             return out
-        return out, w13 - fac_d.mT @ xw, w2 - fac_e.mT @ fac_a  # fold the window
+        return out, fac_d, w2 - fac_e.mT @ fac_a  # W_2 folded
 
     @staticmethod
     @once_differentiable
-    def backward(ctx, dout, dw13n=None, dw2n=None):
+    def backward(ctx, dout, dfac_d=None, dw2n=None):
         spec, held = ctx.spec, ctx.held
-        xw, w13, w2, r13, r2, xsq, gvs, dgv, fac_d, fac_a, fac_e, errs, das, norms, xx = (
+        xw, w2, r13, r2, xsq, gvs, dgv, fac_d, fac_a, fac_e, errs, das, norms, xx = (
             ctx.saved_tensors
         )
         bsz, n, d = xw.shape
@@ -404,13 +409,10 @@ class _UpdatingWindow(torch.autograd.Function):
         periods = -(-n // c)
         last = (periods - 1) * c
         m = last if spec.final else n  # tokens whose period makes an update (whole periods)
-        shared, assoc = w13.dim() == 2, not spec.teach
-        # gradients of the factor buffers, completed period by period from the last one
-        if dw13n is None:  # else the fold W_13' = W_13 - D^T X
-            d_d, dxw = torch.zeros_like(fac_d), torch.zeros_like(xw)
-        else:
-            d_d = torch.baddbmm(fac_d, xw, dw13n.mT, beta=0, alpha=-1)
-            dxw = torch.baddbmm(xw, fac_d, dw13n, beta=0, alpha=-1)
+        shared, assoc = w2.dim() == 2, not spec.teach
+        # gradients of the factor buffers, completed period by period from the last one; D's
+        # starts from what later windows' dual form gave it
+        d_d = torch.zeros_like(fac_d) if dfac_d is None else dfac_d.clone()
         if dw2n is None:  # else the fold W_2' = W_2 - E^T A
             d_e, d_a = torch.zeros_like(fac_e), torch.zeros_like(fac_a)
         else:
@@ -509,17 +511,15 @@ class _UpdatingWindow(torch.autograd.Function):
             if j:  # gv = x W_13^T - (x X^T) D
                 torch.bmm(dgv_j, fac_d[:, :s].mT, out=dxx[:, s - c : t - c, :s])
                 d_d[:, :s].baddbmm_(xx[:, s - c : t - c, :s].mT, dgv_j, alpha=-1)
-        dw13 = _wgrad(dgvs, xw, shared)
-        dxw += dgvs @ w13
+        dxw = None
         if xx is not None:  # dxx holds -d(x X^T)
+            dxw = torch.zeros_like(xw)
             dxw[:, c:].baddbmm_(dxx, xw[:, :last], alpha=-1)
             dxw[:, :last].baddbmm_(dxx.mT, xw[:, c:], alpha=-1)
         dw2 = _wgrad(dos, fac_a, shared) + _wgrad(errs[:, :m], ddas[:, :m], shared)
-        if dw13n is not None:
-            dw13 = dw13 + (dw13n.sum(0) if shared else dw13n)
         if dw2n is not None:
             dw2 = dw2 + (dw2n.sum(0) if shared else dw2n)
-        return None, dxw, dw13, dw2, dtgt, dr13, dr2, dxsq
+        return None, dxw, dgvs, dw2, dtgt, dr13, dr2, dxsq
 
 
 class CMSLevel(SwiGLU):
@@ -573,9 +573,11 @@ class CMSLevel(SwiGLU):
         ``W_13 = W_13^0 - sum r D^T X`` and ``W_2 = W_2^0 - sum r E^T A`` over the tokens seen so
         far (``r`` the per-token rate and clip, folded into ``D`` and ``E``), and applied as
         ``x W^T = x W_0^T - (x X^T) D`` (the dual form), so no per-sequence weight copy is built;
-        the factors are folded into materialised per-sequence weights at the end of every
-        *window* of :func:`fold_window` tokens, which bounds the dual form's cost per token.
-        Each window is one :class:`_UpdatingWindow` (hand-written backward).
+        ``W_2``'s factors are folded into materialised per-sequence weights at the end of every
+        *window* of :func:`fold_window` tokens, which bounds the dual form's cost per token;
+        ``W_13``'s stay in dual form across windows (it only meets the level's inputs ``X``, so
+        each window's ``x W_13^T`` is a few matmuls before its period loop). Each window is one
+        :class:`_UpdatingWindow` (hand-written backward).
         """
         seq, c, d = u.shape[1], self.period, u.shape[-1]
         if seq <= c:  # no boundary inside the sequence: the static level
@@ -590,9 +592,16 @@ class CMSLevel(SwiGLU):
         ops = autocast_operands(ul, self.w13.weight, self.w2.weight, tgt, r13, r2, x_sq / d)
         xs, w13, w2, tgt, r13, r2, xsq = ops
         window = fold_window(d, w2.shape[-1] * get_tensor_model_parallel_world_size(), c, seq)
-        outs = []
+        outs, factors = [], []  # the windows' outputs, W_13 factors D
         with autocast_off(u.device):
             for w0 in range(0, seq, window):
+                # x W_13^T with the earlier windows' W_13 updates in dual form:
+                # x W_13^T - (x X^T) D over the earlier windows' inputs X and factors D
+                win = slice(w0, w0 + window)
+                gv = xs[:, win] @ w13.mT
+                if w0:
+                    fac_d = factors[0] if len(factors) == 1 else torch.cat(factors, dim=1)
+                    gv = torch.baddbmm(gv, xs[:, win] @ xs[:, :w0].mT, fac_d, alpha=-1)
                 spec = _WindowSpec(
                     period=c,
                     step_norm=self.step_norm,
@@ -602,14 +611,14 @@ class CMSLevel(SwiGLU):
                     start=w0,
                     record=record,
                 )
-                win = slice(w0, w0 + window)
                 res = _UpdatingWindow.apply(
-                    spec, xs[:, win], w13, w2, tgt[:, win], r13[:, win], r2[:, win], xsq[:, win]
+                    spec, xs[:, win], gv, w2, tgt[:, win], r13[:, win], r2[:, win], xsq[:, win]
                 )
                 if spec.final:
                     out = res
                 else:
-                    out, w13, w2 = res
+                    out, fac_d, w2 = res
+                    factors.append(fac_d)
                 outs.append(out)
         return torch.cat(outs, dim=1) if len(outs) > 1 else outs[0]
 
@@ -657,10 +666,11 @@ class ContinuumMemory(MLPSlot):
                     # window forward_updating picks, the gates' d MACs; kept: the corrected
                     # pre-activation, D, A, E, the error and its W_2 product (2w + 2w + w + d +
                     # d + w), norms, rates (5), x X^T and the two held dual-form products
-                    # (about 2 (L - c) per token in a window of L)
+                    # (about 2 (L - c) per token in a window of L), x X^T over earlier windows
                     win = fold_window(d, w, period, s)
                     macs = window_macs(d, w, period, s, win) + gate
-                    elems = 6 * w + 2 * d + 5 + 2 * (min(win, s) - period)
+                    cross = sum(min(win, s - w0) * w0 for w0 in range(0, s, win)) / s
+                    elems = 6 * w + 2 * d + 5 + 2 * (min(win, s) - period) + cross
                 base = base + Counts(gate, 2.0 * macs, elems * dtype_bytes)
             total = total + base
         return total
