@@ -14,11 +14,16 @@ import torch
 
 def autocast_operands(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
     """``tensors`` cast to the active autocast dtype of their device (unchanged when off)."""
-    device_type = tensors[0].device.type
-    if not torch.is_autocast_enabled(device_type):
+    dtype = autocast_dtype(tensors[0])
+    if dtype is None:
         return tensors
-    dtype = torch.get_autocast_dtype(device_type)
     return tuple(t.to(dtype) for t in tensors)
+
+
+def autocast_dtype(x: torch.Tensor) -> torch.dtype | None:
+    """The active autocast dtype of ``x``'s device type, or None when autocast is off there."""
+    device_type = x.device.type
+    return torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else None
 
 
 def autocast_off(device: torch.device) -> torch.autocast:

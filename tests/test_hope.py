@@ -12,6 +12,7 @@ from test_titans import assert_causal, tiny_cfg
 
 from tapered_megatron.models import build_model, count_model
 from tapered_megatron.models.hope import NORM_EPS, ContinuumMemory, level_widths
+from tapered_megatron.parallel import init_parameters
 
 
 def _plain_chain(cms: ContinuumMemory, u: torch.Tensor) -> torch.Tensor:
@@ -284,3 +285,35 @@ def test_teach_signal_is_the_per_token_loss_gradient():
     grad[:, -1] = 0
     torch.testing.assert_close(signal, grad / w.pow(2).mean().sqrt(), rtol=1e-4, atol=1e-6)
     assert signal[:, :-1].norm(dim=-1).min() > 0
+
+
+def test_bf16_autocast_updates_match_fp64_at_4096():
+    """Under bf16 autocast the updating levels compute in fp32 (hope.py, Precision): with the
+    ``W_2`` gates half open (a trained model's regime; at init they start at 1e-5) the CMS output
+    over 4096 tokens stays within 1 % of fp64 (measured 0.31 %; the updates move it by 10 %).
+    Run in bf16 the levels were 1.27 % off."""
+    seq, d = 4096, 128
+    cfg = tiny_cfg(
+        "hope_attention",
+        *("--model.d_model", str(d), "--model.d_ff", "384", "--model.seq_len", str(seq)),
+    )
+    torch.manual_seed(0)
+    cms = ContinuumMemory(cfg, 0)
+    init_parameters(cms, 0, "layers.0.mlp.")
+    with torch.no_grad():
+        for level in cms.levels:
+            if level.w2_rate_b is not None:
+                level.w2_rate_b.zero_()
+    u = F.rms_norm(torch.randn(1, seq, d, generator=torch.Generator().manual_seed(1)), (d,))
+    with torch.no_grad():
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            low = cms(u)
+        cms.double()
+        high = cms(u.double())
+        cms.eta = 0.0
+        static = cms(u.double())
+    assert low.dtype == torch.bfloat16
+    err = ((low.double() - high).norm() / high.norm()).item()
+    effect = ((high - static).norm() / high.norm()).item()
+    print(f"hope bf16 autocast vs fp64 at {seq}: {err:.4f}; the updates' effect {effect:.4f}")
+    assert err <= 0.01 and effect > 2 * err
