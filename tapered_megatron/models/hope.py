@@ -69,9 +69,10 @@ Choices the paper leaves open, and ours:
   0.118, its loss only leaving chance level by step 300) (session 4 of issue 14); whether the
   gate opens within 300 steps depends on the seed and on float rounding (the same rule with
   the hand-written window backward, equal to fp64 round-off: 1 of 4 seeds, see
-  docs/BENCHMARKS.md). Without the gain the gate does not open from 1e-4 or 1e-5 within 300 steps (recall at chance; language
-  modelling 5.151, 5.119); started at 1e-3 it opens (recall 1.0) but language modelling
-  suffers (5.153; with the period's sum as the divisor and 0.01: 5.193). At d_model 1024 the
+  docs/BENCHMARKS.md). Without the gain the gate does not open from 1e-4 or 1e-5 within 300
+  steps (recall at chance; language modelling 5.151, 5.119); started at 1e-3 it opens (recall
+  1.0) but language modelling suffers (5.153; with the period's sum as the divisor and 0.01:
+  5.193). At d_model 1024 the
   gain also widens the gate's spread over tokens at init (logit std ~6 there, ~2 at d 128);
   not measured at that scale.
   ``input``: ``||u_t||^2`` as for ``W_13`` (the default before). Language modelling 5.116 with
