@@ -47,10 +47,11 @@ class RMSNorm(nn.Module):
         return _RMSNormFn.apply(x, self.weight, self.eps)
 
 
-def silu_grad(z: torch.Tensor) -> torch.Tensor:
-    """``d silu(z) / dz = sigmoid(z) (1 + z (1 - sigmoid(z)))``."""
+def silu_parts(z: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``silu(z)`` and its derivative ``silu'(z) = s + silu(z) (1 - s)`` (``s = sigmoid(z)``)."""
     s = torch.sigmoid(z)
-    return s * (1 + z * (1 - s))
+    a = z * s
+    return a, torch.addcmul(s, a, 1 - s)
 
 
 def rope_tables(head_dim: int, seq_len: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:

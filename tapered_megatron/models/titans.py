@@ -155,7 +155,7 @@ from torch.autograd.function import once_differentiable
 
 from tapered_megatron.config import ConfigError, at_least
 from tapered_megatron.models.base import Architecture, Counts, TokenMixer, register_architecture
-from tapered_megatron.models.layers import RotaryEmbedding
+from tapered_megatron.models.layers import RotaryEmbedding, silu_parts
 from tapered_megatron.models.mlp import SwiGLU
 from tapered_megatron.parallel import (
     ColumnParallelLinear,
@@ -266,13 +266,6 @@ def _chunk_coefficients(
     return coef, keep, mom, torch.exp(cum_e[..., -1]), mom_decay[..., -1, :]
 
 
-def _silu_parts(z: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``silu(z)`` and ``silu'(z) = s + silu(z) (1 - s)`` (``s = sigmoid(z)``)."""
-    s = torch.sigmoid(z)
-    a = z * s
-    return a, torch.addcmul(s, a, 1 - s)
-
-
 def _pad_half(x: torch.Tensor) -> torch.Tensor:
     """``[x | 0]``: a gradient factor of ``M`` only, as a factor of ``[M; S]``."""
     return torch.cat((x, torch.zeros_like(x)), -1)
@@ -310,7 +303,7 @@ def _chunk_forward(
     zk, zq = (kq @ flat[0].mT).unflatten(-1, (2, out[0])).split(b, dim=-3)
     acts, pre, dsilu = [kq[..., :b, :]], [zk[..., 0, :]], []
     for w in m0[1:]:  # the rest of the key pass
-        a, ds = _silu_parts(pre[-1])
+        a, ds = silu_parts(pre[-1])
         acts.append(a)
         dsilu.append(ds)
         pre.append(a @ w.mT)
@@ -332,7 +325,7 @@ def _chunk_forward(
     zs, us, xsilu, scores = [zq], [], [], [qk]
     x = (zq * rates).sum(-2) - (qk * c) @ deltas[0]
     for layer in range(1, depth):
-        u, ds = _silu_parts(x)
+        u, ds = silu_parts(x)
         us.append(u)
         xsilu.append(ds)
         zs.append((u @ flat[layer].mT).unflatten(-1, (2, out[layer])))
