@@ -133,8 +133,13 @@ Choices the paper leaves open, and ours:
   finite differences in fp64); the scan is not twice differentiable. ``train.compile``
   compiles the chunk forward and backward once each (``torch.compile``, shapes fixed) and
   keeps the loop over chunks eager, so an outer ``torch.compile`` of the model never unrolls
-  the scan (which took minutes to compile); on one CPU core it speeds the scan up at chunk
-  32 and 64 (0.87x and 0.67x of eager), not at chunk 16. Larger chunks fill the matmuls
+  the scan (which took minutes to compile). Compiled, the chunk-end state mix and the state
+  gradient's update are out of place (a 2x2 mix matmul and ``baddbmm`` into new tensors):
+  inductor turned the in-place updates of state views into extra copies, which made the
+  compiled scan slower than eager at chunk 16 (1.11-1.29x its time). Now, forward + backward of
+  the scan at the library shape on one CPU core (B 8, 4 heads, seq 256, interleaved rounds):
+  compiled 0.95-0.98x of eager at chunk 16, 0.87-0.90x at 32, 0.85x at 64 (issue 14, session
+  8; eager keeps the in-place form). Larger chunks fill the matmuls
   better (the ``b x b`` dual form grows, the per-chunk state materialisation is amortised):
   see docs/BENCHMARKS.md for the chunk-size trade-off measured.
 * titans-pytorch (the reference implementation on PyPI) takes all surprise gradients of one
@@ -334,12 +339,21 @@ def _chunk_forward(
     # chunk end: [M; S] = [[B_b, P_b], [0, E_b]] [M_0; S_0] - [c_b delta | (E_b/E) delta]^T a
     h = (ends * th[..., None])[..., None]
     diag, off = mix[..., 0::2, None, None], mix[..., 1, None, None]
+    functional = torch.compiler.is_compiling()  # compiled: no in-place updates of views
+    if functional:
+        zero = torch.zeros_like(mix[..., 0])
+        mat = torch.stack((mix[..., 0], mix[..., 1], zero, mix[..., 2]), -1).unflatten(-1, (2, 2))
     new = []
     for ms, a, d in zip(state, acts, deltas):
-        nxt = ms * diag
-        nxt[:, :, 0].addcmul_(ms[:, :, 1], off)
-        upd = (d[..., None, :] * h).flatten(-2)  # [B, H, b, 2 out]
-        nxt.flatten(0, 1).flatten(1, 2).baddbmm_(upd.flatten(0, 1).mT, a.flatten(0, 1), alpha=-1)
+        upd = (d[..., None, :] * h).flatten(-2).flatten(0, 1).mT  # [B H, 2 out, b]
+        if functional:
+            nxt = (mat @ ms.flatten(3)).view(*mat.shape[:2], *ms.shape[2:])
+            nxt = torch.baddbmm(nxt.flatten(0, 1).flatten(1, 2), upd, a.flatten(0, 1), alpha=-1)
+            nxt = nxt.view(*mat.shape[:2], *ms.shape[2:])
+        else:
+            nxt = ms * diag
+            nxt[:, :, 0].addcmul_(ms[:, :, 1], off)
+            nxt.flatten(0, 1).flatten(1, 2).baddbmm_(upd, a.flatten(0, 1), alpha=-1)
         new.append(nxt)
     saved = [*acts[1:], *pre[:-1], *dsilu, *deltas, *dms, *zs, *us, *xsilu, *scores, sq, rs, th]
     return x, new, saved
@@ -362,8 +376,9 @@ def _chunk_backward(
 
     ``gy`` [B, H, b, D] and ``g_new`` (per layer, the chunk-end state's gradient, contiguous
     ``[B, H, ...]``) in; out: the chunk-start state's gradient per layer, written over
-    ``g_new`` (summed over sequences by the caller when the state is shared), and the
-    gradients of ``kq, v, qk, k_sq, theta, coef, rates, ends, mix`` in that order.
+    ``g_new`` (compiled: new tensors; summed over sequences by the caller when the state is
+    shared), and the gradients of ``kq, v, qk, k_sq, theta, coef, rates, ends, mix`` in that
+    order.
     """
     depth = len(state)
     n1 = depth - 1
@@ -383,6 +398,11 @@ def _chunk_backward(
     g_mix, gd, ga = 0, [], []
     rows: list[list[torch.Tensor]] = [[] for _ in state]  # of the state's gradient: X^T Y
     gh = 0
+    functional = torch.compiler.is_compiling()  # compiled: no in-place updates of views
+    if functional:  # [[B_b, 0], [P_b, E_b]]
+        zero = torch.zeros_like(mix[..., 0])
+        mat = torch.stack((mix[..., 0], zero, mix[..., 1], mix[..., 2]), -1).unflatten(-1, (2, 2))
+    carried = []
     for ms, g, a, d, o in zip(state, g_new, acts, deltas, out):
         prods = g.flatten(3) @ ms.flatten(3).mT  # [B, H, 2, 2]: <g_r, old_c>
         g_mix = g_mix + torch.stack((prods[..., 0, 0], prods[..., 0, 1], prods[..., 1, 1]), -1)
@@ -391,9 +411,13 @@ def _chunk_backward(
         gd.append(-(t * h[..., None]).sum(-2))
         gh = gh - (t * d[..., None, :]).sum(-1)
         ga.append(-((d[..., None, :] * h[..., None]).flatten(-2) @ gf))
-        # in place (the buffer stays in cache): [g_M; g_S] <- [B_b g_M; P_b g_M + E_b g_S]
-        g[:, :, 1].mul_(mix[..., 2, None, None]).addcmul_(g[:, :, 0], mix[..., 1, None, None])
-        g[:, :, 0].mul_(mix[..., 0, None, None])
+        # [g_M; g_S] <- [B_b g_M; P_b g_M + E_b g_S], eager in place (the buffer stays in cache)
+        if functional:
+            g = (mat @ g.flatten(3)).view_as(g)
+        else:
+            g[:, :, 1].mul_(mix[..., 2, None, None]).addcmul_(g[:, :, 0], mix[..., 1, None, None])
+            g[:, :, 0].mul_(mix[..., 0, None, None])
+        carried.append(g)
     # the read-out, last layer first
     g = gy
     gc = 0
@@ -443,10 +467,14 @@ def _chunk_backward(
     g_kq = gz @ flat[0]
     g_kq[..., :b, :] += ga[0]
     rows[0] = [gz, kq]
-    for gs, terms in zip(g_new, rows):  # every matmul term of the state's gradient at once
-        x, y = (torch.cat(terms[i::2], -2) for i in (0, 1))
-        gs.flatten(0, 1).flatten(1, 2).baddbmm_(x.flatten(0, 1).mT, y.flatten(0, 1))
-    return g_new, [g_kq, g_v, g_qk, g_k_sq, g_theta, g_coef, g_rates, g_ends, g_mix]
+    for i, terms in enumerate(rows):  # every matmul term of the state's gradient at once
+        x, y = (torch.cat(terms[j::2], -2).flatten(0, 1) for j in (0, 1))
+        gs = carried[i]
+        if functional:
+            carried[i] = torch.baddbmm(gs.flatten(0, 1).flatten(1, 2), x.mT, y).view_as(gs)
+        else:
+            gs.flatten(0, 1).flatten(1, 2).baddbmm_(x.mT, y)
+    return carried, [g_kq, g_v, g_qk, g_k_sq, g_theta, g_coef, g_rates, g_ends, g_mix]
 
 
 class _Scan(torch.autograd.Function):
