@@ -23,8 +23,10 @@ restricted to a sliding window of ``window`` tokens in every model):
   ``hope.step_norm split``: ``W_2``'s step normalised by its own input with a gate of its own);
   ``hope-input``: the same with ``hope.step_norm input`` (the default before); ``hope-own``:
   ``hope.step_norm own``, ``hope.lr 1``, ``hope.rate_init 0.5`` (per-matrix normalised steps,
-  large from the start). hope.py's module doc says what each choice costs in language
-  modelling.
+  large from the start); ``hope-spread``: ``hope.w2_gate_spread 4.8`` (``W_2``'s gate logit
+  starts with 3x the spread over tokens that init_std gives at d 64, so the gate can open on
+  some tokens and not others from step 0). hope.py's module doc says what each choice costs in
+  language modelling.
 
 Same steps, batch, learning rate (AdamW), seed, training data and evaluation data for all;
 parameter counts reported (the Titans mixers carry their own memory projections, so they are
@@ -174,7 +176,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--models",
         nargs="+",
-        default=["transformer", "mag", "mac", "mac-p4", "hope", "hope-input", "hope-own"],
+        default=[
+            "transformer",
+            "mag",
+            "mac",
+            "mac-p4",
+            "hope",
+            "hope-input",
+            "hope-own",
+            "hope-spread",
+        ],
     )
     a = ap.parse_args(argv)
     if a.gap < LAYERS * a.window:
@@ -197,6 +208,8 @@ def main(argv: list[str] | None = None) -> int:
         # hope.step_norm own, large initial steps: fast in-context binding (see hope.py)
         "hope-own": ("hope_attention", "--model.hope.step_norm", "own", "--model.hope.lr", "1",
                      "--model.hope.rate_init", "0.5"),
+        # W_2's gate logit spread widened at init (hope.py: reliable recall, a language cost)
+        "hope-spread": ("hope_attention", "--model.hope.w2_gate_spread", "4.8"),
     }  # fmt: skip
     results = {}
     for name in a.models:

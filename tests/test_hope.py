@@ -11,7 +11,12 @@ from real_text import train_losses
 from test_titans import assert_causal, tiny_cfg
 
 from tapered_megatron.models import build_model, count_model
-from tapered_megatron.models.hope import NORM_EPS, ContinuumMemory, level_widths
+from tapered_megatron.models.hope import (
+    NORM_EPS,
+    W2_GATE_GAIN,
+    ContinuumMemory,
+    level_widths,
+)
 from tapered_megatron.parallel import init_parameters
 
 
@@ -252,6 +257,27 @@ def test_budget_follows_d_ff_and_gradients_reach_every_level():
     assert level_widths(96, 3, 16) == [32, 32, 32] and level_widths(112, 3, 16) == [48, 32, 32]
     with pytest.raises(ValueError, match=r"hope\.levels"):
         level_widths(32, 3, 16)
+
+
+@pytest.mark.parametrize(("d", "spread"), [(64, 0.0), (64, 4.8), (256, 4.8), (1024, 4.8)])
+def test_w2_gate_spread_sets_the_least_init_spread_of_the_gate_logit(d, spread):
+    """``hope.w2_gate_spread``: over RMS-normalised inputs the initial logit of ``W_2``'s gate has
+    a std of at least the spread (the weights' own init_std where that is wider already), and
+    ``W_13``'s gate keeps ``init_std``."""
+    cfg = tiny_cfg(
+        "hope_attention", "--model.d_model", str(d), "--model.hope.w2_gate_spread", str(spread)
+    )
+    model = build_model(cfg)
+    levels = [lv for block in model.layers for lv in block.mlp.levels if lv.updating]
+    assert len(levels) == 4
+    u = torch.randn(4096, d, generator=torch.Generator().manual_seed(0))
+    u = u / u.pow(2).mean(-1, keepdim=True).sqrt()  # RMS 1: ||u||^2 = d
+    with torch.no_grad():  # pooled over the four gates (4 d weights: a few % sampling noise)
+        logits = torch.cat([W2_GATE_GAIN * (u @ lv.w2_rate_w + lv.w2_rate_b) for lv in levels])
+        w13 = torch.cat([lv.rate_w for lv in levels])
+    natural = W2_GATE_GAIN * cfg.model.init_std * d**0.5  # the spread init_std alone gives
+    assert logits.std().item() == pytest.approx(max(spread, natural), rel=0.12)
+    assert w13.pow(2).mean().sqrt().item() == pytest.approx(cfg.model.init_std, rel=0.12)
 
 
 def test_loss_decreases_on_real_text():
