@@ -136,10 +136,10 @@ Choices the paper leaves open, and ours:
   the scan (which took minutes to compile). Compiled, the chunk-end state mix and the state
   gradient's update are out of place (a 2x2 mix matmul and ``baddbmm`` into new tensors):
   inductor turned the in-place updates of state views into extra copies, which made the
-  compiled scan slower than eager at chunk 16 (1.11-1.29x its time). Now, forward + backward of
-  the scan at the library shape on one CPU core (B 8, 4 heads, seq 256, interleaved rounds):
-  compiled 0.95-0.98x of eager at chunk 16, 0.87-0.90x at 32, 0.85x at 64 (issue 14, session
-  8; eager keeps the in-place form). Larger chunks fill the matmuls
+  compiled scan slower than eager at chunk 16 and 32 (1.22x, 1.18x its time). Now, forward +
+  backward of the scan at the library shape on one CPU core (scripts/bench_titans_scan.py):
+  compiled 0.97x of eager at chunk 16, 0.86x at 32, 0.76x at 64 (docs/BENCHMARKS.md; eager
+  keeps the in-place form). Larger chunks fill the matmuls
   better (the ``b x b`` dual form grows, the per-chunk state materialisation is amortised):
   see docs/BENCHMARKS.md for the chunk-size trade-off measured.
 * titans-pytorch (the reference implementation on PyPI) takes all surprise gradients of one
