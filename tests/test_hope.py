@@ -212,6 +212,38 @@ def test_window_backward_equals_numerical_gradients(teach, norm, final, shared, 
     assert torch.autograd.gradcheck(lambda *x: _UpdatingWindow.apply(spec, *x), inputs)
 
 
+@pytest.mark.parametrize("norm", ["split", "input"])
+def test_updating_level_gradients_across_fold_windows(norm, monkeypatch):
+    """A whole updating level over several fold windows (later windows apply the earlier ones'
+    ``W_13`` factors in dual form and start from the folded per-sequence ``W_2``; the last
+    window ends in a period without update) against fp64 finite differences: the output's
+    gradients w.r.t. the level's input, its three matrices and its rate gates."""
+    from tapered_megatron.models import hope
+
+    monkeypatch.setattr(hope, "fold_window", lambda d, h, c, seq: 2 * c)  # windows of 6 tokens
+    cfg = tiny_cfg(
+        "hope_attention",
+        *("--model.d_model", "8", "--model.seq_len", "14", "--taper.schedule", "uniform"),
+        *("--model.hope.periods", "0", "3", "3", "--model.hope.step_norm", norm),
+        *("--model.hope.w2_rate_init", "0.3"),  # W_2's updates large enough to matter
+    )
+    cms = build_model(cfg).layers[0].mlp.double()
+    level, eta = cms.levels[1], cms.eta
+    gates = {"rate_w", "rate_b", "w2_rate_w", "w2_rate_b"} if norm == "split" else set()
+    assert {"rate_w", "rate_b"} | gates <= {n for n, _ in level.named_parameters()}
+    gen = torch.Generator().manual_seed(7)
+    u = F.rms_norm(torch.randn(2, 14, 8, generator=gen, dtype=torch.float64), (8,))
+    record: list[int] = []
+    with torch.no_grad():
+        level.forward_updating(u, eta, record=record)
+    assert record == [3, 6, 9, 12]  # updates at every boundary, in all three windows
+    # gradcheck perturbs its inputs in place: passing the level's own parameters perturbs them
+    params = tuple(level.parameters())
+    assert torch.autograd.gradcheck(
+        lambda u, *_: level.forward_updating(u, eta), (u.requires_grad_(), *params)
+    )
+
+
 @pytest.mark.parametrize(
     "overrides",
     [
