@@ -114,6 +114,17 @@ def test_public_entry_point():
             [
                 "--model.arch",
                 "hope_attention",
+                "--model.hope.step_norm",
+                "input",
+                "--model.hope.w2_gate_spread",
+                "4.8",
+            ],
+            r"hope\.w2_gate_spread: .*hope\.step_norm split",
+        ),
+        (
+            [
+                "--model.arch",
+                "hope_attention",
                 "--model.hope.update",
                 "teach",
                 "--parallel.pp",

@@ -198,7 +198,8 @@ class HopeOptions:
 
 def _validate(cfg: Config) -> None:
     """One period per level; the narrowest layer splits into that many rounding units; a
-    learned rate's initial value lies in (0, 1); ``teach`` needs the whole model (no pipeline)."""
+    learned rate's initial value lies in (0, 1); ``w2_gate_spread`` needs ``W_2``'s gate;
+    ``teach`` needs the whole model (no pipeline)."""
     h, plan = cfg.model.hope, cfg.taper_plan
     if len(h.periods) != h.levels:
         raise ConfigError(
@@ -213,6 +214,11 @@ def _validate(cfg: Config) -> None:
     for key in ("rate_init", "w2_rate_init"):
         if not 0 < getattr(h, key) < 1:
             raise ConfigError(f"model.hope.{key}: {getattr(h, key)} must lie in (0, 1)")
+    if h.w2_gate_spread and (h.step_norm != "split" or h.rate != "learned"):
+        raise ConfigError(
+            f"model.hope.w2_gate_spread: {h.w2_gate_spread} sets W_2's own gate, which exists "
+            "only with model.hope.step_norm split and model.hope.rate learned; drop it or use both"
+        )
     if h.update == "teach" and cfg.parallel.pp != 1:
         raise ConfigError(
             "model.hope.update: teach needs a first pass of the whole model (parallel.pp = 1); "
