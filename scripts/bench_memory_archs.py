@@ -44,10 +44,15 @@ touching torch)::
   batch, not per sequence), its head is tied to the embedding (fewer parameters), its levels are
   LayerNorm + GELU MLPs with a residual each, its attention has no RoPE.
 
+``--compile``: every one of our models built with ``train.compile`` and run under
+``torch.compile`` (the trainer's ``engine.compile()``; Titans' chunk step compiled on its own,
+Hope's period loops eager), the transformer too, so the ratios compare compiled with compiled;
+the compile happens in the untimed warm-up step; no peers.
+
 Usage::
 
     python scripts/bench_memory_archs.py [--shapes lib 1024] [--rounds 3] [--threads 2]
-        [--no-peers] [--clock wall|cpu]
+        [--no-peers] [--clock wall|cpu] [--compile]
 """
 
 from __future__ import annotations
@@ -64,7 +69,7 @@ import torch
 import torch.nn.functional as F
 
 from tapered_megatron.config import Config, load_config
-from tapered_megatron.models import build_model
+from tapered_megatron.models import allow_layer_recompiles, build_model
 
 LIB = [
     "--model.d_model", "256", "--model.layers", "8", "--model.heads", "4", "--model.d_ff", "688",
@@ -104,9 +109,12 @@ def _config(base: list[str], *extra: str) -> Config:
 def _ours(base: list[str], *extra: str) -> tuple[torch.nn.Module, Callable]:
     cfg = _config(base, *extra)
     model = build_model(cfg)
+    if cfg.train.compile:  # as the trainer does
+        allow_layer_recompiles(cfg)
+    fwd = torch.compile(model) if cfg.train.compile else model
 
     def step(ids: torch.Tensor) -> None:
-        model(ids[:, :-1], ids[:, 1:]).backward()  # loss with the LM head fused in
+        fwd(ids[:, :-1], ids[:, 1:]).backward()  # loss with the LM head fused in
 
     return model, step
 
@@ -220,6 +228,7 @@ def _measure(
 
 def _shape(name: str, a: argparse.Namespace, status: dict) -> dict:
     base = LIB if name == "lib" else [*SHAPE_1024, "--model.layers", str(a.layers_1024)]
+    base = [*base, "--train.compile", "true"] if a.compile else base
     batch = a.batch if name == "lib" else 1
     builds: dict[str, Callable] = {
         "transformer": lambda: _ours(base, "--model.arch", "transformer"),
@@ -238,7 +247,7 @@ def _shape(name: str, a: argparse.Namespace, status: dict) -> dict:
         builds["hope_attention, step_norm input"] = lambda: _ours(
             base, "--model.arch", "hope_attention", "--model.hope.step_norm", "input"
         )  # the rule before step_norm split: what the default's second gate costs
-        if not a.no_peers:
+        if not (a.no_peers or a.compile):
             builds["peer: titans-pytorch MAC"] = lambda: _peer_titans_mac(base)
             builds["peer: nested-learning hope_attention, teach signal"] = lambda: _peer_hope_teach(
                 base
@@ -276,6 +285,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--no-peers", action="store_true")
     ap.add_argument(
+        "--compile",
+        action="store_true",
+        help="our models with train.compile, each under torch.compile (compiled during the "
+        "untimed warm-up); no peers",
+    )
+    ap.add_argument(
         "--only",
         nargs="+",
         default=(),
@@ -307,6 +322,7 @@ def main(argv: list[str] | None = None) -> int:
                 "measure": "forward + backward + AdamW step, fp32, median of round-robin rounds",
                 "clock": a.clock,
                 "rounds": a.rounds,
+                "compile": a.compile,
                 "results": results,
                 "failures": status,
             }

@@ -584,6 +584,31 @@ def test_bf16_autocast_memory_matches_fp64_at_4096(variant):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("arch", ["titans", "hope_attention"])
+def test_compile_reaches_every_tapered_layer(arch, monkeypatch):
+    """A tapered model with more distinct layer widths (12) than ``torch._dynamo``'s default
+    recompile limit (8): the memory blocks break the graph, so their functions compile once per
+    width; after :func:`allow_layer_recompiles` (as ``train.compile`` calls it) no function hits
+    the limit (which would leave the remaining layers eager) and the loss equals eager mode's."""
+    import torch._dynamo
+
+    from tapered_megatron.models import allow_layer_recompiles
+
+    torch._dynamo.reset()
+    for key in ("recompile_limit", "accumulated_recompile_limit"):  # restored after the test
+        monkeypatch.setattr(torch._dynamo.config, key, getattr(torch._dynamo.config, key))
+    monkeypatch.setattr(torch._dynamo.config, "fail_on_recompile_limit_hit", True)
+    cfg = tiny_cfg(arch, "--model.layers", "12", "--model.d_ff", "512", "--train.compile", "true")
+    assert len(set(cfg.taper_plan.widths)) == 12 > torch._dynamo.config.recompile_limit
+    ids = torch.randint(0, 256, (2, 33), generator=torch.Generator().manual_seed(0))
+    ref = build_model(cfg)(ids[:, :-1], ids[:, 1:])
+    allow_layer_recompiles(cfg)
+    loss = torch.compile(build_model(cfg))(ids[:, :-1], ids[:, 1:])
+    loss.backward()
+    torch.testing.assert_close(loss, ref, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "arch, overrides",
     [

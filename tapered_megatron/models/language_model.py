@@ -323,6 +323,24 @@ def build_model(cfg: Config, device: torch.device | str | None = None) -> Langua
         return LanguageModel(cfg)
 
 
+def allow_layer_recompiles(cfg: Config) -> None:
+    """Raise ``torch._dynamo``'s per-function recompile limit so that ``torch.compile`` compiles
+    every layer of ``cfg``'s model (call before compiling; ``train.compile``).
+
+    Tapered layers differ in width. Where a block breaks the graph (the memory architectures'
+    scans and period loops run eagerly), its functions are compiled once per distinct width, and
+    past the limit (8 by default) the remaining layers run eager with only a warning: a 12-layer
+    tapered hope_attention or titans model had 3 of its block frames left uncompiled. A
+    transformer's whole forward is one graph and is not affected.
+    """
+    import torch._dynamo
+
+    dyn = torch._dynamo.config
+    need = len(set(cfg.taper_plan.widths)) + 8  # one compile per width, and room for the rest
+    dyn.recompile_limit = max(dyn.recompile_limit, need)
+    dyn.accumulated_recompile_limit = max(dyn.accumulated_recompile_limit, 8 * need)
+
+
 def pipeline_layer_specs(cfg: Config, unit: PipelineUnit | None = None) -> list[LayerSpec]:
     """DeepSpeed ``LayerSpec`` list of :func:`units` (``unit`` defaults to
     ``cfg.parallel.pipeline_unit``). Pair with ``loss_fn=lm_loss``."""

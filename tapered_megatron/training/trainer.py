@@ -32,7 +32,7 @@ from tapered_megatron import parallel
 from tapered_megatron.config import Config
 from tapered_megatron.eval import validation_loss
 from tapered_megatron.eval.alignment import AlignmentProbe
-from tapered_megatron.models import build_model, count_model, lm_loss
+from tapered_megatron.models import allow_layer_recompiles, build_model, count_model, lm_loss
 from tapered_megatron.pipeline.clock import StageClock
 from tapered_megatron.training import checkpoint, optim, reshard
 from tapered_megatron.training.launch import Layout
@@ -171,6 +171,7 @@ class Trainer:
             kwargs["mpu"] = mpu  # DeepSpeed's mpu protocol (TP-aware ZeRO, norms)
         engine, *_ = deepspeed.initialize(**kwargs)
         if cfg.train.compile:
+            allow_layer_recompiles(cfg)  # every tapered layer width compiled, none left eager
             engine.compile()
         if self.clock is not None:
             self.clock.attach(engine.module)
