@@ -329,9 +329,9 @@ def allow_layer_recompiles(cfg: Config) -> None:
 
     Tapered layers differ in width. Where a block breaks the graph (the memory architectures'
     scans and period loops run eagerly), its functions are compiled once per distinct width, and
-    past the limit (8 by default) the remaining layers run eager with only a warning: a 12-layer
-    tapered hope_attention or titans model had 3 of its block frames left uncompiled. A
-    transformer's whole forward is one graph and is not affected.
+    past the limit (8 by default) that function runs eager for the remaining layers, with only a
+    warning (a 12-layer tapered hope_attention or titans model hit it). A transformer's whole
+    forward is one graph and is not affected.
     """
     import torch._dynamo
 
