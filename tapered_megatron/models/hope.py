@@ -68,7 +68,7 @@ Choices the paper leaves open, and ours:
   (seed 1235: 5.079 against 5.118 with ``input``), recall 0.9998 (seed 1 of the benchmark:
   0.118, its loss only leaving chance level by step 300) (session 4 of issue 14); whether the
   gate opens within 300 steps depends on the seed and on float rounding (the same rule with
-  the hand-written window backward, equal to fp64 round-off: 1 of 4 seeds, see
+  the hand-written window backward, equal to fp64 round-off: 1 of 6 seeds, see
   docs/BENCHMARKS.md). Without the gain the gate does not open from 1e-4 or 1e-5 within 300
   steps (recall at chance; language modelling 5.151, 5.119); started at 1e-3 it opens (recall
   1.0) but language modelling suffers (5.153; with the period's sum as the divisor and 0.01:
