@@ -109,9 +109,10 @@ def _config(base: list[str], *extra: str) -> Config:
 def _ours(base: list[str], *extra: str) -> tuple[torch.nn.Module, Callable]:
     cfg = _config(base, *extra)
     model = build_model(cfg)
+    fwd = model
     if cfg.train.compile:  # as the trainer does
         allow_layer_recompiles(cfg)
-    fwd = torch.compile(model) if cfg.train.compile else model
+        fwd = torch.compile(model)
 
     def step(ids: torch.Tensor) -> None:
         fwd(ids[:, :-1], ids[:, 1:]).backward()  # loss with the LM head fused in

@@ -276,6 +276,13 @@ def _pad_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((x, torch.zeros_like(x)), -1)
 
 
+def _state_mix(mix: torch.Tensor) -> torch.Tensor:
+    """The chunk-end state mix ``[[B_b, P_b], [0, E_b]]`` [B, H, 2, 2] from ``mix`` [B, H, 3]
+    (``[M; S] <- mix [M_0; S_0]``; its transpose carries the state's gradient back)."""
+    b_b, p_b, e_b = mix.unbind(-1)
+    return torch.stack((b_b, p_b, torch.zeros_like(b_b), e_b), -1).unflatten(-1, (2, 2))
+
+
 def _chunk_forward(
     state: list[torch.Tensor],
     kq: torch.Tensor,
@@ -340,16 +347,14 @@ def _chunk_forward(
     h = (ends * th[..., None])[..., None]
     diag, off = mix[..., 0::2, None, None], mix[..., 1, None, None]
     functional = torch.compiler.is_compiling()  # compiled: no in-place updates of views
-    if functional:
-        zero = torch.zeros_like(mix[..., 0])
-        mat = torch.stack((mix[..., 0], mix[..., 1], zero, mix[..., 2]), -1).unflatten(-1, (2, 2))
+    mat = _state_mix(mix) if functional else None
     new = []
     for ms, a, d in zip(state, acts, deltas):
         upd = (d[..., None, :] * h).flatten(-2).flatten(0, 1).mT  # [B H, 2 out, b]
         if functional:
-            nxt = (mat @ ms.flatten(3)).view(*mat.shape[:2], *ms.shape[2:])
-            nxt = torch.baddbmm(nxt.flatten(0, 1).flatten(1, 2), upd, a.flatten(0, 1), alpha=-1)
-            nxt = nxt.view(*mat.shape[:2], *ms.shape[2:])
+            shape = (*mat.shape[:2], *ms.shape[2:])  # a shared state broadcasts to the batch
+            nxt = (mat @ ms.flatten(3)).view(shape).flatten(0, 1).flatten(1, 2)
+            nxt = torch.baddbmm(nxt, upd, a.flatten(0, 1), alpha=-1).view(shape)
         else:
             nxt = ms * diag
             nxt[:, :, 0].addcmul_(ms[:, :, 1], off)
@@ -399,9 +404,7 @@ def _chunk_backward(
     rows: list[list[torch.Tensor]] = [[] for _ in state]  # of the state's gradient: X^T Y
     gh = 0
     functional = torch.compiler.is_compiling()  # compiled: no in-place updates of views
-    if functional:  # [[B_b, 0], [P_b, E_b]]
-        zero = torch.zeros_like(mix[..., 0])
-        mat = torch.stack((mix[..., 0], zero, mix[..., 1], mix[..., 2]), -1).unflatten(-1, (2, 2))
+    mat_t = _state_mix(mix).mT if functional else None  # [[B_b, 0], [P_b, E_b]]
     carried = []
     for ms, g, a, d, o in zip(state, g_new, acts, deltas, out):
         prods = g.flatten(3) @ ms.flatten(3).mT  # [B, H, 2, 2]: <g_r, old_c>
@@ -413,7 +416,7 @@ def _chunk_backward(
         ga.append(-((d[..., None, :] * h[..., None]).flatten(-2) @ gf))
         # [g_M; g_S] <- [B_b g_M; P_b g_M + E_b g_S], eager in place (the buffer stays in cache)
         if functional:
-            g = (mat @ g.flatten(3)).view_as(g)
+            g = (mat_t @ g.flatten(3)).view_as(g)
         else:
             g[:, :, 1].mul_(mix[..., 2, None, None]).addcmul_(g[:, :, 0], mix[..., 1, None, None])
             g[:, :, 0].mul_(mix[..., 0, None, None])
