@@ -70,6 +70,7 @@ import torch.nn.functional as F
 
 from tapered_megatron.config import Config, load_config
 from tapered_megatron.models import allow_layer_recompiles, build_model
+from tapered_megatron.models.counters import count_model
 
 LIB = [
     "--model.d_model", "256", "--model.layers", "8", "--model.heads", "4", "--model.d_ff", "688",
@@ -106,7 +107,9 @@ def _config(base: list[str], *extra: str) -> Config:
     return load_config("quickstart", kept)
 
 
-def _ours(base: list[str], *extra: str) -> tuple[torch.nn.Module, Callable]:
+def _ours(base: list[str], *extra: str) -> tuple[torch.nn.Module, Callable, float]:
+    """One of our models, its training step and its training FLOPs per token (the planner's
+    count, :func:`count_model`: three times the forward's)."""
     cfg = _config(base, *extra)
     model = build_model(cfg)
     fwd = model
@@ -117,10 +120,10 @@ def _ours(base: list[str], *extra: str) -> tuple[torch.nn.Module, Callable]:
     def step(ids: torch.Tensor) -> None:
         fwd(ids[:, :-1], ids[:, 1:]).backward()  # loss with the LM head fused in
 
-    return model, step
+    return model, step, count_model(cfg, 4).train_flops_per_token
 
 
-def _peer_titans_mac(base: list[str]) -> tuple[torch.nn.Module, Callable]:
+def _peer_titans_mac(base: list[str]) -> tuple[torch.nn.Module, Callable, None]:
     from titans_pytorch import MemoryAsContextTransformer
 
     m = _config(base, "--model.arch", "titans").model
@@ -151,10 +154,10 @@ def _peer_titans_mac(base: list[str]) -> tuple[torch.nn.Module, Callable]:
     def step(ids: torch.Tensor) -> None:
         model(ids, return_loss=True).backward()
 
-    return model, step
+    return model, step, None
 
 
-def _peer_hope_teach(base: list[str]) -> tuple[torch.nn.Module, Callable]:
+def _peer_hope_teach(base: list[str]) -> tuple[torch.nn.Module, Callable, None]:
     from nested_learning.levels import LevelSpec
     from nested_learning.model import HOPEModel, ModelConfig
 
@@ -195,7 +198,7 @@ def _peer_hope_teach(base: list[str]) -> tuple[torch.nn.Module, Callable]:
         with torch.no_grad():
             model(x, teach_signal=teach)
 
-    return model, step
+    return model, step, None
 
 
 CLOCKS = {"wall": time.perf_counter, "cpu": time.process_time}
@@ -212,16 +215,16 @@ def _time(step: Callable, opt: torch.optim.Optimizer, ids, clock: Callable[[], f
 def _measure(
     entries: dict, ids: torch.Tensor, rounds: int, status: dict, clock: Callable[[], float]
 ) -> dict[str, float]:
-    opts = {k: torch.optim.AdamW(m.parameters(), lr=1e-4) for k, (m, _) in entries.items()}
+    opts = {k: torch.optim.AdamW(m.parameters(), lr=1e-4) for k, (m, *_) in entries.items()}
     times: dict[str, list[float]] = {k: [] for k in entries}
-    for k, (_, step) in list(entries.items()):  # warm-up; a peer failing here is reported
+    for k, (_, step, _) in list(entries.items()):  # warm-up; a peer failing here is reported
         try:
             _time(step, opts[k], ids, clock)
         except Exception as e:
             status[k] = f"could not run: {type(e).__name__}: {e}"[:300]
             del entries[k], times[k]
     for _ in range(rounds):
-        for k, (_, step) in entries.items():
+        for k, (_, step, _) in entries.items():
             times[k].append(_time(step, opts[k], ids, clock))
     tokens = ids.shape[0] * (ids.shape[1] - 1)
     return {k: round(tokens / statistics.median(v), 1) for k, v in times.items()}
@@ -267,12 +270,25 @@ def _shape(name: str, a: argparse.Namespace, status: dict) -> dict:
     ids = torch.randint(0, cfg.model.vocab_size, (batch, cfg.model.seq_len + 1), generator=g)
     tok_s = _measure(entries, ids, a.rounds, status, CLOCKS[a.clock])
     ref = tok_s.get("transformer")
+    flops = {k: e[2] for k, e in entries.items() if e[2] is not None}
+    # FLOP rate over the transformer's: how fast a model does its own work, not how much
+    rate = (
+        {
+            k: round(tok_s[k] * flops[k] / (ref * flops["transformer"]), 3)
+            for k in tok_s
+            if k in flops
+        }
+        if ref
+        else {}
+    )
     return {
         "shape": {"d_model": cfg.model.d_model, "layers": cfg.model.layers,
                   "heads": cfg.model.heads, "d_ff": cfg.model.d_ff,
                   "vocab": cfg.model.vocab_size, "seq": cfg.model.seq_len, "batch": batch},
         "tokens_per_s": tok_s,
         "over_transformer": {k: round(v / ref, 3) for k, v in tok_s.items()} if ref else {},
+        "train_flops_per_token": {k: round(v) for k, v in flops.items()},
+        "flop_rate_over_transformer": rate,
         "params": params,
     }  # fmt: skip
 

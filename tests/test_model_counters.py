@@ -143,3 +143,32 @@ def test_forward_flops_agree_with_torch_flop_counter(arch):
         model(ids)
     measured = counter.get_total_flops() / ids.numel()
     assert 0.95 <= count_model(cfg, 4).flops_per_token / measured <= 1.3
+
+
+def test_teach_first_pass_is_counted():
+    """``hope.update teach`` runs a first forward of the whole model (static CMS levels) in
+    every training step: count_model's training FLOPs add it, and they agree with an
+    independent count, PyTorch's FlopCounterMode over one training step (forward, first pass
+    included, and backward), in their ratio to the association step's (measured: 1.23 counted,
+    1.29 by torch at d 128, 2 layers; without the first pass counted: 1.00)."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    shape = ["--model.arch", "hope_attention", "--model.d_model", "128", "--model.heads", "4"]
+    shape += ["--model.layers", "2", "--model.d_ff", "384", "--model.seq_len", "128"]
+    shape += ["--model.vocab_size", "512", "--model.hope.periods", "0", "32", "16"]
+    ids = torch.randint(0, 512, (2, 129), generator=torch.Generator().manual_seed(0))
+    counted, measured = {}, {}
+    for update in ("association", "teach"):
+        cfg = load_config("quickstart", [*shape, "--model.hope.update", update])
+        counts = count_model(cfg, 4)
+        counted[update] = counts.train_flops_per_token
+        model = build_model(cfg)
+        with FlopCounterMode(display=False) as counter:
+            model(ids[:, :-1], ids[:, 1:]).backward()
+        measured[update] = counter.get_total_flops()
+    static = load_config("quickstart", [*shape, "--model.hope.lr", "0"])
+    assert counts.first_pass_flops == count_model(static, 4).flops_per_token > 0
+    ratio_counted = counted["teach"] / counted["association"]
+    ratio_measured = measured["teach"] / measured["association"]
+    assert ratio_counted == pytest.approx(ratio_measured, rel=0.08)
+    assert ratio_counted > 1.15

@@ -227,3 +227,23 @@ def test_zero3_stage_terms() -> None:
         assert costlib.zero3_stage_bytes(cfg, c, opt, dev) == pytest.approx(
             4 * z.reduce_bucket_size + step - units
         )
+
+
+def test_teach_first_pass_costs_one_static_forward_per_unit() -> None:
+    """The cost model adds to every unit of a ``hope.update teach`` run the forward of its
+    first pass: the unit at static CMS levels (``hope.lr 0``), one pass of the three a
+    training step of that static unit costs."""
+    shape = ["--model.arch", "hope_attention", "--model.layers", "4"]
+    dev = costlib.get_device("cpu")
+    run = costlib.RunShape(micro_batch_size=2, seq_len=256, precision="fp32", pipeline=False)
+    costs = {
+        key: costlib.unit_costs(load_config("quickstart", [*shape, *extra]), run, dev)
+        for key, extra in (
+            ("association", []),
+            ("teach", ["--model.hope.update", "teach"]),
+            ("static", ["--model.hope.lr", "0"]),
+        )
+    }
+    for a, t, s in zip(costs["association"], costs["teach"], costs["static"], strict=True):
+        assert t.time - a.time == pytest.approx(s.time / 3)
+        assert (t.static, t.act, t.peak) == (a.static, a.act, a.peak)

@@ -6,10 +6,12 @@ norms, embedding, head); :func:`count_model` arranges them per layer and in tota
 cost model reads the same unit counts.
 
 Conventions: FLOPs are per token, forward = 2 x multiply-adds of every matmul plus attention
-score/value products over the mean causal context; backward = 2 x forward; elementwise ops are
-ignored. Counts are for the full model (all TP ranks together). Activation bytes are what one
-token keeps for backward with ``dtype_bytes``-sized activations (2: bf16/fp16, 4: fp32), without
-activation checkpointing; with it, a checkpointed unit keeps only its input (``ckpt_act_bytes``).
+score/value products over the mean causal context; backward = 2 x forward; a first pass (Hope's
+teach signal, the architecture record's ``first_pass_config``) adds its forward to the training
+FLOPs; elementwise ops are ignored. Counts are for the full model (all TP ranks together).
+Activation bytes are what one token keeps for backward with ``dtype_bytes``-sized activations
+(2: bf16/fp16, 4: fp32), without activation checkpointing; with it, a checkpointed unit keeps only
+its input (``ckpt_act_bytes``).
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
 
-from tapered_megatron.models.base import Counts
+from tapered_megatron.models.base import Counts, resolve_architecture
 from tapered_megatron.models.language_model import units
 
 if TYPE_CHECKING:
@@ -49,6 +51,7 @@ class ModelCounts:
     head: Counts  # final norm + LM head + loss
     dtype_bytes: int
     ckpt_act_bytes: float  # per token per checkpointed unit (its input)
+    first_pass_flops: float = 0.0  # per token: the forward a first pass adds (Hope's teach)
 
     @property
     def params_total(self) -> int:
@@ -62,8 +65,9 @@ class ModelCounts:
 
     @property
     def train_flops_per_token(self) -> float:
-        """Forward + backward FLOPs per token (3 x forward)."""
-        return 3.0 * self.flops_per_token
+        """Training FLOPs per token: forward + backward (3 x forward) and the forward of a
+        first pass (Hope's teach signal; without backward)."""
+        return 3.0 * self.flops_per_token + self.first_pass_flops
 
     @property
     def act_bytes_per_token(self) -> float:
@@ -86,6 +90,7 @@ class ModelCounts:
             "train_flops_per_token": self.train_flops_per_token,
             "flops_per_token_per_layer": [l.total.flops for l in self.layers],
             "train_flops_per_token_per_layer": [3.0 * l.total.flops for l in self.layers],
+            "first_pass_flops_per_token": self.first_pass_flops,
             "act_bytes_per_token_per_layer": [l.total.act_bytes for l in self.layers],
             "act_bytes_per_token": self.act_bytes_per_token,
             "ckpt_act_bytes_per_token_per_unit": self.ckpt_act_bytes,
@@ -109,4 +114,8 @@ def count_model(cfg: Config, dtype_bytes: int = 2) -> ModelCounts:
         for i, (mixer, mlp) in enumerate(zip(halves[::2], halves[1::2]))
     )
     d = cfg.model.d_model
-    return ModelCounts(cfg.model.arch, layers, emb, head, dtype_bytes, float(d * dtype_bytes))
+    first = resolve_architecture(cfg.model.arch).first_pass_model(cfg)
+    first_flops = 0.0 if first is None else count_model(first, dtype_bytes).flops_per_token
+    return ModelCounts(
+        cfg.model.arch, layers, emb, head, dtype_bytes, float(d * dtype_bytes), first_flops
+    )

@@ -773,6 +773,14 @@ def _first_pass(model: nn.Module, input_ids: torch.Tensor) -> None:
         teach_pass(model, input_ids)
 
 
+def _first_pass_config(cfg: Config) -> Config | None:
+    """What the teach signal's first pass costs: a forward of the same model with static CMS
+    levels (the config without in-context updates); None under ``association``."""
+    if cfg.model.hope.update != "teach":
+        return None
+    return cfg.with_overrides(["--model.hope.update", "association", "--model.hope.lr", "0"])
+
+
 register_architecture(
     Architecture(
         "hope_attention",
@@ -783,5 +791,6 @@ register_architecture(
         validate=_validate,
         compiles=True,  # the CMS period loop stays eager (torch.compiler.disable)
         first_pass=_first_pass,
+        first_pass_config=_first_pass_config,
     )
 )

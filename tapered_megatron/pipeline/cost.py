@@ -9,7 +9,9 @@ training time for one micro-batch of ``b`` sequences of ``s`` tokens is::
     time = (3 + r) * (flops_fwd_per_token * b * s / (tp * peak * efficiency) + launch)
            + (2 + r) * all_reduces[kind] * ring(b * s * d_model * element, tp)
 
-with ``r = 1`` when the unit is recomputed under activation checkpointing. ``efficiency`` is the
+with ``r = 1`` when the unit is recomputed under activation checkpointing; an architecture's
+first pass (Hope's teach signal: the record's ``first_pass_config``) adds one more forward of the
+unit at the first-pass config's FLOPs, with its all-reduces. ``efficiency`` is the
 achieved fraction of the device's dense peak per unit kind (mixer / MLP / block / head /
 embedding; documented defaults per device, the CPU ones calibrated here), scaled for mixers by
 the architecture record's ``mixer_efficiency``; ``launch`` is a small fixed per-pass overhead.
@@ -281,12 +283,17 @@ def unit_costs(
     table ``units(cfg, unit)``: the one cost model of the balancer and the planner.
 
     ``measured_times`` (profiled fwd+bwd seconds per unit for ``shape``) replace the analytic
-    compute time and ``measured_act`` (saved bytes per token) the counted activations.
+    compute time and ``measured_act`` (saved bytes per token) the counted activations; a
+    first pass (Hope's teach signal) is in the analytic time only (the profiler times each unit
+    alone, where no first pass runs).
     """
     from tapered_megatron.models import resolve_architecture, units
     from tapered_megatron.parallel.cross_entropy import CHUNK_BYTES
 
     arch = resolve_architecture(cfg.model.arch)
+    table = units(cfg, unit)
+    first = arch.first_pass_model(cfg)  # a first pass's forward (Hope's teach signal)
+    first_units = [None] * len(table) if first is None else units(first, unit)
     bpp = bytes_per_param(shape.precision, shape.zero_stage, shape.dp, shape.pipeline)
     tok = shape.tokens
     elem = activation_scale(shape.precision)
@@ -295,7 +302,7 @@ def unit_costs(
     tp_ar = ring_all_reduce(tok * cfg.model.d_model * elem, shape.tp, tp_bw)
     vocab_local = cfg.padded_vocab_size / shape.tp
     out = []
-    for i, u in enumerate(units(cfg, unit)):
+    for i, (u, f) in enumerate(zip(table, first_units, strict=True)):
         c = u.counts(elem)
         act_bytes = c.act_bytes if measured_act is None else float(measured_act[i])
         input_bytes = u.input_bytes(elem)
@@ -309,7 +316,10 @@ def unit_costs(
         else:
             t = passes * c.flops * tok / (shape.tp * device.peak_flops * eff)
             t += passes * device.launch_s
-        comm = TP_ALL_REDUCES[u.kind] * (passes - 1) * tp_ar
+            if f is not None:  # the first pass's forward of this unit
+                t += f.counts(elem).flops * tok / (shape.tp * device.peak_flops * eff)
+                t += device.launch_s
+        comm = TP_ALL_REDUCES[u.kind] * (passes - 1 + (f is not None)) * tp_ar
         # Without sequence parallelism the unit's input (and its norm's input) are replicated
         # on every TP rank; everything inside the mixer / MLP / head is sharded.
         subunits = 2 if u.kind == "layer" else 1
