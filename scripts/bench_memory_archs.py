@@ -5,7 +5,11 @@ One measurement = forward + backward of the next-token loss + an AdamW step (fp3
 threads), all models measured round-robin in one process so machine noise hits them alike; the
 median of the rounds is reported as tokens/s (``--clock cpu``: tokens per CPU second of the
 process, which with ``--threads 1`` is the speed on one free core whatever else runs on the
-machine). Prints one JSON line.
+machine). Prints one JSON line. For our models it also gives the training FLOPs per token the
+planner counts (:func:`count_model`: forward + backward, and the first pass of Hope's teach
+signal) and the FLOP rate over the transformer's (``tokens/s x FLOPs/token``, relative): the
+speed ratio is this rate over the ratio of FLOPs per token, which separates "does more work"
+from "does its work more slowly".
 
 Shapes (``--shapes``):
 
@@ -109,7 +113,7 @@ def _config(base: list[str], *extra: str) -> Config:
 
 def _ours(base: list[str], *extra: str) -> tuple[torch.nn.Module, Callable, float]:
     """One of our models, its training step and its training FLOPs per token (the planner's
-    count, :func:`count_model`: three times the forward's)."""
+    count, :func:`count_model`)."""
     cfg = _config(base, *extra)
     model = build_model(cfg)
     fwd = model
