@@ -276,15 +276,8 @@ def _shape(name: str, a: argparse.Namespace, status: dict) -> dict:
     ref = tok_s.get("transformer")
     flops = {k: e[2] for k, e in entries.items() if e[2] is not None}
     # FLOP rate over the transformer's: how fast a model does its own work, not how much
-    rate = (
-        {
-            k: round(tok_s[k] * flops[k] / (ref * flops["transformer"]), 3)
-            for k in tok_s
-            if k in flops
-        }
-        if ref
-        else {}
-    )
+    ref_rate = ref * flops["transformer"] if ref else 0.0
+    rate = {k: round(tok_s[k] * f / ref_rate, 3) for k, f in flops.items() if k in tok_s and ref}
     return {
         "shape": {"d_model": cfg.model.d_model, "layers": cfg.model.layers,
                   "heads": cfg.model.heads, "d_ff": cfg.model.d_ff,

@@ -132,9 +132,9 @@ class Architecture:
             its pass (Hope's teach signal); ``None``: no first pass.
         first_pass_config: ``first_pass_config(cfg)``, a config whose model's forward costs
             what ``first_pass`` adds to every training step under ``cfg`` (one forward
-            without backward), or ``None`` where it adds nothing; the FLOP counts
-            (:func:`tapered_megatron.models.count_model`, the trainer's MFU) and the pipeline
-            cost model add that forward. ``None``: no first pass to count.
+            without backward), or ``None`` where it adds nothing (the default: always
+            ``None``); the FLOP counts (:func:`tapered_megatron.models.count_model`, the
+            trainer's MFU) and the pipeline cost model add that forward.
     """
 
     name: str
@@ -146,11 +146,7 @@ class Architecture:
     mixer_efficiency: float = 1.0
     compiles: bool = False
     first_pass: Callable[[nn.Module, torch.Tensor], None] | None = None
-    first_pass_config: Callable[[Config], Config | None] | None = None
-
-    def first_pass_model(self, cfg: Config) -> Config | None:
-        """The config whose forward ``first_pass`` adds per training step (None: none)."""
-        return None if self.first_pass_config is None else self.first_pass_config(cfg)
+    first_pass_config: Callable[[Config], Config | None] = lambda cfg: None
 
     @property
     def options_key(self) -> str | None:

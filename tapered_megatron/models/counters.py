@@ -114,7 +114,7 @@ def count_model(cfg: Config, dtype_bytes: int = 2) -> ModelCounts:
         for i, (mixer, mlp) in enumerate(zip(halves[::2], halves[1::2]))
     )
     d = cfg.model.d_model
-    first = resolve_architecture(cfg.model.arch).first_pass_model(cfg)
+    first = resolve_architecture(cfg.model.arch).first_pass_config(cfg)
     first_flops = 0.0 if first is None else count_model(first, dtype_bytes).flops_per_token
     return ModelCounts(
         cfg.model.arch, layers, emb, head, dtype_bytes, float(d * dtype_bytes), first_flops

@@ -138,8 +138,8 @@ Choices the paper leaves open, and ours:
   inductor turned the in-place updates of state views into extra copies, which made the
   compiled scan slower than eager at chunk 16 and 32 (1.22x, 1.18x its time). Now, forward +
   backward of the scan at the library shape on one CPU core (scripts/bench_titans_scan.py):
-  compiled on par with eager at chunk 16 (0.97-1.02x), 0.85x at 32, 0.72x at 64
-  (docs/BENCHMARKS.md; eager keeps the in-place form). Larger chunks fill the matmuls better
+  compiled on par with eager at chunk 16, faster at 32 and 64 (docs/BENCHMARKS.md; eager
+  keeps the in-place form). Larger chunks fill the matmuls better
   (the ``b x b`` dual form grows, the per-chunk state materialisation is amortised): see
   docs/BENCHMARKS.md for the chunk-size trade-off measured.
 * titans-pytorch (the reference implementation on PyPI) takes all surprise gradients of one

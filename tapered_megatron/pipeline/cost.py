@@ -292,7 +292,7 @@ def unit_costs(
 
     arch = resolve_architecture(cfg.model.arch)
     table = units(cfg, unit)
-    first = arch.first_pass_model(cfg)  # a first pass's forward (Hope's teach signal)
+    first = arch.first_pass_config(cfg)  # a first pass's forward (Hope's teach signal)
     first_units = [None] * len(table) if first is None else units(first, unit)
     bpp = bytes_per_param(shape.precision, shape.zero_stage, shape.dp, shape.pipeline)
     tok = shape.tokens
