@@ -9,7 +9,8 @@ one process.
 DeepSpeed-config keys that duplicate our config (batch sizes, gradient clipping) may be ``"auto"``
 or absent (filled from ``train.*``) or equal to what ``train.*`` implies; anything else is an
 error rather than a silent winner. ``bf16.enabled: "auto"`` means bf16 on accelerators that
-support it, fp32 on CPU.
+support it, fp32 on CPU; an explicit ``true`` (bf16 or fp16) runs mixed precision on DeepSpeed's
+CPU accelerator too (slow; for testing the GPU's code paths on a CPU, see :func:`precision`).
 """
 
 from __future__ import annotations
@@ -196,11 +197,6 @@ def resolve(cfg: Config, ds_config: dict[str, Any], world_size: int) -> tuple[di
             sec["enabled"] = half == "bf16" and _bf16_available()
     if ds.get("fp16", {}).get("enabled") and ds.get("bf16", {}).get("enabled"):
         raise ConfigError("ds_config enables both fp16 and bf16; enable one")
-    if any(ds.get(h, {}).get("enabled") for h in ("fp16", "bf16")) and _on_cpu():
-        raise ConfigError(
-            "ds_config enables fp16/bf16 but this run is on CPU; "
-            'set "enabled": "auto" (fp32 on CPU) or false'
-        )
     ds.setdefault("steps_per_print", 10**9)
     layout = Layout(world_size, tp, pp, dp, mbs, gbs, gas, stage)
     return ds, layout
@@ -210,6 +206,27 @@ def _on_cpu() -> bool:
     from deepspeed.accelerator import get_accelerator
 
     return get_accelerator().device_name() == "cpu"
+
+
+def precision(ds: dict[str, Any]) -> str:
+    """The training precision a resolved ds_config asks for: ``"bf16"``, ``"fp16"`` or
+    ``"fp32"``."""
+    for half in ("bf16", "fp16"):
+        sec = ds.get(half)
+        if isinstance(sec, dict) and sec.get("enabled") is True:
+            return half
+    return "fp32"
+
+
+def precision_note(ds: dict[str, Any]) -> str:
+    """One line for the log when mixed precision runs on DeepSpeed's CPU accelerator ("" else)."""
+    half = precision(ds)
+    if half == "fp32" or not _on_cpu():
+        return ""
+    return (
+        f"{half} on the CPU accelerator: runs the GPU's mixed-precision code paths for testing "
+        'and is slow; use "enabled": "auto" for fp32 on a CPU'
+    )
 
 
 def _bf16_available() -> bool:

@@ -35,7 +35,7 @@ from tapered_megatron.eval.alignment import AlignmentProbe
 from tapered_megatron.models import allow_layer_recompiles, build_model, count_model, lm_loss
 from tapered_megatron.pipeline.clock import StageClock
 from tapered_megatron.training import checkpoint, optim, reshard
-from tapered_megatron.training.launch import Layout
+from tapered_megatron.training.launch import Layout, precision_note
 from tapered_megatron.training.logger import TrainLogger
 
 
@@ -283,6 +283,8 @@ class Trainer:
             f"x accumulation {lay.grad_accum} | zero stage {self.engine.zero_optimization_stage()}"
         )
         self.log(cfg.taper_plan.table())
+        if note := precision_note(self.ds_config):
+            self.log(note)
         cadence = Cadence.of(cfg, can_eval=self.valid_ds is not None or bool(self.extra_ds))
         batches = self._batches(self.train_ds, cadence.iters * lay.global_batch_size, self.consumed)
         metrics = _MetricsFile(cfg.logging.metrics_file if self.rank == 0 else "")
