@@ -42,6 +42,16 @@ def test_auto_keys_are_filled_from_train_config():
     assert ds["bf16"]["enabled"] is False  # CPU: fp32
 
 
+@pytest.mark.parametrize("half", ["bf16", "fp16"])
+def test_explicit_mixed_precision_runs_on_the_cpu_accelerator_with_a_note(half):
+    ds, _ = _resolve([], {half: {"enabled": True}}, world=1)
+    assert launch.precision(ds) == half
+    note = launch.precision_note(ds)
+    assert half in note and "testing" in note and "\n" not in note
+    auto, _ = _resolve([], {"bf16": {"enabled": "auto"}}, world=1)
+    assert launch.precision(auto) == "fp32" and launch.precision_note(auto) == ""
+
+
 def test_every_shipped_ds_config_resolves():
     for path in sorted(DS.glob("*.json")):
         if path.name.startswith("cluster_"):
@@ -63,7 +73,7 @@ def test_every_shipped_ds_config_resolves():
         (["--parallel.tp", "2"], {}, 3, "parallel.tp * parallel.pp"),
         (["--train.global_batch_size", "12"], {}, 2, "train.global_batch_size"),
         ([], {"pipeline": {"stages": 4}}, 1, "pipeline.stages"),
-        ([], {"bf16": {"enabled": True}}, 1, "CPU"),
+        ([], {"bf16": {"enabled": True}, "fp16": {"enabled": True}}, 1, "both fp16 and bf16"),
         ([], {"zero_optimization": {"stage": 5}}, 1, "zero_optimization.stage"),
     ],
 )
