@@ -165,7 +165,7 @@ class Trainer:
         if "optimizer" in ds:
             kwargs["model_parameters"] = groups
         else:
-            kwargs["optimizer"] = optim.build_optimizer(model, cfg.train)
+            kwargs["optimizer"] = optim.build_optimizer(model, cfg.train, ds)
         if "scheduler" not in ds:
             kwargs["lr_scheduler"] = lambda opt: optim.build_scheduler(opt, cfg.train)
         if mpu is not None:
