@@ -15,7 +15,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from test_train_launch import TINY, corpus  # noqa: F401  (module fixture)
+from launch_helpers import TINY, corpus  # noqa: F401  (module fixture)
 
 from tapered_megatron.parallel.local_launch import free_port
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from test_train_launch import (
+from launch_helpers import (
     ROOT,
     assert_close,
     corpus,  # noqa: F401  (module fixture)

@@ -145,3 +145,48 @@ def skip_nonfinite_steps(engine: Any) -> None:
         return None if outer.overflow else step(*args, **kwargs)
 
     inner.step = guarded_step
+
+
+def fp32_masters(engine: Any) -> dict[int, tuple[torch.Tensor, slice | None]]:
+    """Where DeepSpeed's 16-bit optimizers without ZeRO keep each model parameter's fp32 master:
+    ``id(param) -> (tensor the torch optimizer steps, slice of it or None for all of it)``.
+
+    ``FP16_UnfusedOptimizer`` (bf16/fp16 ZeRO-0 with a torch optimizer) holds one fp32 copy per
+    parameter; ``FP16_Optimizer`` (with a fused Adam) one flat fp32 tensor per group, the
+    parameters laid end to end. The AdamW moments are keyed by those tensors. Empty for fp32
+    and ZeRO runs (ZeRO's own fragment API answers there).
+    """
+    zero, out = engine.optimizer, {}
+    if hasattr(zero, "fp32_groups_flat"):
+        for low, flat in zip(zero.fp16_groups, zero.fp32_groups_flat):
+            start = 0
+            for p in low:
+                out[id(p)] = (flat, slice(start, start + p.numel()))
+                start += p.numel()
+    elif hasattr(zero, "fp32_groups") and hasattr(zero, "fp16_groups"):
+        for low, high in zip(zero.fp16_groups, zero.fp32_groups):
+            for p, hp in zip(low, high):
+                out[id(p)] = (hp, None)
+    return out
+
+
+def undo_priming_step(engine: Any) -> None:
+    """Take back the step DeepSpeed's 16-bit optimizers without ZeRO take when they are built.
+
+    ``FP16_Optimizer`` / ``FP16_UnfusedOptimizer`` (bf16 or fp16 at ZeRO stage 0) create the
+    torch optimizer's state by stepping it once with zero gradients. For AdamW that step is
+    not empty: it decays every decayed weight by ``lr x weight_decay`` at the un-warmed base
+    rate and counts a step, so the first real update's bias correction uses step 2 (a 0.74x
+    step). The fp32 masters are reset to the model's weights they were copied from and the
+    state is dropped (AdamW makes it again at the first real step). No-op for other optimizers.
+    """
+    masters = fp32_masters(engine)
+    if not masters:
+        return
+    params = {id(p): p for p in engine.module.parameters()}
+    inner = engine.optimizer.optimizer
+    with torch.no_grad():
+        for pid, (key, part) in masters.items():
+            flat = key.data.view(-1)
+            (flat if part is None else flat[part]).copy_(params[pid].data.reshape(-1))
+            inner.state.pop(key, None)

@@ -40,6 +40,7 @@ from deepspeed.utils import (
 from tapered_megatron import parallel
 from tapered_megatron.models import canonical_parameters
 from tapered_megatron.parallel.layers import param_shape, shard, unshard
+from tapered_megatron.training import optim
 from tapered_megatron.training.checkpoint import (
     UNIVERSAL,
     UNIVERSAL_META,
@@ -80,29 +81,6 @@ def _link_optimizer_state(engine: Any) -> torch.optim.Optimizer:
         for lp, hp in zip(zero.bit16_groups, zero.single_partition_of_fp32_groups):
             lazy_init_hp_params_optimizer_state(lp, hp, opt.state)
     return opt
-
-
-def _masters(engine: Any) -> dict[int, tuple[torch.Tensor, slice | None]]:
-    """Where DeepSpeed's 16-bit optimizers without ZeRO keep each model parameter's fp32 master:
-    ``id(param) -> (tensor the torch optimizer steps, slice of it or None for all of it)``.
-
-    ``FP16_UnfusedOptimizer`` (bf16/fp16 ZeRO-0 with a torch optimizer) holds one fp32 copy per
-    parameter; ``FP16_Optimizer`` (with a fused Adam) one flat fp32 tensor per group, the
-    parameters laid end to end. The AdamW moments are keyed by those tensors. Empty for fp32
-    and ZeRO runs (ZeRO's own fragment API answers there).
-    """
-    zero, out = engine.optimizer, {}
-    if hasattr(zero, "fp32_groups_flat"):
-        for low, flat in zip(zero.fp16_groups, zero.fp32_groups_flat):
-            start = 0
-            for p in low:
-                out[id(p)] = (flat, slice(start, start + p.numel()))
-                start += p.numel()
-    elif hasattr(zero, "fp32_groups") and hasattr(zero, "fp16_groups"):
-        for low, high in zip(zero.fp16_groups, zero.fp32_groups):
-            for p, hp in zip(low, high):
-                out[id(p)] = (hp, None)
-    return out
 
 
 def _own_state(
@@ -167,7 +145,7 @@ def save(
     writer = (
         parallel.get_tensor_model_parallel_rank() == 0 and parallel.get_data_parallel_rank() == 0
     )
-    masters = _masters(engine)
+    masters = optim.fp32_masters(engine)
     for name, p in canonical_parameters(engine.module, cfg):
         if _zero(p):
             w = safe_get_full_fp32_param(p)
@@ -241,7 +219,7 @@ def load(engine: Any, cfg: Any, tag_dir: Path) -> dict[str, Any]:
         )
     meta = torch.load(src / UNIVERSAL_META, weights_only=False)
     opt = _link_optimizer_state(engine)
-    masters = _masters(engine)
+    masters = optim.fp32_masters(engine)
     for name, p in canonical_parameters(engine.module, cfg):
         f = src / f"{name}.pt"
         if not f.exists():

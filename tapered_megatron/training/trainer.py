@@ -57,6 +57,7 @@ class Trainer:
         self.train_ds, self.valid_ds = self._build_data()
         self.extra_ds = self._build_extra_data()
         self.engine = self._build_engine()
+        optim.undo_priming_step(self.engine)
         optim.skip_nonfinite_steps(self.engine)
         self.nan_iters = injected_nan_iterations()
         self.iteration, self.consumed = 0, 0
