@@ -240,9 +240,62 @@ def setup(argv: list[str] | None = None) -> tuple[argparse.Namespace, Config, di
     process group is started here."""
     args, overrides = parse_args(argv)
     cfg = load_config(args.config, overrides)
-    ds, layout = resolve(cfg, load_ds_config(args.ds_config), env_world_size())
+    world = env_world_size()
+    kept, note = resumed_global_batch(cfg, world)
+    if kept:
+        key = "--train.global_batch_size"
+        rest = [a for i, a in enumerate(overrides) if not _names(overrides, i, key)]
+        cfg = load_config(args.config, [*rest, key, str(kept)])
+    try:
+        ds, layout = resolve(cfg, load_ds_config(args.ds_config), world)
+    except ConfigError as e:
+        if kept:
+            raise ConfigError(f"{e} (the resumed checkpoint's global batch is {kept})") from None
+        raise
     check_inputs(cfg, ds, layout)
+    if note and env_rank() == 0:
+        print(note, flush=True)
     return args, cfg, ds, layout
+
+
+def _names(argv: list[str], i: int, key: str) -> bool:
+    """Whether ``argv[i]`` is option ``key`` (``--key V`` or ``--key=V``) or the value after it."""
+    return argv[i].split("=")[0] == key or (i > 0 and argv[i - 1] == key)
+
+
+def resumed_global_batch(cfg: Config, world_size: int) -> tuple[int | None, str]:
+    """Keep a resumed run's global batch when the layout changes.
+
+    With ``train.global_batch_size`` 0 the global batch is micro batch x DP, so resuming on
+    another number of ranks would silently train another run (learning-rate schedule and
+    consumed samples describe a different batch). Returns ``(batch, note)``: the checkpoint's
+    global batch to set (``None``: nothing to change) and a line saying which batch the run
+    goes on with ("" when nothing differs). An explicit ``train.global_batch_size`` wins, and
+    the note says so. :func:`resolve` rejects a kept batch the new layout cannot divide.
+    """
+    from tapered_megatron.training import checkpoint
+
+    tp_pp = cfg.parallel.tp * cfg.parallel.pp
+    if not cfg.train.resume or world_size % tp_pp:
+        return None, ""
+    try:
+        where = checkpoint.find_resume(cfg)
+    except FileNotFoundError:
+        return None, ""  # pre-flight names the problem
+    saved = checkpoint.saved_global_batch(where[0] / where[1]) if where else None
+    implied = cfg.train.micro_batch_size * world_size // tp_pp
+    now = cfg.train.global_batch_size or implied
+    if saved is None or saved == now:
+        return None, ""
+    if cfg.train.global_batch_size:
+        return None, (
+            f"global batch {now} (train.global_batch_size, set explicitly); the checkpoint "
+            f"trained with {saved}"
+        )
+    return saved, (
+        f"global batch {saved} kept from the checkpoint (micro {cfg.train.micro_batch_size} x "
+        f"dp {world_size // tp_pp} = {implied} here); pass --train.global_batch_size to change it"
+    )
 
 
 def shm_workspace_path(rank: int, addr: str | None = None, port: int | str | None = None) -> Path:

@@ -82,6 +82,49 @@ def _link_optimizer_state(engine: Any) -> torch.optim.Optimizer:
     return opt
 
 
+def _masters(engine: Any) -> dict[int, tuple[torch.Tensor, slice | None]]:
+    """Where DeepSpeed's 16-bit optimizers without ZeRO keep each model parameter's fp32 master:
+    ``id(param) -> (tensor the torch optimizer steps, slice of it or None for all of it)``.
+
+    ``FP16_UnfusedOptimizer`` (bf16/fp16 ZeRO-0 with a torch optimizer) holds one fp32 copy per
+    parameter; ``FP16_Optimizer`` (with a fused Adam) one flat fp32 tensor per group, the
+    parameters laid end to end. The AdamW moments are keyed by those tensors. Empty for fp32
+    and ZeRO runs (ZeRO's own fragment API answers there).
+    """
+    zero, out = engine.optimizer, {}
+    if hasattr(zero, "fp32_groups_flat"):
+        for low, flat in zip(zero.fp16_groups, zero.fp32_groups_flat):
+            start = 0
+            for p in low:
+                out[id(p)] = (flat, slice(start, start + p.numel()))
+                start += p.numel()
+    elif hasattr(zero, "fp32_groups") and hasattr(zero, "fp16_groups"):
+        for low, high in zip(zero.fp16_groups, zero.fp32_groups):
+            for p, hp in zip(low, high):
+                out[id(p)] = (hp, None)
+    return out
+
+
+def _own_state(
+    p: torch.nn.Parameter, opt: torch.optim.Optimizer, masters: dict
+) -> list[torch.Tensor]:
+    """The fp32 weight and the AdamW moments of ``p`` where no ZeRO optimizer owns it: views of
+    the 16-bit optimizer's fp32 master and its state, or ``p`` and its state (fp32 runs)."""
+    if id(p) not in masters:
+        return [p.data, *(opt.state[p][k] for k in MOMENTS)]
+    key, part = masters[id(p)]
+
+    def view(t: torch.Tensor) -> torch.Tensor:
+        return t.data.view(-1) if part is None else t.data.view(-1)[part]
+
+    return [view(key), *(view(opt.state[key][k]) for k in MOMENTS)]
+
+
+def _loss_scale(engine: Any) -> float | None:
+    """fp16's current dynamic loss scale (``None`` in bf16/fp32, which do not scale)."""
+    return float(engine.optimizer.loss_scale) if engine.fp16_enabled() else None
+
+
 def _zero(p: torch.nn.Parameter) -> bool:
     """Whether DeepSpeed's fragment API owns ``p`` (ZeRO-3, or ZeRO-1/2 where every parameter
     has ``_hp_mapping``, ``None`` on a rank whose partition holds none of it)."""
@@ -124,13 +167,13 @@ def save(
     writer = (
         parallel.get_tensor_model_parallel_rank() == 0 and parallel.get_data_parallel_rank() == 0
     )
+    masters = _masters(engine)
     for name, p in canonical_parameters(engine.module, cfg):
         if _zero(p):
             w = safe_get_full_fp32_param(p)
             moments = [safe_get_full_optimizer_state(p, k) for k in MOMENTS]
         else:
-            w = p.detach().float()
-            moments = [opt.state[p][k] for k in MOMENTS]
+            w, *moments = _own_state(p, opt, masters)
         full = [_tp_full(t.detach().float().reshape(param_shape(p)), p) for t in (w, *moments)]
         if writer:
             torch.save(dict(zip(("fp32", *MOMENTS), full)), out / f"{name}.pt")
@@ -140,6 +183,7 @@ def save(
             "world_size": dist.get_world_size(),
             "step": _step(opt),
             "lr_scheduler": engine.lr_scheduler.state_dict() if engine.lr_scheduler else None,
+            "loss_scale": _loss_scale(engine),
             "client": client,
         }
         torch.save(meta, out / UNIVERSAL_META)
@@ -197,6 +241,7 @@ def load(engine: Any, cfg: Any, tag_dir: Path) -> dict[str, Any]:
         )
     meta = torch.load(src / UNIVERSAL_META, weights_only=False)
     opt = _link_optimizer_state(engine)
+    masters = _masters(engine)
     for name, p in canonical_parameters(engine.module, cfg):
         f = src / f"{name}.pt"
         if not f.exists():
@@ -211,11 +256,13 @@ def load(engine: Any, cfg: Any, tag_dir: Path) -> dict[str, Any]:
                 p.data.copy_(w.to(p.dtype))  # the model's own copy (the engine's is above)
         else:
             with torch.no_grad():
-                p.copy_(w.to(p.dtype))
-                for k, m in zip(MOMENTS, moments):
-                    opt.state[p][k].copy_(m)
+                for own, t in zip(_own_state(p, opt, masters), (w, *moments)):
+                    own.copy_(t.reshape(own.shape))
+                p.copy_(w.to(p.dtype))  # the model's copy (bf16/fp16: rounded from the master)
     for s in opt.state.values():  # every AdamW state entry carries the step count
         s["step"] = torch.tensor(meta["step"], dtype=torch.float32)
+    if meta.get("loss_scale") is not None and engine.fp16_enabled():
+        engine.optimizer.loss_scale = meta["loss_scale"]
     _load_scheduler(engine, meta["lr_scheduler"])
     client = dict(meta["client"])
     engine.global_steps = int(client["iteration"])
