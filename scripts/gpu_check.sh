@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU check: one bounded run (stage limits sum to 8 minutes) on one H100/H200-class GPU.
+# The GPU check: one bounded run (stage limits sum to 480 s) on one H100/H200-class GPU.
 #   quickstart           the README's quickstart through `deepspeed pretrain/main.py` in bf16:
 #                        train with saves, `--resume auto`, export, generate
 #   arch_<name>          20 bf16 steps of each architecture at the 440M preset's widths (2
@@ -20,8 +20,8 @@
 # Each stage runs under its own `timeout` and writes as it goes: its JSON lines to
 # $OUT/<stage>.json (the last one {"stage": ..., "rc": ..., "seconds": ...}, rc 124 when the
 # limit cut it), logs beside them, one summary line per stage to $OUT/stages.jsonl and stdout.
-# $OUT defaults to ./gpu_check_out; checkpoints and exports go to $GPU_CHECK_WORK (default
-# /tmp/gpu_check_work), outside $OUT. The device machine has no network: run
+# $OUT defaults to ./gpu_check_out; checkpoints and exports go to $GPU_CHECK_WORK (default: a
+# new /tmp/gpu_check.XXXXXX), outside $OUT. The compiled MFU stages run last. The device machine has no network: run
 # scripts/gpu_wheels.sh here first and carry .whl, e.g.
 #   device run: command "bash scripts/gpu_check.sh", carry [".whl"], timeout_s 560
 # `--dry-run` (or GPU_CHECK_DRY=1) runs every stage on this machine's CPU (DeepSpeed's CPU
