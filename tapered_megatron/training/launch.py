@@ -197,6 +197,18 @@ def resolve(cfg: Config, ds_config: dict[str, Any], world_size: int) -> tuple[di
             sec["enabled"] = half == "bf16" and _bf16_available()
     if ds.get("fp16", {}).get("enabled") and ds.get("bf16", {}).get("enabled"):
         raise ConfigError("ds_config enables both fp16 and bf16; enable one")
+    half = precision(ds)
+    if half == "fp16" and pp > 1 and stage == 0:
+        raise ConfigError(
+            "ds_config enables fp16 with pipeline parallelism and ZeRO stage 0, where DeepSpeed "
+            "does not apply the loss scale; use ds_configs/pipeline.json (ZeRO-1) or bf16"
+        )
+    if half != "fp32" and not _supports(half):
+        other = "bf16" if half == "fp16" else "fp16"
+        raise ConfigError(
+            f"ds_config enables {half} but this accelerator does not support it; set "
+            f'"{half}": {{"enabled": false}} (or "auto"), or enable {other} instead'
+        )
     ds.setdefault("steps_per_print", 10**9)
     layout = Layout(world_size, tp, pp, dp, mbs, gbs, gas, stage)
     return ds, layout
@@ -229,10 +241,16 @@ def precision_note(ds: dict[str, Any]) -> str:
     )
 
 
-def _bf16_available() -> bool:
+def _supports(half: str) -> bool:
+    """Whether DeepSpeed's accelerator runs ``half`` ("bf16" / "fp16") training."""
     from deepspeed.accelerator import get_accelerator
 
-    return not _on_cpu() and bool(get_accelerator().is_bf16_supported())
+    acc = get_accelerator()
+    return bool(acc.is_bf16_supported() if half == "bf16" else acc.is_fp16_supported())
+
+
+def _bf16_available() -> bool:
+    return not _on_cpu() and _supports("bf16")
 
 
 def setup(argv: list[str] | None = None) -> tuple[argparse.Namespace, Config, dict, Layout]:
