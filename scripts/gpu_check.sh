@@ -137,7 +137,7 @@ for name in default zero1; do
     python3 -c 'import json, sys
 d = json.load(open(sys.argv[1]))
 if sys.argv[3] == "1":
-    d["bf16"] = {"enabled": True}
+    d.setdefault("bf16", {})["enabled"] = True
 json.dump(d, open(sys.argv[2], "w"), indent=2)' "ds_configs/$name.json" "$work/$name.json" "$dry"
 done
 
