@@ -243,3 +243,37 @@ def test_planned_ds_config_trains_in_bf16(kind, corpus, tmp_path):  # noqa: F811
     assert ("data_types" in ds) == (zero >= 1)  # fp32 accumulation wherever DeepSpeed takes it
     extra = ["--parallel.pp", "2"] if pp > 1 else []
     _config_trains(pp, bf16_config(ds, tmp_path), extra, corpus, tmp_path)
+
+
+# ------------------------------------------------------------------- export
+def test_export_of_a_bf16_run_holds_the_fp32_masters_and_hf_logits_match(corpus, tmp_path):  # noqa: F811
+    """A bf16 ZeRO-0 checkpoint exports its fp32 master weights (the universal copy's, not the
+    bf16-rounded module weights DeepSpeed saves), and the Hugging Face model loaded from the
+    export gives the logits of our fp32 module holding them."""
+    import torch
+    import transformers
+    from safetensors.torch import load_file
+
+    from tapered_megatron.export.__main__ import main as export_main
+    from tapered_megatron.export.consolidate import resolve_checkpoint
+    from tapered_megatron.models import build_model
+
+    run = _run(tmp_path, "run")
+    launch_ranks(1, corpus, run, bf16_config("zero0.json", tmp_path), ["--train.iters", "2"])
+    ckpt = run / "ckpt"
+    assert export_main(["--checkpoint", str(ckpt), "--out", str(tmp_path / "out")]) == 0
+    got = load_file(str(tmp_path / "out" / "model.safetensors"))
+    universal = ckpt / "global_step2" / "universal"
+    module = torch.load(ckpt / "global_step2" / "mp_rank_00_model_states.pt", weights_only=False)
+    for name in ("layers.0.mlp.w13.weight", "head.proj.weight", "layers.1.mixer.out.weight"):
+        master = torch.load(universal / f"{name}.pt", weights_only=True)["fp32"]
+        assert module["module"][name].dtype == torch.bfloat16
+        assert torch.equal(got[name], master), name
+        assert (master != master.bfloat16().float()).float().mean() > 0.9  # not bf16-rounded
+    model = build_model(resolve_checkpoint(ckpt).cfg).eval()
+    model.load_state_dict(got)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out", trust_remote_code=True)
+    ids = torch.randint(0, 255, (2, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        want = model(ids)[..., : hf.config.vocab_size]
+        assert (hf(ids).logits - want).abs().max().item() <= 1e-5
