@@ -5,7 +5,8 @@ store (``tm/heartbeat/<rank>``) every ``period`` seconds. A rank waiting in a co
 beating (collectives release the GIL); a rank that is stopped (SIGSTOP), killed, or stuck in
 native code holding the GIL does not. Counters, not timestamps, so clocks of different nodes
 never need to agree. A counter standing still for ``2.5 x period`` (a quarter of the collective
-timeout, :func:`period_for`) means its rank stopped responding. The rank is named two ways:
+timeout where :func:`period_for` does not clamp) means its rank stopped responding. The rank is
+named two ways:
 
 * by the thread itself, before any collective gives up: rank 0 (the store's host) watches every
   other rank's counter, every other rank watches rank 0's (a store that does not answer counts
@@ -44,12 +45,13 @@ class Heartbeat:
         self.reported: set[int] = set()  # ranks a line already named (by the thread or explain)
         self._lock = threading.Lock()
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="heartbeat", daemon=True)
+        self._call: threading.Thread | None = None  # the thread's store calls, maybe still out
 
     def start(self) -> Heartbeat:
         """Beat once now (so every counter exists), then beat and watch in the background."""
         self.store.add(_KEY.format(self.rank), 1)
-        self._thread.start()
+        store = self._thread_store()  # its client connects now, while every rank answers
+        threading.Thread(target=self._run, args=(store,), name="heartbeat", daemon=True).start()
         return self
 
     def stop(self) -> None:
@@ -62,33 +64,44 @@ class Heartbeat:
         return list(range(1, self.world_size)) if self.rank == 0 else [0]
 
     def _thread_store(self) -> Any:
-        """The store for the thread: its own client where the store can clone one, answering
-        within a period (a stopped store host must not hold the thread up)."""
-        if not hasattr(self.store, "clone"):
+        """The store for the thread: its own client where the store can clone one."""
+        try:
+            return self.store.clone()
+        except (AttributeError, RuntimeError):  # torch before Store.clone: share the store
             return self.store
-        store = self.store.clone()
-        store.set_timeout(timedelta(seconds=self.period))
-        return store
 
-    def _run(self) -> None:
-        store = self._thread_store()
+    def _beat_and_read(self, store: Any) -> dict[int, int]:
+        """Beat once; the counters of the watched ranks (``{}`` when the store does not answer).
+
+        A stopped store host never answers (the store's timeout does not bound ``add``): the
+        calls run on a daemon thread and count as no answer after a period, and no new call
+        starts while one is still out."""
+        if self._call is not None and self._call.is_alive():
+            return {}
+        box: list[dict[int, int]] = []
+
+        def calls() -> None:
+            with contextlib.suppress(Exception):  # the host went away: no answer
+                store.add(_KEY.format(self.rank), 1)
+                box.append({r: store.add(_KEY.format(r), 0) for r in self.watched()})
+
+        self._call = threading.Thread(target=calls, name="heartbeat-store", daemon=True)
+        self._call.start()
+        self._call.join(self.period)
+        return box[0] if box else {}
+
+    def _run(self, store: Any) -> None:
         seen = {r: (-1, time.monotonic()) for r in self.watched()}  # count, when it last moved
         last = time.monotonic()
         while not self._stop.wait(self.period):
             now = time.monotonic()
             if now - last > 2 * self.period:  # this process did not run: nothing to judge by
                 seen = {r: (c, now) for r, (c, _) in seen.items()}
-            last = now
-            with contextlib.suppress(Exception):  # no answer from the host: rank 0 is watched
-                store.add(_KEY.format(self.rank), 1)
+            counts = self._beat_and_read(store)
             still = []
             for r, (count, since) in seen.items():
-                try:
-                    now_count = store.add(_KEY.format(r), 0)
-                except Exception:
-                    now_count = count
-                if now_count != count:
-                    seen[r] = (now_count, now)
+                if counts.get(r, count) != count:
+                    seen[r] = (counts[r], now)
                     with self._lock:
                         self.reported.discard(r)  # it beats again
                 elif now - since > self.window:
@@ -96,6 +109,7 @@ class Heartbeat:
             new = self._claim(still)
             if new and not self._stop.is_set():
                 print(f"error: rank {self.rank}: {self.sentence(new)}", file=sys.stderr, flush=True)
+            last = time.monotonic()
 
     def _claim(self, ranks: list[int]) -> list[int]:
         """The ranks of ``ranks`` no line named yet, marked as named."""
