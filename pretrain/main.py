@@ -44,15 +44,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"error: {e}", file=sys.stderr, flush=True)
         return 1
     except Exception as e:  # a failed or timed-out collective: name the rank that went quiet
-        why = beat.describe() if beat is not None else ""
-        if not why:
+        if beat is None or not beat.explain(e):
             raise
-        first = (str(e).strip().splitlines() or [""])[0][:200]
-        print(
-            f"error: rank {dist.get_rank()}: {why}; stopping ({type(e).__name__}: {first})",
-            file=sys.stderr,
-            flush=True,
-        )
         return 1
     finally:
         if beat is not None:

@@ -262,3 +262,94 @@ def test_heartbeat_names_the_rank_that_stopped():
         for b in beats:
             b.stop()
     assert period_for(20) == 2.0 and period_for(600) == 10.0 and period_for(1) == 1.0
+
+
+def test_heartbeat_thread_names_a_stopped_rank_once(capsys):
+    """The heartbeat's own thread names a rank whose counter stands still (rank 0 watches every
+    rank, the others watch rank 0), once; a later failed collective does not repeat the line."""
+    store = torch.distributed.HashStore()
+    beats = [Heartbeat(store, r, 3, period=0.4).start() for r in range(3)]
+    try:
+        time.sleep(2.0)
+        assert capsys.readouterr().err == ""  # every rank beats: nothing said
+        beats[2].stop()
+        time.sleep(2.5)  # its last beat, then 2.5 periods standing still, then a check
+        err = capsys.readouterr().err.splitlines()
+        assert err == [
+            "error: rank 0: rank 2 stopped responding (no heartbeat for 1 s: stopped, killed or "
+            "stuck holding the interpreter)"
+        ]
+        # main.py's path once the collective fails: rank 0's thread already named rank 2
+        assert beats[0].explain(RuntimeError("timed out\nmore")) is True
+        assert capsys.readouterr().err == ""
+        assert beats[1].explain(RuntimeError("timed out\nmore")) is True  # its thread watches 0
+        err = capsys.readouterr().err.splitlines()
+        assert len(err) == 1 and err[0].startswith("error: rank 1: rank 2 stopped responding")
+        assert err[0].endswith("; stopping (RuntimeError: timed out)")
+        beats[0].stop()
+        time.sleep(2.5)
+        err = capsys.readouterr().err
+        assert err.startswith("error: rank 1: rank 0 stopped responding") and err.count("\n") == 1
+    finally:
+        for b in beats:
+            b.stop()
+
+
+# Two gloo ranks whose collective never returns (the hour-long timeout stands in for a backend
+# that aborts the process instead of raising, as NCCL's watchdog does): one rank stops itself.
+_HANG = """
+import os, signal, sys
+from datetime import timedelta
+import torch, torch.distributed as dist
+from torch.distributed import distributed_c10d
+from tapered_megatron.training.heartbeat import Heartbeat, period_for
+dist.init_process_group("gloo", timeout=timedelta(hours=1))
+store, rank = distributed_c10d._get_default_store(), dist.get_rank()
+beat = Heartbeat(store, rank, 2, period_for(float(sys.argv[1]))).start()
+dist.barrier()
+if rank == int(sys.argv[2]):
+    os.kill(os.getpid(), signal.SIGSTOP)
+print("in the collective", flush=True)
+dist.all_reduce(torch.ones(1))
+"""
+
+
+def _state(pid: int) -> str:
+    return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+
+
+@pytest.mark.parametrize("stopped", [1, pytest.param(0, marks=pytest.mark.slow)])
+def test_a_stopped_rank_is_named_when_the_backend_aborts_instead_of_raising(stopped, tmp_path):
+    """One rank stops (SIGSTOP) while the other waits in a collective that never returns; the
+    waiting rank is SIGKILLed from outside after the collective timeout (10 s), as an aborting
+    backend would end it. Its heartbeat thread has named the stopped rank on stderr by then,
+    once. Rank 1 stopped: rank 0 reads its counter; rank 0 stopped: the store it hosts does not
+    answer rank 1."""
+    timeout, port, waiting = 10, str(free_port()), 1 - stopped
+    procs, errs = [], []
+    for r in range(2):
+        env = dict(_env(), RANK=str(r), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
+        errs.append(open(tmp_path / f"err{r}.txt", "w"))  # noqa: SIM115 (closed below)
+        cmd = [sys.executable, "-c", _HANG, str(timeout), str(stopped)]
+        procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=errs[r]))
+    try:
+        assert procs[waiting].stdout.readline() == b"in the collective\n"
+        deadline = time.time() + 60
+        while _state(procs[stopped].pid) != "T":
+            assert time.time() < deadline and procs[stopped].poll() is None, "no rank stopped"
+            time.sleep(0.1)
+        time.sleep(timeout)
+        assert procs[waiting].poll() is None, "the collective returned"
+        procs[waiting].kill()
+        assert procs[waiting].wait() == -signal.SIGKILL
+    finally:
+        for p, f in zip(procs, errs):
+            p.kill()
+            p.wait()
+            f.close()
+    err = (tmp_path / f"err{waiting}.txt").read_text()
+    named = [x for x in err.splitlines() if "stopped responding" in x]
+    assert named == [
+        f"error: rank {waiting}: rank {stopped} stopped responding (no heartbeat for 2.5 s: "
+        "stopped, killed or stuck holding the interpreter)"
+    ], err[-2000:]

@@ -31,10 +31,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import yaml
-from deepspeed.accelerator import get_accelerator
 
 from tapered_megatron import parallel
 from tapered_megatron.config import Config
+from tapered_megatron.parallel.random import set_rng_state
 
 COMPLETE = "complete"
 LATEST = "latest"
@@ -102,23 +102,6 @@ def has_universal(tag_dir: Path) -> bool:
     return (tag_dir / UNIVERSAL / UNIVERSAL_META).exists()
 
 
-def rng_state() -> dict[str, Any]:
-    """This process's RNG states: python, numpy, torch, the TP tracker and the accelerator's."""
-    state = parallel.get_rng_state()
-    acc = get_accelerator()
-    if acc.device_name() != "cpu":
-        state["accelerator"] = acc.get_rng_state()
-    return state
-
-
-def set_rng_state(state: dict[str, Any]) -> None:
-    """Restore what :func:`rng_state` returned."""
-    parallel.set_rng_state(state)
-    acc = get_accelerator()
-    if "accelerator" in state and acc.device_name() != "cpu":
-        acc.set_rng_state(state["accelerator"])
-
-
 def _rank() -> int:
     return dist.get_rank() if dist.is_initialized() else 0
 
@@ -182,7 +165,7 @@ def save(
     engine.save_checkpoint(str(save_dir), tag=tag, client_state=client, save_latest=False)
     crash_point("rank_files")
     tag_dir.mkdir(parents=True, exist_ok=True)
-    torch.save(rng_state(), tag_dir / f"rng_rank{_rank():05d}.pt")
+    torch.save(parallel.get_rng_state(), tag_dir / f"rng_rank{_rank():05d}.pt")
     if also is not None:
         also(tag_dir, client)
     _barrier()
