@@ -61,7 +61,8 @@ def _link_optimizer_state(engine: Any) -> torch.optim.Optimizer:
     fragment API; return the torch optimizer.
 
     Torch's AdamW creates its state at its first step, so a fresh engine (resume) has none:
-    zero moments are created here (the values are set right after). ZeRO-1/2 links each
+    zero moments are created here (the values are set right after). ZeRO-1/2 and the
+    BF16_Optimizer (bf16 with fp32 gradient accumulation at ZeRO-1, pipelines) link each
     parameter's view into the flat partition's state once, after the step of the FIRST param
     group, when the other groups have no state yet (DeepSpeed 0.19), so the no-decay group's
     parameters would have no moments to read: the links are remade for every group here.
@@ -79,6 +80,9 @@ def _link_optimizer_state(engine: Any) -> torch.optim.Optimizer:
                 state[k] = torch.zeros_like(p, memory_format=torch.preserve_format)
     if hasattr(zero, "single_partition_of_fp32_groups"):  # ZeRO-1/2
         for lp, hp in zip(zero.bit16_groups, zero.single_partition_of_fp32_groups):
+            lazy_init_hp_params_optimizer_state(lp, hp, opt.state)
+    elif hasattr(zero, "fp32_groups_flat_partition"):  # BF16_Optimizer (fp32 accumulation, pp)
+        for lp, hp in zip(zero.bf16_groups, zero.fp32_groups_flat_partition):
             lazy_init_hp_params_optimizer_state(lp, hp, opt.state)
     return opt
 
