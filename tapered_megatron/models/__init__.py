@@ -8,22 +8,11 @@ Public entry (stable)::
     counts = count_model(cfg)             # params / FLOPs / activation bytes per layer
     table = units(cfg, "sublayer")        # the pipeline units everything above maps over
 
-See :mod:`tapered_megatron.models.base` for the mixer / MLP-slot protocol and the registry. The
-built-in architectures register themselves when their files are imported below.
+See :mod:`tapered_megatron.models.base` for the mixer / MLP-slot protocol and
+:mod:`tapered_megatron.models.registry` for the registry (it imports the built-in architectures).
 """
 
-from tapered_megatron.models import attention, hope, titans  # noqa: F401 - registers them
-from tapered_megatron.models.base import (
-    ARCHITECTURES,
-    Architecture,
-    ArchitectureError,
-    Counts,
-    MLPSlot,
-    TokenMixer,
-    load_plugins,
-    register_architecture,
-    resolve_architecture,
-)
+from tapered_megatron.models.base import Architecture, Counts, MLPSlot, TokenMixer
 from tapered_megatron.models.counters import LayerCounts, ModelCounts, count_model
 from tapered_megatron.models.language_model import (
     Block,
@@ -40,6 +29,13 @@ from tapered_megatron.models.language_model import (
     set_activation_checkpointing,
     unit_prefixes,
     units,
+)
+from tapered_megatron.models.registry import (
+    ARCHITECTURES,
+    ArchitectureError,
+    load_plugins,
+    register_architecture,
+    resolve_architecture,
 )
 
 __all__ = [

@@ -163,7 +163,8 @@ class Architecture:
         return tuple(f.name for f in fields(self.options)) if key == "" else (key,)
 
 
-#: The registry: ``model.arch`` -> record. Filled by the architecture files as they are imported.
+#: The registry: ``model.arch`` -> record. Filled by the architecture files as they are imported
+#: (:mod:`tapered_megatron.models.registry` imports the built-in ones).
 ARCHITECTURES: dict[str, Architecture] = {}
 
 

@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from tapered_megatron.config import Config, ConfigError, load_config
-from tapered_megatron.parallel.local_launch import free_port
+from tapered_megatron.parallel.host import free_port, shm_workspace_path
 from tapered_megatron.training.heartbeat import Heartbeat, period_for
 from tapered_megatron.training.preflight import check_inputs
 
@@ -243,18 +243,6 @@ def setup(argv: list[str] | None = None) -> tuple[argparse.Namespace, Config, di
     ds, layout = resolve(cfg, load_ds_config(args.ds_config), env_world_size())
     check_inputs(cfg, ds, layout)
     return args, cfg, ds, layout
-
-
-def shm_workspace_path(rank: int, addr: str | None = None, port: int | str | None = None) -> Path:
-    """The ``/dev/shm`` file DeepSpeed's CPU shared-memory all-reduce creates for ``rank``.
-
-    DeepSpeed's CPU communication op (built when every rank is on one host, ``LOCAL_SIZE`` equal
-    to the world size) creates one such file per rank, named after the user, the rendezvous
-    address and port (default: ``MASTER_ADDR`` / ``MASTER_PORT``), and never removes it.
-    """
-    addr = os.environ.get("MASTER_ADDR", "") if addr is None else addr
-    port = os.environ.get("MASTER_PORT", "") if port is None else port
-    return Path("/dev/shm") / f"deepspeed_allreduce_buffer_{os.getuid()}_{addr}_{port}_{rank}"
 
 
 def release_shm_workspace(rank: int, world_size: int) -> None:
