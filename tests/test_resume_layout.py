@@ -10,13 +10,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from test_train_launch import (
-    ROOT,
-    assert_close,
-    corpus,  # noqa: F401  (module fixture)
-    launch_ranks,
-    metrics,
-)
+from train_runs import ROOT, assert_close, launch_ranks, metrics
 
 pytestmark = pytest.mark.distributed
 
@@ -60,7 +54,7 @@ def _ds(name: str, tmp_path) -> str:
 @pytest.mark.parametrize(
     "case", [c if c in DEFAULT else pytest.param(c, marks=pytest.mark.slow) for c in CASES]
 )
-def test_resume_under_another_layout(case, corpus, tmp_path):  # noqa: F811
+def test_resume_under_another_layout(case, corpus, tmp_path):
     (n0, ds0, x0), (n1, ds1, x1), common = CASES[case]
     ref_dir = tmp_path / "ref"
     ref_dir.mkdir()
