@@ -34,6 +34,7 @@ from typing import Any, Literal
 import yaml
 
 from tapered_megatron.config_fields import ConfigError, at_least
+from tapered_megatron.resources import resource
 from tapered_megatron.taper import (
     DEFAULT_STEP_MULTIPLIERS,
     Schedule,
@@ -42,9 +43,7 @@ from tapered_megatron.taper import (
     make_plan,
 )
 
-PRESET_DIR = Path(
-    os.environ.get("TM_CONFIG_DIR", Path(__file__).resolve().parents[1] / "pretrain" / "configs")
-)
+PRESET_DIR = Path(os.environ.get("TM_CONFIG_DIR", resource("presets")))
 Partition = Literal["balanced", "uniform", "parameters", "megatron"]
 PipelineUnit = Literal["layer", "sublayer"]
 

@@ -26,10 +26,11 @@ from typing import Any
 
 from tapered_megatron.config import Config, ConfigError, load_config
 from tapered_megatron.parallel.host import free_port, shm_workspace_path
+from tapered_megatron.resources import resource
 from tapered_megatron.training.heartbeat import Heartbeat, period_for
 from tapered_megatron.training.preflight import check_inputs
 
-DEFAULT_DS_CONFIG = Path(__file__).resolve().parents[2] / "ds_configs" / "default.json"
+DEFAULT_DS_CONFIG = resource("ds_configs") / "default.json"
 
 # Environment variables that carry the world size / rank under the launchers we support.
 _WORLD_ENV = ("WORLD_SIZE", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE")
