@@ -12,7 +12,14 @@ See :mod:`tapered_megatron.models.base` for the mixer / MLP-slot protocol and
 :mod:`tapered_megatron.models.registry` for the registry (it imports the built-in architectures).
 """
 
-from tapered_megatron.models.base import Architecture, Counts, MLPSlot, TokenMixer
+from tapered_megatron.models.base import (
+    ARCHITECTURES,
+    Architecture,
+    Counts,
+    MLPSlot,
+    TokenMixer,
+    register_architecture,
+)
 from tapered_megatron.models.counters import LayerCounts, ModelCounts, count_model
 from tapered_megatron.models.language_model import (
     Block,
@@ -30,13 +37,7 @@ from tapered_megatron.models.language_model import (
     unit_prefixes,
     units,
 )
-from tapered_megatron.models.registry import (
-    ARCHITECTURES,
-    ArchitectureError,
-    load_plugins,
-    register_architecture,
-    resolve_architecture,
-)
+from tapered_megatron.models.registry import ArchitectureError, load_plugins, resolve_architecture
 
 __all__ = [
     "ARCHITECTURES",
