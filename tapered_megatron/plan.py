@@ -279,12 +279,17 @@ def ds_config(cfg: Any, best: Candidate, dev: costlib.Device) -> dict[str, Any]:
         "wall_clock_breakdown": False,
     }
     if best.zero >= 3:
-        # the buffer sizes the memory model counted (cost.zero3_stage_bytes); gradient
-        # partitions accumulate in the model dtype, DeepSpeed's default and what it counts
+        # the buffer sizes the memory model counted (cost.zero3_stage_bytes)
         out["zero_optimization"].update(costlib.Zero3().ds_keys())
-    elif dev.precision == "bf16":
+    if dev.precision == "bf16" and best.zero >= 1:
+        # micro-batches accumulate in fp32; DeepSpeed refuses fp32 accumulation with bf16
+        # under ZeRO-0 (pipeline or not), which accumulates in bf16
         out["data_types"] = {"grad_accum_dtype": "fp32"}
     if best.pp > 1:
+        # BF16_Optimizer under the pipeline engine adds each micro-batch's cumulative 16-bit
+        # gradient to its fp32 buffer again (gradients counted several times) unless it moves
+        # them there in the backward hooks
+        out["bf16"]["immediate_grad_update"] = True
         # checkpointing is done by the model's own units (--train.checkpoint_activations)
         out["pipeline"] = {
             "stages": best.pp,

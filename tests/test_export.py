@@ -17,8 +17,8 @@ from pathlib import Path
 import pytest
 import torch
 from arch_args import for_arch
+from launch_helpers import ROOT, launch_ranks
 from safetensors.torch import load_file
-from train_runs import ROOT, launch_ranks
 
 from tapered_megatron.export.__main__ import main as export_main
 from tapered_megatron.export.consolidate import resolve_checkpoint

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from train_runs import launch_ranks, metrics
+from launch_helpers import launch_ranks, metrics
 
 from tapered_megatron.config import ConfigError, load_config
 from tapered_megatron.models import build_model, count_model

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from train_runs import MAIN, common_args, job_env, metrics, popen_job
+from launch_helpers import MAIN, common_args, job_env, metrics, popen_job
 
 from tapered_megatron.parallel.host import free_port
 from tapered_megatron.training.heartbeat import Heartbeat, period_for

@@ -33,8 +33,9 @@ def test_meta_param_count_equals_counters() -> None:
 
 def test_bytes_per_param_follow_zero_stages() -> None:
     assert costlib.bytes_per_param("bf16", 0, 8, False) == 16
-    assert costlib.bytes_per_param("bf16", 1, 4, False) == 2 + 2 + 3
-    assert costlib.bytes_per_param("bf16", 3, 4, False) == 4
+    assert costlib.bytes_per_param("bf16", 1, 4, False) == 2 + 2 + 4 + 3  # fp32 grad buffer
+    assert costlib.bytes_per_param("bf16", 2, 4, False) == 2 + 1 + 3  # fp32 grad partition
+    assert costlib.bytes_per_param("bf16", 3, 4, False) == 0.5 + 1 + 3
     assert costlib.bytes_per_param("bf16", 1, 1, True) == 20  # BF16_Optimizer fp32 grad buffer
     assert costlib.bytes_per_param("fp32", 0, 1, True) == 16
     assert costlib.bytes_per_param("fp32", 3, 4, False) == 20 / 4  # ZeRO's fp32 master copy

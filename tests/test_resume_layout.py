@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from train_runs import ROOT, assert_close, launch_ranks, metrics
+from launch_helpers import ROOT, assert_close, launch_ranks, metrics
 
 pytestmark = pytest.mark.distributed
 
@@ -72,3 +72,55 @@ def test_resume_under_another_layout(case, corpus, tmp_path):
     assert_close([r["loss"] for r in got[10:]], ref[10:], rtol=RTOL)
     assert [r["lr"] for r in got[10:]] == pytest.approx([r["lr"] for r in metrics(ref_dir)[10:]])
     assert "layout change: checkpoint" in (run / "log.txt").read_text()
+
+
+IMPLICIT_GB = ["--train.micro_batch_size", "2", "--train.global_batch_size", "0"]
+
+
+def test_resume_on_fewer_ranks_keeps_the_global_batch(corpus, tmp_path):
+    """Saved on 2 ranks with ``train.global_batch_size`` 0 (micro 2 x dp 2 = 4), resumed on one:
+    the run goes on with global batch 4 (accumulation 2), not 2, and matches the uninterrupted
+    run with that batch."""
+    ref_dir = tmp_path / "ref"
+    ref_dir.mkdir()
+    launch_ranks(1, corpus, ref_dir, "zero0.json", ["--train.global_batch_size", "4"], T)
+    run = tmp_path / "run"
+    run.mkdir()
+    launch_ranks(2, corpus, run, "zero0.json", [*IMPLICIT_GB, "--train.exit_interval", "10"], T)
+    launch_ranks(1, corpus, run, "zero0.json", [*IMPLICIT_GB, "--resume", "auto"], T)
+    got, ref = metrics(run), metrics(ref_dir)
+    assert [r["iteration"] for r in got] == list(range(1, 21))
+    assert_close([r["loss"] for r in got[10:]], [r["loss"] for r in ref[10:]], rtol=RTOL)
+    log = (run / "log.txt").read_text()
+    assert "global batch 4 kept from the checkpoint" in log
+    assert "global batch 4 = micro 2 x dp 1 x accumulation 2" in log
+
+
+def test_kept_global_batch_unmet_is_one_line_and_an_explicit_one_wins(
+    corpus,
+    tmp_path,
+    monkeypatch,
+    capsys,
+):
+    """micro 4 x dp 1 = 4 saved; 2 ranks of micro 4 cannot make 4: one line naming the kept
+    batch, before any process group. An explicit global batch is taken, and the log says the
+    checkpoint's differed."""
+    from tapered_megatron.config import ConfigError
+    from tapered_megatron.training import launch
+
+    once = ["--train.micro_batch_size", "4", "--train.global_batch_size", "0"]
+    launch_ranks(1, corpus, tmp_path, "zero0.json", [*once, "--train.iters", "2"], T)
+    argv = [
+        "--ds_config", str(ROOT / "ds_configs" / "zero0.json"), "--data.path", corpus,
+        "--data.cache_dir", str(tmp_path / "cache"), "--train.save_dir", str(tmp_path / "ckpt"),
+        "--model.d_model", "32", "--model.heads", "2", "--model.layers", "2", "--model.d_ff",
+        "64", "--model.seq_len", "16", "--model.vocab_size", "256", "--taper.multiple", "16",
+        "--train.iters", "4", "--resume", "auto", "--train.micro_batch_size", "4",
+    ]  # fmt: skip
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(ConfigError) as e:
+        launch.setup(argv)
+    assert "\n" not in str(e.value) and "checkpoint's global batch is 4" in str(e.value)
+    _, _, _, layout = launch.setup([*argv, "--train.global_batch_size", "16"])
+    assert layout.global_batch_size == 16 and layout.grad_accum == 2
+    assert "global batch 16 (train.global_batch_size, set explicitly)" in capsys.readouterr().out

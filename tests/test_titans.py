@@ -228,9 +228,9 @@ def test_scan_gradients_match_finite_differences(depth, from_state):
     [(32, 8, 0), (32, 8, 3), (29, 5, 1), (24, 8, 0), (32, 32, 0), (20, 32, 2), (16, 1, 0)],
 )
 def test_window_attention_equals_dense_softmax(seq, window, persistent):
-    """Every form :func:`window_attention` picks (blocks, ragged last block, the dense window
-    mask, plain causal, persistent tokens) equals softmax attention written plainly with the
-    dense window mask: outputs and gradients of q, k, v and the persistent pairs, fp64."""
+    """:func:`window_attention` (blocks, ragged last block, a window covering the sequence,
+    window 1, persistent tokens) equals softmax attention written plainly with the dense window
+    mask: outputs and gradients of q, k, v and the persistent pairs, fp64."""
     from tapered_megatron.models.titans import window_attention
 
     g = torch.Generator().manual_seed(0)

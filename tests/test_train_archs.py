@@ -11,7 +11,7 @@ import math
 
 import pytest
 from arch_args import for_arch
-from train_runs import assert_close, launch_ranks, metrics
+from launch_helpers import assert_close, launch_ranks, metrics
 
 ARCHS = ("transformer", "gated_attention", "titans", "hope_attention")
 # Small memory chunks / windows for seq_len 16; two CMS levels so d_ff(l) = 32 still splits.

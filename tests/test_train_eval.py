@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from train_runs import launch_ranks, metrics
+from launch_helpers import launch_ranks, metrics
 
 pytestmark = pytest.mark.distributed
 

@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from train_runs import (
+from launch_helpers import (
     MAIN,
     ROOT,
     assert_close,

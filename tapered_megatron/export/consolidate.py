@@ -3,7 +3,10 @@
 A checkpoint directory (``train.save_dir``) holds ``global_stepN/`` tags written by
 :mod:`tapered_megatron.training.checkpoint`: DeepSpeed's files, our ``config.yaml`` and
 ``taper_plan.json``, and a ``complete`` marker; ``latest`` names the newest complete tag.
-DeepSpeed's files depend on the layout, read here without any process group:
+When the tag holds the layout-free ``universal/`` copy (``train.universal_checkpoint``, on by
+default) its fp32 master weights are exported: full tensors keyed by single-process name, and
+the master copy in every precision (a bf16 run's module files hold bf16-rounded weights).
+Otherwise DeepSpeed's files are read, per layout, without any process group:
 
 * data parallel, ZeRO 0: ``mp_rank_XX_model_states.pt`` (``module``: the weights of TP rank XX);
 * ZeRO 1-3 (no pipeline): the fp32 master weights of TP rank XX, gathered from the optimizer
@@ -168,8 +171,31 @@ def consolidate(ref: CheckpointRef) -> dict[str, torch.Tensor]:
         return _consolidate(ref)
 
 
+def _universal(tag_dir: Path, cfg: Config) -> dict[str, torch.Tensor]:
+    """The fp32 master weights from the checkpoint's layout-free ``universal/`` copy (already
+    full and keyed by single-process name; read as plain tensors, never as pickled objects)."""
+    from tapered_megatron.training.checkpoint import UNIVERSAL
+
+    out = {}
+    for name, p in build_model(cfg, device="meta").named_parameters():
+        f = tag_dir / UNIVERSAL / f"{name}.pt"
+        if not f.is_file():
+            raise ExportError(f"{f}: missing; is the checkpoint complete and from this version?")
+        w = torch.load(f, map_location="cpu", weights_only=True, mmap=True)["fp32"]
+        if tuple(w.shape) != tuple(p.shape):
+            raise ExportError(f"{f}: shape {tuple(w.shape)}, config.yaml gives {tuple(p.shape)}")
+        out[name] = w.float().contiguous()
+    return out
+
+
 def _consolidate(ref: CheckpointRef) -> dict[str, torch.Tensor]:
+    """The universal copy's fp32 masters when the checkpoint has one (every layout; the only
+    fp32 source of a bf16/fp16 ZeRO-0 or pipeline run), else DeepSpeed's own files."""
+    from tapered_megatron.training.checkpoint import has_universal
+
     tag_dir, cfg = ref.tag_dir, ref.cfg
+    if has_universal(tag_dir):
+        return _universal(tag_dir, cfg)
     files = sorted(tag_dir.glob("*model_states.pt"))
     if not files:
         raise ExportError(f"{tag_dir}: no DeepSpeed model files (*model_states.pt)")

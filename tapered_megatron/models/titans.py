@@ -68,7 +68,7 @@ Choices the paper leaves open, and ours:
 * MAG (default): ``o = W_o [RMSNorm_h(attn) * sigmoid(RMSNorm_h(mem))]`` with per-head RMS norms
   carrying learnable vector gains ("normalise with learnable vector-valued weights, then a
   non-linearity"); the attention branch is sliding-window causal softmax attention (window
-  ``window``, RoPE, its own q/k/v; by blocks of the window where that is faster,
+  ``window``, RoPE, its own q/k/v; by blocks of the window, flash/efficient-kernel capable,
   :func:`window_attention`); the memory reads the block input ``x``. The norms, the sigmoid and
   the product are one autograd node (:func:`gated_head_norms`).
 * MAL: the memory layer first (``W_m RMSNorm_h(mem)``), then sliding-window attention over its
@@ -678,7 +678,6 @@ def gate_bias_init(heads: int, window: int) -> torch.Tensor:
     )
 
 
-BLOCKED_MIN_BLOCKS = 4  # window_attention goes by blocks from this many windows per sequence
 NORMALIZE_EPS = 1e-12  # l2 normalisation of q and k: x / max(||x||, eps), as F.normalize
 
 
@@ -818,18 +817,22 @@ def _attend(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
-    mask: torch.Tensor,
+    mask: torch.Tensor | None,
     persistent: torch.Tensor | None,
 ) -> torch.Tensor:
     """Softmax attention, [B, S, H, D] in and out (keys [B, S_k, H, D]), boolean ``mask``
-    [S, S_k]; ``persistent`` [H, 2, N, D] key/value pairs are prepended, visible to all."""
+    [S, S_k] or ``None`` for causal attention (``S_k == S``); ``persistent`` [H, 2, N, D]
+    key/value pairs are prepended, visible to all."""
     q, k, v = (t.transpose(1, 2) for t in (q, k, v))
     if persistent is not None:
+        if mask is None:
+            mask = torch.ones(q.shape[2], k.shape[2], dtype=torch.bool, device=q.device).tril()
         p = persistent.to(k.dtype).unsqueeze(0).expand(k.shape[0], -1, -1, -1, -1)
         k, v = torch.cat((p[:, :, 0], k), dim=2), torch.cat((p[:, :, 1], v), dim=2)
         ones = torch.ones(mask.shape[0], persistent.shape[2], dtype=torch.bool, device=mask.device)
         mask = torch.cat((ones, mask), dim=1)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask).transpose(1, 2)
+    o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None)
+    return o.transpose(1, 2)
 
 
 def window_attention(
@@ -842,49 +845,30 @@ def window_attention(
     """Sliding-window causal softmax attention (token t sees (t - window, t]), [B, S, H, D] in
     and out; ``persistent`` [H, 2, N, D] key/value pairs are prepended, visible to all.
 
-    The same numbers as :func:`_attend` with :func:`window_mask` (within float round-off), by
-    the fastest of three forms on CPU (fwd+bwd at B 8, H 4, D 64, measured): a window covering
-    the sequence without persistent tokens is plain causal attention (``is_causal``, at S 1024
-    0.67x the masked time); from ``seq >= BLOCKED_MIN_BLOCKS * window`` the queries go in blocks
-    of ``window``, each block attending to the keys of its own block and the previous one
-    (``2 window`` keys, masked at the edges), so the scores cover ``2 S window`` pairs, not
-    ``S^2`` (S 256 / window 64: 0.78x, S 1024 / window 128: 0.34x); otherwise the dense window
-    mask (with 2 or 3 blocks the blocked form was 1.0-1.35x the masked time).
+    The queries go in blocks of ``w = min(window, S)`` (the last one padded; padded keys sit
+    after every real query). The first block is plain causal attention (``is_causal``: the
+    flash kernel). Every later block attends to the keys of the previous block and its own
+    (``2 w`` keys) under one band mask ``[w, 2 w]`` shared by all blocks, sequences and heads
+    (with persistent tokens ``[w, N + 2 w]``): the scores cover ``2 S w`` pairs, not ``S^2``,
+    the mask is ``O(w^2)`` whatever the sequence length, and SDPA's memory-efficient kernel,
+    which takes a mask, runs it (the flash kernel takes none).
     """
     bsz, seq, heads, dim = q.shape
-    if window >= seq and persistent is None:
-        o = F.scaled_dot_product_attention(
-            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True
-        )
-        return o.transpose(1, 2)
-    if seq < BLOCKED_MIN_BLOCKS * window:
-        return _attend(q, k, v, window_mask(seq, window, q.device), persistent)
-    n = -(-seq // window)
-    pad = n * window - seq
-    if pad:  # padded keys sit after every real query: only padded queries see them
+    w = min(window, seq)
+    n = -(-seq // w)
+    pad = n * w - seq
+    if pad:
         q, k, v = (F.pad(t, (0, 0, 0, 0, 0, pad)) for t in (q, k, v))
-    shape = (bsz, n, window, heads, dim)
-    q, k, v = (t.reshape(shape) for t in (q, k, v))
-    keys, values = (torch.cat((F.pad(t[:, :-1], (0, 0, 0, 0, 0, 0, 1, 0)), t), 2) for t in (k, v))
-    i = torch.arange(window, device=q.device)
-    j = torch.arange(2 * window, device=q.device)
-    mask = ((j > i[:, None]) & (j <= i[:, None] + window)).expand(n, window, 2 * window).clone()
-    mask[0, :, :window] = False  # the first block has no previous block
-    if persistent is not None:
-        p = persistent.to(k.dtype).permute(1, 2, 0, 3)  # [2, N, H, D]
-        p = p[:, None, None].expand(-1, bsz, n, -1, -1, -1)
-        keys, values = torch.cat((p[0], keys), 2), torch.cat((p[1], values), 2)
-        ones = torch.ones(n, window, persistent.shape[2], dtype=torch.bool, device=q.device)
-        mask = torch.cat((ones, mask), 2)
-    ctx = keys.shape[2]
-    mask = mask.unsqueeze(1).expand(bsz, n, 1, window, ctx).reshape(bsz * n, 1, window, ctx)
-    o = F.scaled_dot_product_attention(
-        q.view(bsz * n, window, heads, dim).transpose(1, 2),
-        keys.view(bsz * n, ctx, heads, dim).transpose(1, 2),
-        values.view(bsz * n, ctx, heads, dim).transpose(1, 2),
-        attn_mask=mask,
-    )
-    return o.transpose(1, 2).reshape(bsz, n * window, heads, dim)[:, :seq]
+    q, k, v = (t.reshape(bsz, n, w, heads, dim) for t in (q, k, v))
+    out = [_attend(q[:, 0], k[:, 0], v[:, 0], None, persistent)]
+    if n > 1:
+        i = torch.arange(w, device=q.device)
+        j = torch.arange(2 * w, device=q.device)
+        band = (j > i[:, None]) & (j <= i[:, None] + w)  # key j of [previous, own] block
+        keys, values = (torch.cat((t[:, :-1], t[:, 1:]), 2).flatten(0, 1) for t in (k, v))
+        o = _attend(q[:, 1:].flatten(0, 1), keys, values, band, persistent)
+        out.append(o.reshape(bsz, (n - 1) * w, heads, dim))
+    return torch.cat(out, 1)[:, :seq]
 
 
 def window_mask(seq: int, window: int, device: torch.device | None = None) -> torch.Tensor:

@@ -133,9 +133,9 @@ class _LinearCEMean(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_loss: torch.Tensor):
         grad_h, grad_w = ctx.saved_tensors
-        grad_loss = grad_loss.float()
+        grad_loss = grad_loss.float()  # fp16's loss scale (65536) is not an fp16 number
         return (
-            grad_h * grad_loss.to(grad_h.dtype),
+            (grad_h * grad_loss).to(grad_h.dtype),
             (grad_w * grad_loss).to(ctx.weight_dtype),
             None,
             None,

@@ -28,11 +28,14 @@ Memory of stage ``j`` under 1F1B with ``M`` micro-batches (stage ``j`` of ``P`` 
             + min(P - j, M) * sum(saved activations of one micro-batch) + max(transient)
 
 * bytes per parameter (ZeRO paper accounting, K = 12 for Adam's fp32 master + m + v):
-  bf16 = 2 (weights) + 2 (grads) + 12 (optimizer), plus a 4-byte fp32 gradient-accumulation
-  buffer when DeepSpeed's BF16_Optimizer is used (pipeline runs); fp32 = 4 + 4 + 8 without
-  ZeRO, 4 + 4 + 12 under ZeRO: DeepSpeed's ZeRO optimizers keep an fp32 master partition also
-  in fp32 training (stage 1/2 clone it; stage 3's alias for an fp32 model compares a
-  ``torch.device`` with a device-name string and never holds, in 0.19.8).
+  bf16 = 2 (weights) + 2 (grads) + 12 (optimizer), with gradients accumulated in fp32 as the
+  shipped and planned ds_configs ask from ZeRO-1 up (``data_types.grad_accum_dtype``):
+  DeepSpeed's BF16_Optimizer (ZeRO-1, pipeline runs) adds a full 4-byte fp32 gradient buffer,
+  ZeRO-2/3 keep their gradient partition in fp32 (4 / dp instead of 2 / dp);
+  fp32 = 4 + 4 + 8 without ZeRO, 4 + 4 + 12 under ZeRO: DeepSpeed's ZeRO optimizers keep an
+  fp32 master partition also in fp32 training (stage 1/2 clone it; stage 3's alias for an
+  fp32 model compares a ``torch.device`` with a device-name string and never holds, in
+  0.19.8).
   ZeRO-1 divides the optimizer term by ``dp``, ZeRO-2 also the gradients, ZeRO-3 everything.
 * activations: the counted bytes per token x ``b * s``; tensor parallelism shards everything
   but the unit's input and its norm's input (replicated without sequence parallelism). With
@@ -233,8 +236,9 @@ class UnitCost:
 def bytes_per_param(precision: str, zero: int, dp: int, pipeline: bool) -> float:
     """Model-state bytes per parameter on one device (see the module docstring)."""
     if precision == "bf16":
-        weights, grads, optim = 2.0, 2.0, 12.0
-        acc = 4.0 if pipeline else 0.0
+        weights, optim = 2.0, 12.0
+        grads = 4.0 if zero >= 2 else 2.0  # fp32-accumulated partitions
+        acc = 4.0 if pipeline or zero == 1 else 0.0  # BF16_Optimizer's full fp32 gradients
     elif precision == "fp32":
         weights, grads, optim, acc = 4.0, 4.0, 12.0 if zero >= 1 else 8.0, 0.0
     else:
@@ -426,8 +430,8 @@ def zero3_stage_bytes(
       gathered weights are gone by then, so this phase and the forward/backward one are
       alternatives: the larger counts.
 
-    Model state (fp32 master, Adam moments, the gradient partitions in the model dtype: the
-    gradient-accumulation dtype DeepSpeed defaults to) is :func:`bytes_per_param`'s.
+    Model state (fp32 master, Adam moments, the gradient partitions in the gradient-accumulation
+    dtype: fp32 in the shipped and planned configs) is :func:`bytes_per_param`'s.
     """
     elem = activation_scale(shape.precision)
     params = [c.params / shape.tp for c in costs]

@@ -81,6 +81,22 @@ def saved_layout(tag_dir: Path) -> dict[str, Any] | None:
     return json.loads(f.read_text()) if f.exists() else None
 
 
+def saved_global_batch(tag_dir: Path) -> int | None:
+    """The global batch (samples per optimizer step) a checkpoint was trained with: its
+    ``train.global_batch_size``, or micro batch x its DP size where that was 0; ``None`` when
+    its files do not say (pre-flight reports unreadable checkpoints)."""
+    from tapered_megatron.config import ConfigError, load_saved_config
+
+    try:
+        tr = load_saved_config(tag_dir / "config.yaml").train
+    except (OSError, yaml.YAMLError, ConfigError):
+        return None
+    if tr.global_batch_size:
+        return tr.global_batch_size
+    layout = saved_layout(tag_dir)
+    return tr.micro_batch_size * layout["dp"] if layout and "dp" in layout else None
+
+
 def has_universal(tag_dir: Path) -> bool:
     """Whether a checkpoint holds the layout-free copy (``train.universal_checkpoint``)."""
     return (tag_dir / UNIVERSAL / UNIVERSAL_META).exists()

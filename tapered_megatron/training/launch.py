@@ -198,6 +198,18 @@ def resolve(cfg: Config, ds_config: dict[str, Any], world_size: int) -> tuple[di
             sec["enabled"] = half == "bf16" and _bf16_available()
     if ds.get("fp16", {}).get("enabled") and ds.get("bf16", {}).get("enabled"):
         raise ConfigError("ds_config enables both fp16 and bf16; enable one")
+    half = precision(ds)
+    if half == "fp16" and pp > 1 and stage == 0:
+        raise ConfigError(
+            "ds_config enables fp16 with pipeline parallelism and ZeRO stage 0, where DeepSpeed "
+            "does not apply the loss scale; use ds_configs/pipeline.json (ZeRO-1) or bf16"
+        )
+    if half != "fp32" and not _supports(half):
+        other = "bf16" if half == "fp16" else "fp16"
+        raise ConfigError(
+            f"ds_config enables {half} but this accelerator does not support it; set "
+            f'"{half}": {{"enabled": false}} (or "auto"), or enable {other} instead'
+        )
     ds.setdefault("steps_per_print", 10**9)
     layout = Layout(world_size, tp, pp, dp, mbs, gbs, gas, stage)
     return ds, layout
@@ -230,10 +242,16 @@ def precision_note(ds: dict[str, Any]) -> str:
     )
 
 
-def _bf16_available() -> bool:
+def _supports(half: str) -> bool:
+    """Whether DeepSpeed's accelerator runs ``half`` ("bf16" / "fp16") training."""
     from deepspeed.accelerator import get_accelerator
 
-    return not _on_cpu() and bool(get_accelerator().is_bf16_supported())
+    acc = get_accelerator()
+    return bool(acc.is_bf16_supported() if half == "bf16" else acc.is_fp16_supported())
+
+
+def _bf16_available() -> bool:
+    return not _on_cpu() and _supports("bf16")
 
 
 def setup(argv: list[str] | None = None) -> tuple[argparse.Namespace, Config, dict, Layout]:
@@ -241,9 +259,62 @@ def setup(argv: list[str] | None = None) -> tuple[argparse.Namespace, Config, di
     process group is started here."""
     args, overrides = parse_args(argv)
     cfg = load_config(args.config, overrides)
-    ds, layout = resolve(cfg, load_ds_config(args.ds_config), env_world_size())
+    world = env_world_size()
+    kept, note = resumed_global_batch(cfg, world)
+    if kept:
+        key = "--train.global_batch_size"
+        rest = [a for i, a in enumerate(overrides) if not _names(overrides, i, key)]
+        cfg = load_config(args.config, [*rest, key, str(kept)])
+    try:
+        ds, layout = resolve(cfg, load_ds_config(args.ds_config), world)
+    except ConfigError as e:
+        if kept:
+            raise ConfigError(f"{e} (the resumed checkpoint's global batch is {kept})") from None
+        raise
     check_inputs(cfg, ds, layout)
+    if note and env_rank() == 0:
+        print(note, flush=True)
     return args, cfg, ds, layout
+
+
+def _names(argv: list[str], i: int, key: str) -> bool:
+    """Whether ``argv[i]`` is option ``key`` (``--key V`` or ``--key=V``) or the value after it."""
+    return argv[i].split("=")[0] == key or (i > 0 and argv[i - 1] == key)
+
+
+def resumed_global_batch(cfg: Config, world_size: int) -> tuple[int | None, str]:
+    """Keep a resumed run's global batch when the layout changes.
+
+    With ``train.global_batch_size`` 0 the global batch is micro batch x DP, so resuming on
+    another number of ranks would silently train another run (learning-rate schedule and
+    consumed samples describe a different batch). Returns ``(batch, note)``: the checkpoint's
+    global batch to set (``None``: nothing to change) and a line saying which batch the run
+    goes on with ("" when nothing differs). An explicit ``train.global_batch_size`` wins, and
+    the note says so. :func:`resolve` rejects a kept batch the new layout cannot divide.
+    """
+    from tapered_megatron.training import checkpoint
+
+    tp_pp = cfg.parallel.tp * cfg.parallel.pp
+    if not cfg.train.resume or world_size % tp_pp:
+        return None, ""
+    try:
+        where = checkpoint.find_resume(cfg)
+    except FileNotFoundError:
+        return None, ""  # pre-flight names the problem
+    saved = checkpoint.saved_global_batch(where[0] / where[1]) if where else None
+    implied = cfg.train.micro_batch_size * world_size // tp_pp
+    now = cfg.train.global_batch_size or implied
+    if saved is None or saved == now:
+        return None, ""
+    if cfg.train.global_batch_size:
+        return None, (
+            f"global batch {now} (train.global_batch_size, set explicitly); the checkpoint "
+            f"trained with {saved}"
+        )
+    return saved, (
+        f"global batch {saved} kept from the checkpoint (micro {cfg.train.micro_batch_size} x "
+        f"dp {world_size // tp_pp} = {implied} here); pass --train.global_batch_size to change it"
+    )
 
 
 def release_shm_workspace(rank: int, world_size: int) -> None:

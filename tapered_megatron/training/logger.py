@@ -132,8 +132,14 @@ class TrainLogger:
         tokens: int,
         seconds: float,
         stage_ms: list[float] | None = None,
+        loss_scale: float | None = None,
+        skipped_steps: int = 0,
     ) -> dict[str, float]:
-        """Log one interval ending at iteration ``it``; return the scalars (for tests/bench)."""
+        """Log one interval ending at iteration ``it``; return the scalars (for tests/bench).
+
+        ``loss_scale`` (fp16's dynamic scale) and ``skipped_steps`` (the run's optimizer steps
+        skipped so far: fp16 overflows, non-finite gradients) are logged when given / non-zero.
+        """
         tps = tokens / max(seconds, 1e-9)
         tflops = self.flops_per_token * tps / self.world_size / 1e12
         out = {
@@ -147,6 +153,10 @@ class TrainLogger:
         }
         if grad_norm is not None:
             out["grad_norm"] = grad_norm
+        if loss_scale is not None:
+            out["loss_scale"] = loss_scale
+        if skipped_steps or loss_scale is not None:
+            out["skipped_steps"] = skipped_steps
         if self.rank != 0:
             return out
         if self.writer is not None:
@@ -157,9 +167,11 @@ class TrainLogger:
             self.writer.flush()
         gn = f" | gnorm {grad_norm:.3f}" if grad_norm is not None else ""
         st = " | stages " + "/".join(f"{x:.0f}" for x in stage_ms) + " ms" if stage_ms else ""
+        sc = f" | loss scale {loss_scale:g}" if loss_scale is not None else ""
+        sk = f" | skipped {skipped_steps}" if "skipped_steps" in out else ""
         self.print(
             f"iter {it:>6}/{self.cfg.train.iters} | loss {loss:.4f} | ppl {out['ppl']:.2f} | "
-            f"lr {lr:.3e}{gn} | {tps:,.0f} tok/s | MFU {100 * out['mfu']:.1f}% | "
+            f"lr {lr:.3e}{gn}{sc}{sk} | {tps:,.0f} tok/s | MFU {100 * out['mfu']:.1f}% | "
             f"mem {out['mem_gb']:.2f} GB{st}"
         )
         return out

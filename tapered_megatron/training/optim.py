@@ -38,15 +38,33 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict[str, Any]]:
     return [g for g in groups if g["params"]]
 
 
-def build_optimizer(model: nn.Module, tr: TrainConfig) -> torch.optim.Optimizer:
-    """AdamW over :func:`param_groups` with the ``train.*`` hyper-parameters."""
-    return torch.optim.AdamW(
-        param_groups(model, tr.weight_decay),
-        lr=tr.lr,
-        betas=(tr.adam_beta1, tr.adam_beta2),
-        eps=tr.adam_eps,
-        weight_decay=tr.weight_decay,
-    )
+def offloads_optimizer(ds: dict[str, Any]) -> bool:
+    """Whether the ds_config keeps the optimizer on the CPU (ZeRO ``offload_optimizer``)."""
+    off = ds.get("zero_optimization", {}).get("offload_optimizer") or {}
+    return off.get("device", "none") == "cpu"
+
+
+def build_optimizer(
+    model: nn.Module, tr: TrainConfig, ds: dict[str, Any] | None = None
+) -> torch.optim.Optimizer:
+    """AdamW over :func:`param_groups` with the ``train.*`` hyper-parameters.
+
+    With the optimizer offloaded to the CPU (``ds``'s ``zero_optimization.offload_optimizer``)
+    it is DeepSpeed's CPU Adam in AdamW mode (a JIT-built op; same groups and hyper-parameters,
+    same ``exp_avg``/``exp_avg_sq`` state names), which ZeRO-Offload expects; else torch's AdamW.
+    """
+    groups = param_groups(model, tr.weight_decay)
+    hyper = {
+        "lr": tr.lr,
+        "betas": (tr.adam_beta1, tr.adam_beta2),
+        "eps": tr.adam_eps,
+        "weight_decay": tr.weight_decay,
+    }
+    if ds is not None and offloads_optimizer(ds):
+        from deepspeed.ops.adam import DeepSpeedCPUAdam
+
+        return DeepSpeedCPUAdam(groups, adamw_mode=True, **hyper)
+    return torch.optim.AdamW(groups, **hyper)
 
 
 class WarmupCosine:
@@ -90,18 +108,24 @@ def build_scheduler(optimizer: torch.optim.Optimizer, tr: TrainConfig) -> Any:
 def skip_nonfinite_steps(engine: Any) -> None:
     """Make every optimizer step of ``engine`` a no-op when a gradient is not finite on any rank.
 
-    DeepSpeed already skips such a step for fp16 and fp32 ZeRO 1/2 (``optimizer.overflow``:
-    no update, no learning-rate step, ``engine.skipped_steps`` + 1). This extends the same
-    behaviour to the optimizers where it does not (fp32 ZeRO-0, bf16): the wrapped torch
-    optimizer's ``step`` checks its own gradients (a ZeRO partition or the whole model), agrees
-    with every rank (one all-reduce, all ranks step together) and, if any value is not finite,
-    skips the update and raises DeepSpeed's ``overflow`` flag so the engine skips the scheduler
-    and counts the step. Gradients are cleared by DeepSpeed after the step either way.
+    DeepSpeed already skips such a whole step for fp16, ZeRO 1/2 and ZeRO-3 (``overflow``: no
+    update, no learning-rate step, ``engine.skipped_steps`` + 1). ZeRO-3 checks the global
+    gradient norm (every sub-group, every rank) before it updates any sub-group; it then calls
+    the wrapped optimizer once per sub-group, so a check there would decide per sub-group:
+    ZeRO-3 is left to its own check. For the optimizers that step the whole model (or this
+    rank's ZeRO partition) in one call (fp32 ZeRO-0, bf16 ZeRO-0 and ``BF16_Optimizer``), the
+    wrapped torch optimizer's ``step`` checks its own gradients, agrees with every rank (one
+    all-reduce, all ranks step together) and, if any value is not finite, skips the update and
+    raises DeepSpeed's ``overflow`` flag so the engine skips the scheduler and counts the step.
+    Gradients are cleared by DeepSpeed after the step either way.
     """
     import torch.distributed as dist
     from deepspeed.accelerator import get_accelerator
+    from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
 
     outer = engine.optimizer
+    if isinstance(outer, DeepSpeedZeroOptimizer_Stage3):
+        return
     inner = outer
     while not isinstance(inner, torch.optim.Optimizer) and hasattr(inner, "optimizer"):
         inner = inner.optimizer
@@ -121,3 +145,48 @@ def skip_nonfinite_steps(engine: Any) -> None:
         return None if outer.overflow else step(*args, **kwargs)
 
     inner.step = guarded_step
+
+
+def fp32_masters(engine: Any) -> dict[int, tuple[torch.Tensor, slice | None]]:
+    """Where DeepSpeed's 16-bit optimizers without ZeRO keep each model parameter's fp32 master:
+    ``id(param) -> (tensor the torch optimizer steps, slice of it or None for all of it)``.
+
+    ``FP16_UnfusedOptimizer`` (bf16/fp16 ZeRO-0 with a torch optimizer) holds one fp32 copy per
+    parameter; ``FP16_Optimizer`` (with a fused Adam) one flat fp32 tensor per group, the
+    parameters laid end to end. The AdamW moments are keyed by those tensors. Empty for fp32
+    and ZeRO runs (ZeRO's own fragment API answers there).
+    """
+    zero, out = engine.optimizer, {}
+    if hasattr(zero, "fp32_groups_flat"):
+        for low, flat in zip(zero.fp16_groups, zero.fp32_groups_flat):
+            start = 0
+            for p in low:
+                out[id(p)] = (flat, slice(start, start + p.numel()))
+                start += p.numel()
+    elif hasattr(zero, "fp32_groups") and hasattr(zero, "fp16_groups"):
+        for low, high in zip(zero.fp16_groups, zero.fp32_groups):
+            for p, hp in zip(low, high):
+                out[id(p)] = (hp, None)
+    return out
+
+
+def undo_priming_step(engine: Any) -> None:
+    """Take back the step DeepSpeed's 16-bit optimizers without ZeRO take when they are built.
+
+    ``FP16_Optimizer`` / ``FP16_UnfusedOptimizer`` (bf16 or fp16 at ZeRO stage 0) create the
+    torch optimizer's state by stepping it once with zero gradients. For AdamW that step is
+    not empty: it decays every decayed weight by ``lr x weight_decay`` at the un-warmed base
+    rate and counts a step, so the first real update's bias correction uses step 2 (a 0.74x
+    step). The fp32 masters are reset to the model's weights they were copied from and the
+    state is dropped (AdamW makes it again at the first real step). No-op for other optimizers.
+    """
+    masters = fp32_masters(engine)
+    if not masters:
+        return
+    params = {id(p): p for p in engine.module.parameters()}
+    inner = engine.optimizer.optimizer
+    with torch.no_grad():
+        for pid, (key, part) in masters.items():
+            flat = key.data.view(-1)
+            (flat if part is None else flat[part]).copy_(params[pid].data.reshape(-1))
+            inner.state.pop(key, None)

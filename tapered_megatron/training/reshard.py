@@ -40,6 +40,7 @@ from deepspeed.utils import (
 from tapered_megatron import parallel
 from tapered_megatron.models import canonical_parameters
 from tapered_megatron.parallel.layers import param_shape, shard, unshard
+from tapered_megatron.training import optim
 from tapered_megatron.training.checkpoint import (
     UNIVERSAL,
     UNIVERSAL_META,
@@ -80,6 +81,26 @@ def _link_optimizer_state(engine: Any) -> torch.optim.Optimizer:
         for lp, hp in zip(zero.bit16_groups, zero.single_partition_of_fp32_groups):
             lazy_init_hp_params_optimizer_state(lp, hp, opt.state)
     return opt
+
+
+def _own_state(
+    p: torch.nn.Parameter, opt: torch.optim.Optimizer, masters: dict
+) -> list[torch.Tensor]:
+    """The fp32 weight and the AdamW moments of ``p`` where no ZeRO optimizer owns it: views of
+    the 16-bit optimizer's fp32 master and its state, or ``p`` and its state (fp32 runs)."""
+    if id(p) not in masters:
+        return [p.data, *(opt.state[p][k] for k in MOMENTS)]
+    key, part = masters[id(p)]
+
+    def view(t: torch.Tensor) -> torch.Tensor:
+        return t.data.view(-1) if part is None else t.data.view(-1)[part]
+
+    return [view(key), *(view(opt.state[key][k]) for k in MOMENTS)]
+
+
+def _loss_scale(engine: Any) -> float | None:
+    """fp16's current dynamic loss scale (``None`` in bf16/fp32, which do not scale)."""
+    return float(engine.optimizer.loss_scale) if engine.fp16_enabled() else None
 
 
 def _zero(p: torch.nn.Parameter) -> bool:
@@ -124,13 +145,13 @@ def save(
     writer = (
         parallel.get_tensor_model_parallel_rank() == 0 and parallel.get_data_parallel_rank() == 0
     )
+    masters = optim.fp32_masters(engine)
     for name, p in canonical_parameters(engine.module, cfg):
         if _zero(p):
             w = safe_get_full_fp32_param(p)
             moments = [safe_get_full_optimizer_state(p, k) for k in MOMENTS]
         else:
-            w = p.detach().float()
-            moments = [opt.state[p][k] for k in MOMENTS]
+            w, *moments = _own_state(p, opt, masters)
         full = [_tp_full(t.detach().float().reshape(param_shape(p)), p) for t in (w, *moments)]
         if writer:
             torch.save(dict(zip(("fp32", *MOMENTS), full)), out / f"{name}.pt")
@@ -140,6 +161,7 @@ def save(
             "world_size": dist.get_world_size(),
             "step": _step(opt),
             "lr_scheduler": engine.lr_scheduler.state_dict() if engine.lr_scheduler else None,
+            "loss_scale": _loss_scale(engine),
             "client": client,
         }
         torch.save(meta, out / UNIVERSAL_META)
@@ -197,6 +219,7 @@ def load(engine: Any, cfg: Any, tag_dir: Path) -> dict[str, Any]:
         )
     meta = torch.load(src / UNIVERSAL_META, weights_only=False)
     opt = _link_optimizer_state(engine)
+    masters = optim.fp32_masters(engine)
     for name, p in canonical_parameters(engine.module, cfg):
         f = src / f"{name}.pt"
         if not f.exists():
@@ -211,11 +234,13 @@ def load(engine: Any, cfg: Any, tag_dir: Path) -> dict[str, Any]:
                 p.data.copy_(w.to(p.dtype))  # the model's own copy (the engine's is above)
         else:
             with torch.no_grad():
-                p.copy_(w.to(p.dtype))
-                for k, m in zip(MOMENTS, moments):
-                    opt.state[p][k].copy_(m)
+                for own, t in zip(_own_state(p, opt, masters), (w, *moments)):
+                    own.copy_(t.reshape(own.shape))
+                p.copy_(w.to(p.dtype))  # the model's copy (bf16/fp16: rounded from the master)
     for s in opt.state.values():  # every AdamW state entry carries the step count
         s["step"] = torch.tensor(meta["step"], dtype=torch.float32)
+    if meta.get("loss_scale") is not None and engine.fp16_enabled():
+        engine.optimizer.loss_scale = meta["loss_scale"]
     _load_scheduler(engine, meta["lr_scheduler"])
     client = dict(meta["client"])
     engine.global_steps = int(client["iteration"])

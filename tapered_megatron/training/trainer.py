@@ -25,6 +25,7 @@ import deepspeed
 import torch
 import torch.distributed as dist
 from deepspeed.accelerator import get_accelerator
+from deepspeed.runtime.base_optimizer import ZeROOptimizer
 from deepspeed.runtime.utils import is_model_parallel_parameter
 from torch import nn
 
@@ -56,6 +57,7 @@ class Trainer:
         self.train_ds, self.valid_ds = self._build_data()
         self.extra_ds = self._build_extra_data()
         self.engine = self._build_engine()
+        optim.undo_priming_step(self.engine)
         optim.skip_nonfinite_steps(self.engine)
         self.nan_iters = injected_nan_iterations()
         self.iteration, self.consumed = 0, 0
@@ -164,7 +166,7 @@ class Trainer:
         if "optimizer" in ds:
             kwargs["model_parameters"] = groups
         else:
-            kwargs["optimizer"] = optim.build_optimizer(model, cfg.train)
+            kwargs["optimizer"] = optim.build_optimizer(model, cfg.train, ds)
         if "scheduler" not in ds:
             kwargs["lr_scheduler"] = lambda opt: optim.build_scheduler(opt, cfg.train)
         if mpu is not None:
@@ -227,19 +229,21 @@ class Trainer:
             return loss, grad_norm(eng) if want_norm else None
         total = torch.zeros((), dtype=torch.float64, device=self.device)
         norm = None
+        scale = unscaled_by(eng)  # the step's loss scale, read before the step may change it
         before_step = want_norm and not computes_grad_norm(eng)
         for k in range(self.layout.grad_accum):
             x, y = next(batches)
             loss = eng(x, y)  # the model's loss: LM head fused into the cross-entropy
             if k == 0 and it in self.nan_iters and self.rank == 0:
                 loss = loss * float("nan")
-            eng.backward(loss)
+            eng.backward(fp16_scaled(eng, loss))
             if before_step and k == self.layout.grad_accum - 1:
                 norm = grad_norm(eng)
             eng.step()
             total += loss.detach().double()
         if want_norm and not before_step:
             norm = grad_norm(eng)
+            norm = None if norm is None else norm / scale
         total /= self.layout.grad_accum
         if self.layout.dp > 1:
             dist.all_reduce(total, group=self.dp_group)
@@ -299,15 +303,24 @@ class Trainer:
             skipped_before = self.engine.skipped_steps
             loss, gnorm = self._train_step(batches, want_norm, it)
             skipped = self.engine.skipped_steps > skipped_before
+            overflow = skipped and self.engine.fp16_enabled() and math.isfinite(loss)
             step_s = time.perf_counter() - t
             if not losses:
                 self.log(f"first step done {time.time() - self.t0:.1f} s after process start")
             self.iteration, self.consumed = it, self.consumed + lay.global_batch_size
             losses.append(loss)
-            window.add(loss, step_s, counted=not skipped)
+            window.add(loss, step_s, counted=overflow or not skipped)
             record = {"iteration": it, "loss": loss, "lr": lr, "grad_norm": gnorm}
             record.update(step_s=step_s, wall=time.time())
-            note, stop = health.update(it, loss, skipped, self.consumed, lay.global_batch_size)
+            if overflow:
+                scale = self.engine.optimizer.loss_scale
+                self.log(
+                    f"iteration {it}: fp16 gradient overflow: step skipped, loss scale {scale:g}"
+                )
+                record["skipped"] = True
+            note, stop = health.update(
+                it, loss, skipped and not overflow, self.consumed, lay.global_batch_size
+            )
             if note:
                 self.log(note)
                 record["skipped" if skipped else "loss_spike"] = True
@@ -318,7 +331,11 @@ class Trainer:
                 raise TrainingStopped(stop)
             if cadence.log(it):
                 stages = self._gather_stage_ms(window.iters) if self.pipeline else None
-                self.logger.train(it, window.mean_loss, lr, gnorm, *window.take(), stages)
+                scale = self.engine.optimizer.loss_scale if self.engine.fp16_enabled() else None
+                self.logger.train(
+                    it, window.mean_loss, lr, gnorm, *window.take(), stages, scale,
+                    self.engine.skipped_steps,
+                )  # fmt: skip
             if cadence.evaluate(it):
                 record.update(self._evaluate(it))
             metrics.write(record)
@@ -553,6 +570,28 @@ def injected_nan_iterations() -> frozenset[int]:
             lo, _, hi = part.partition("-")
             out.update(range(int(lo), int(hi or lo) + 1))
     return frozenset(out)
+
+
+def fp16_scaled(engine: Any, loss: torch.Tensor) -> torch.Tensor:
+    """``loss`` as ``engine.backward`` must receive it: times the dynamic loss scale for fp16
+    without ZeRO.
+
+    DeepSpeed's ``engine.backward`` applies the loss scale only for ZeRO optimizers, while its
+    fp16 optimizers without ZeRO (``FP16_Optimizer``, ``FP16_UnfusedOptimizer``) still divide
+    the gradients by the scale and grow it after every window without overflow: the updates
+    would shrink by the scale and overflows would never be seen. Other precisions and ZeRO
+    stages get ``loss`` unchanged.
+    """
+    scale = unscaled_by(engine)
+    return loss if scale == 1.0 else loss * scale
+
+
+def unscaled_by(engine: Any) -> float:
+    """The loss scale DeepSpeed leaves in its reported gradient norm: fp16's current scale
+    without ZeRO (whose fp16 optimizers report the norm of the scaled gradients), else 1."""
+    if engine.fp16_enabled() and not isinstance(engine.optimizer, ZeROOptimizer):
+        return float(engine.optimizer.loss_scale)
+    return 1.0
 
 
 def computes_grad_norm(engine: Any) -> bool:

@@ -1,8 +1,8 @@
-"""pretrain/main.py in real processes, for the tests that train: the tiny model's arguments,
-ranks started the way DeepSpeed's launcher starts them, and their metrics.
+"""Real ``pretrain/main.py`` ranks for the tests: a tiny model, launch and read back.
 
-Every run trains the same tiny tapered model with the same seed and global batch (8 samples);
-only the layout changes. The token corpus is the ``corpus`` fixture of ``conftest.py``.
+Every launch trains the same tiny tapered model on the same synthetic corpus (the ``corpus``
+fixture of ``conftest.py``) with the same seed and global batch (8 samples); tests change the
+layout, the ds_config or the run's arguments.
 """
 
 from __future__ import annotations
