@@ -1,6 +1,35 @@
 """tapered-megatron: distributed pretraining of Tapered Language Models on DeepSpeed."""
 
+import runpy
+import shutil
+from pathlib import Path
+
 from setuptools import find_packages, setup
+from setuptools.command.build_py import build_py
+
+HERE = Path(__file__).resolve().parent
+# presets, ds_configs, tasks, the sample corpus, the Slurm template (tapered_megatron/resources.py)
+RESOURCES = runpy.run_path(str(HERE / "tapered_megatron" / "resources.py"))["RESOURCES"]
+
+
+class BuildWithResources(build_py):
+    """build_py that also copies the resources into the package's ``_resources/`` (an editable
+    install reads them from the checkout instead)."""
+
+    def run(self) -> None:
+        super().run()
+        if getattr(self, "editable_mode", False):
+            return
+        dest = Path(self.build_lib) / "tapered_megatron" / "_resources"
+        for relative in RESOURCES.values():
+            src, dst = HERE / relative, dest / relative
+            if src.is_dir():
+                ignore = shutil.ignore_patterns("__pycache__", "*.pyc")
+                shutil.copytree(src, dst, ignore=ignore, dirs_exist_ok=True)
+            else:
+                dst.parent.mkdir(parents=True, exist_ok=True)
+                shutil.copy2(src, dst)
+
 
 EXPORT = ["safetensors>=0.4", "tokenizers>=0.20", "transformers>=5.24,<6"]
 EVAL = [*EXPORT, "lm-eval[hf]>=0.4,<0.5"]
@@ -10,6 +39,7 @@ setup(
     version="0.1.0",
     description="DeepSpeed/Megatron-style pretraining of Tapered Language Models",
     packages=find_packages(include=["tapered_megatron", "tapered_megatron.*"]),
+    cmdclass={"build_py": BuildWithResources},
     python_requires=">=3.10",
     install_requires=[
         # A range, never a CPU pin: GPU clusters install their own CUDA build first.

@@ -35,7 +35,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from tapered_megatron.eval import experiments as ex
+from experiments.tlm import driver, gpu_plan, grid, records, report
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -43,13 +43,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--data-path", default="", help="token-file prefix (default: sample corpus)")
     ap.add_argument("--tokenizer-model", default="", help="tokenizer of --data-path")
-    ap.add_argument("--scale", default="cpu", choices=sorted(ex.SCALES))
+    ap.add_argument("--scale", default="cpu", choices=sorted(grid.SCALES))
     ap.add_argument("--seeds", type=int, default=3, help="seeds per configuration (default 3)")
     ap.add_argument("--out", default="runs/tlm", help="where runs live (default runs/tlm)")
     ap.add_argument(
         "--only",
-        default=",".join(ex.EXPERIMENTS),
-        help="comma-separated subset of " + ",".join(ex.EXPERIMENTS),
+        default=",".join(grid.EXPERIMENTS),
+        help="comma-separated subset of " + ",".join(grid.EXPERIMENTS),
     )
     ap.add_argument("--smoke", action="store_true", help="1 seed, tiny shapes, a few iterations")
     ap.add_argument(
@@ -91,15 +91,15 @@ def main(argv: list[str] | None = None) -> int:
     """Run (or plan) the experiments; return the exit code."""
     a = parse_args(argv)
     only = [x.strip() for x in a.only.split(",") if x.strip()]
-    bad = [x for x in only if x not in ex.EXPERIMENTS]
+    bad = [x for x in only if x not in grid.EXPERIMENTS]
     if bad or not only:
-        return _fail(f"--only {a.only!r}: choose from {','.join(ex.EXPERIMENTS)}")
+        return _fail(f"--only {a.only!r}: choose from {','.join(grid.EXPERIMENTS)}")
     if a.seeds < 1:
         return _fail(f"--seeds {a.seeds}: need at least 1")
     if bool(a.data_path) != bool(a.tokenizer_model):
         return _fail("--data-path and --tokenizer-model go together; give both or neither")
     seeds = 1 if a.smoke else a.seeds
-    scale = ex.SCALES[a.scale]
+    scale = grid.SCALES[a.scale]
     out = Path(a.out).resolve()
     vocab = 0
     if a.tokenizer_model:
@@ -114,7 +114,7 @@ def main(argv: list[str] | None = None) -> int:
     cores = os.cpu_count() or 1
     plain = len(launcher) == 1 and "python" in Path(launcher[0]).name
     jobs = a.jobs or (2 if scale.name == "cpu" and plain and cores >= 2 else 1)
-    settings = ex.Settings(
+    settings = driver.Settings(
         out=out,
         scale=scale,
         launcher=launcher,
@@ -124,9 +124,9 @@ def main(argv: list[str] | None = None) -> int:
         smoke=a.smoke,
         threads=max(1, cores // jobs) if plain and scale.name == "cpu" else 0,
     )
-    runs = ex.plan_runs(only, seeds)
+    runs = grid.plan_runs(only, seeds)
     default_run = scale.name == "cpu" and not a.smoke and not a.data_path
-    results = Path(a.results_dir or (ex.REPO / "docs" if default_run else out / "report"))
+    results = Path(a.results_dir or (driver.REPO / "docs" if default_run else out / "report"))
     meta = {
         "command": _command(argv),
         "machine": _machine(),
@@ -140,13 +140,11 @@ def main(argv: list[str] | None = None) -> int:
         "missing_tools": [],
     }
     if scale.gpu and not _has_gpu():
-        from tapered_megatron.eval import report
-
-        plan = report.launch_plan(settings, runs)
+        plan = gpu_plan.launch_plan(settings, runs)
         print(plan)
         if not a.no_report:
             meta.update(wall_s=0.0, plan=plan, note="no GPU here: launch plan only, nothing ran")
-            meta["widths"] = report.planned_widths(settings, runs)
+            meta["widths"] = gpu_plan.planned_widths(settings, runs)
             print(f"wrote {report.write_results(results, meta)}")
         return 0
 
@@ -170,34 +168,30 @@ def main(argv: list[str] | None = None) -> int:
 
     t0 = time.time()
     record = out / "command.json"  # what RESULTS.md shows: a subset rerun keeps the full one
-    if set(only) == set(ex.EXPERIMENTS) or not record.exists():
+    if set(only) == set(grid.EXPERIMENTS) or not record.exists():
         record.write_text(json.dumps({"command": meta["command"]}))
     meta["command"] = json.loads(record.read_text())["command"]
     log(f"reproduce_tlm: {_command(argv)} | {len(runs)} runs, {jobs} at a time | out {out}")
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # so `finally` records the time
     try:
-        failed = ex.train_all(settings, runs, jobs, log)
-        missing = ex.evaluate_all(settings, runs, only, log)
+        failed = driver.train_all(settings, runs, jobs, log)
+        missing = driver.evaluate_all(settings, runs, only, log)
     finally:  # an interrupted invocation's time counts too (SIGKILL aside)
         wall = _total_wall(out, time.time() - t0)
     if failed:
         log(f"{failed} run(s) failed; rerun the same command to retry them")
     if not a.no_report:
-        from tapered_megatron.eval import report
-
-        report.sync_records(settings, runs, results / "results" / "runs")
+        records.sync_records(settings, runs, results / "results" / "runs")
         meta.update(wall_s=wall, missing_tools=sorted(missing))
         log(f"wrote {report.write_results(results, meta)}")
     log(f"finished in {time.time() - t0:.0f} s")
     return 1 if failed else 0
 
 
-def _report_only(settings: ex.Settings, runs: list, results: Path, meta: dict) -> int:
+def _report_only(settings: driver.Settings, runs: list, results: Path, meta: dict) -> int:
     """RESULTS.md from the finished runs, with the command of the last training invocation that
     ran every experiment (a rerun of a subset with ``--only`` does not replace it)."""
-    from tapered_megatron.eval import report
-
-    n = report.sync_records(settings, runs, results / "results" / "runs")
+    n = records.sync_records(settings, runs, results / "results" / "runs")
     cmd = settings.out / "command.json"
     if cmd.exists():
         meta["command"] = json.loads(cmd.read_text())["command"]
@@ -207,7 +201,7 @@ def _report_only(settings: ex.Settings, runs: list, results: Path, meta: dict) -
         meta["wall_s"] = 0.0  # shown as "in progress"
     meta["missing_tools"] = sorted(
         phase
-        for phase in ex.evaluation_phases(meta["only"])
+        for phase in grid.evaluation_phases(meta["only"])
         if importlib.util.find_spec(f"tapered_megatron.eval.{phase}") is None
     )
     if n < len(runs):

@@ -24,6 +24,7 @@ import functools
 import json
 import os
 import sys
+import tempfile
 import types
 import typing
 from dataclasses import dataclass, field
@@ -32,6 +33,8 @@ from typing import Any, Literal
 
 import yaml
 
+from tapered_megatron.config_fields import ConfigError, at_least
+from tapered_megatron.resources import resource
 from tapered_megatron.taper import (
     DEFAULT_STEP_MULTIPLIERS,
     Schedule,
@@ -40,21 +43,9 @@ from tapered_megatron.taper import (
     make_plan,
 )
 
-PRESET_DIR = Path(
-    os.environ.get("TM_CONFIG_DIR", Path(__file__).resolve().parents[1] / "pretrain" / "configs")
-)
+PRESET_DIR = Path(os.environ.get("TM_CONFIG_DIR", resource("presets")))
 Partition = Literal["balanced", "uniform", "parameters", "megatron"]
 PipelineUnit = Literal["layer", "sublayer"]
-
-
-class ConfigError(ValueError):
-    """Invalid configuration; the message names the offending key and how to fix it."""
-
-
-def at_least(low: float, default: Any) -> Any:
-    """A dataclass field whose value (each element, for a tuple) must be ``>= low``; checked
-    when the config is parsed, with the key named in the error."""
-    return field(default=default, metadata={"min": low})
 
 
 @dataclass(frozen=True)
@@ -257,9 +248,9 @@ def _plain(x: Any) -> Any:
 
 def _registry() -> types.ModuleType:
     """The architecture registry (imported on use: it imports torch and the model files)."""
-    import tapered_megatron.models.base as base
+    from tapered_megatron.models import registry
 
-    return base
+    return registry
 
 
 def _coerce(value: Any, tp: Any, key: str) -> Any:
@@ -496,6 +487,15 @@ def load_config(name_or_path: str = "quickstart", overrides: list[str] | None = 
     data = _load_yaml(name_or_path)
     data.setdefault("name", Path(name_or_path).stem)
     return _build(_override(data, parse_overrides(list(overrides or []))))
+
+
+def config_from_dict(data: dict[str, Any]) -> Config:
+    """A validated :class:`Config` from its ``to_dict()`` form (e.g. an export's
+    ``config.json``), through the same loader as presets."""
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "config.yaml"
+        path.write_text(yaml.safe_dump(data, sort_keys=False))
+        return load_config(str(path))
 
 
 def load_saved_config(path: str | Path) -> Config:

@@ -44,8 +44,9 @@ from tapered_megatron.config import tp_problem
 from tapered_megatron.pipeline import cost as costlib
 from tapered_megatron.pipeline.balance import analyse
 from tapered_megatron.pipeline.solver import InfeasibleError
+from tapered_megatron.resources import resource
 
-TEMPLATE = Path(__file__).resolve().parents[1] / "scripts" / "slurm_cluster_template.sbatch"
+TEMPLATE = resource("slurm_template")
 MICRO_BATCHES = (1, 2, 4, 8)
 
 

@@ -1,7 +1,8 @@
-"""Real ``pretrain/main.py`` ranks for the tests: a tiny model, a tiny corpus, launch and read back.
+"""Real ``pretrain/main.py`` ranks for the tests: a tiny model, launch and read back.
 
-Every launch trains the same tiny tapered model on the same synthetic corpus with the same seed
-and global batch (8 samples); tests change the layout, the ds_config or the run's arguments.
+Every launch trains the same tiny tapered model on the same synthetic corpus (the ``corpus``
+fixture of ``conftest.py``) with the same seed and global batch (8 samples); tests change the
+layout, the ds_config or the run's arguments.
 """
 
 from __future__ import annotations
@@ -14,9 +15,8 @@ import time
 from pathlib import Path
 
 import numpy as np
-import pytest
 
-from tapered_megatron.parallel.local_launch import free_port
+from tapered_megatron.parallel.host import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 MAIN = str(ROOT / "pretrain" / "main.py")
@@ -31,35 +31,23 @@ TINY = [
 RTOL = 1e-4
 
 
-@pytest.fixture(scope="module")
-def corpus(tmp_path_factory) -> str:
-    """A small learnable token corpus (arithmetic runs) as a Megatron .bin/.idx pair."""
-    from tapered_megatron.data import write_indexed_dataset
-
-    rng = np.random.default_rng(0)
-    docs = []
-    for _ in range(300):
-        start, step, n = rng.integers(0, 255), rng.integers(1, 4), rng.integers(12, 48)
-        docs.append([*((start + step * np.arange(n)) % 255).tolist(), 255])
-    prefix = str(tmp_path_factory.mktemp("corpus") / "tiny_text_document")
-    write_indexed_dataset(prefix, docs)
-    return prefix
-
-
-def _env() -> dict[str, str]:
+def job_env() -> dict[str, str]:
+    """The environment of a job: single-threaded, unbuffered, no inherited world size."""
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     env.pop("WORLD_SIZE", None)
     return env
 
 
-def _without(args: list[str], keys: set[str]) -> list[str]:
+def without(args: list[str], keys: set[str]) -> list[str]:
     """``args`` (flag value pairs) minus the flags in ``keys``."""
     pairs = zip(args[::2], args[1::2])
     return [x for k, v in pairs if k not in keys for x in (k, v)]
 
 
-def _common(corpus: str, out: Path, ds: str, extra: list[str]) -> list[str]:
-    tiny = _without(TINY, {a for a in extra if a.startswith("--")})
+def common_args(corpus: str, out: Path, ds: str, extra: list[str]) -> list[str]:
+    """``pretrain/main.py`` arguments of the tiny model on ``corpus`` writing under ``out``
+    (``extra`` replaces the tiny model's flags it repeats)."""
+    tiny = without(TINY, {a for a in extra if a.startswith("--")})
     return [
         "--ds_config", str(ROOT / "ds_configs" / ds), *tiny,
         "--data.path", corpus, "--data.cache_dir", str(out / "cache"),
@@ -68,7 +56,8 @@ def _common(corpus: str, out: Path, ds: str, extra: list[str]) -> list[str]:
     ]  # fmt: skip
 
 
-def _check(procs: list[subprocess.Popen], out: Path, timeout: float) -> None:
+def check_ranks(procs: list[subprocess.Popen], out: Path, timeout: float) -> None:
+    """Wait for ``procs``; write their logs to ``out/log.txt``; fail naming a failed rank."""
     deadline = time.time() + timeout
     logs = []
     for p in procs:
@@ -92,16 +81,23 @@ def launch_ranks(n: int, corpus: str, out: Path, ds: str, extra: list[str], time
     port = str(free_port())
     procs = []
     for r in range(n):
-        env = dict(_env(), RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE=str(n), LOCAL_SIZE=str(n))
+        env = dict(job_env(), RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE=str(n), LOCAL_SIZE=str(n))
         env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
-        cmd = [sys.executable, "-u", MAIN, f"--local_rank={r}", *_common(corpus, out, ds, extra)]
-        procs.append(_popen(cmd, env))
-    _check(procs, out, timeout)
+        cmd = [
+            sys.executable,
+            "-u",
+            MAIN,
+            f"--local_rank={r}",
+            *common_args(corpus, out, ds, extra),
+        ]
+        procs.append(popen_job(cmd, env))
+    check_ranks(procs, out, timeout)
     left = list(Path("/dev/shm").glob(f"deepspeed_allreduce_buffer_*_127.0.0.1_{port}_*"))
     assert not left, f"shared-memory files left behind: {left}"
 
 
-def _popen(cmd: list[str], env: dict[str, str]) -> subprocess.Popen:
+def popen_job(cmd: list[str], env: dict[str, str]) -> subprocess.Popen:
+    """Start ``cmd`` in the repository root, stdout and stderr captured together."""
     return subprocess.Popen(
         cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
     )
@@ -113,13 +109,16 @@ def metrics(out: Path) -> list[dict]:
 
 
 def losses(out: Path) -> list[float]:
+    """The training loss of every logged iteration."""
     return [r["loss"] for r in metrics(out)]
 
 
 def grad_norms(out: Path) -> list[float]:
+    """The gradient norm of every logged iteration."""
     return [r["grad_norm"] for r in metrics(out)]
 
 
 def assert_close(a: list[float], b: list[float], rtol: float = RTOL) -> None:
+    """Equal lengths and every value within ``rtol``."""
     assert len(a) == len(b), (a, b)
     np.testing.assert_allclose(a, b, rtol=rtol, atol=0)

@@ -17,7 +17,6 @@ import pytest
 from launch_helpers import (
     ROOT,
     assert_close,
-    corpus,  # noqa: F401  (module fixture)
     launch_ranks,
     metrics,
 )
@@ -53,7 +52,7 @@ def _run(tmp_path: Path, name: str) -> Path:
 
 
 @pytest.fixture(scope="module")
-def fp32_ref(corpus, tmp_path_factory) -> list[dict]:  # noqa: F811
+def fp32_ref(corpus, tmp_path_factory) -> list[dict]:
     """One process, fp32, 8 iterations (ZeRO-0)."""
     out = tmp_path_factory.mktemp("fp32")
     launch_ranks(1, corpus, out, "zero0.json", [*STEPS, "--train.universal_checkpoint", "false"])
@@ -61,7 +60,7 @@ def fp32_ref(corpus, tmp_path_factory) -> list[dict]:  # noqa: F811
 
 
 # ------------------------------------------------------------ save and resume
-def test_zero0_bf16_save_resume_is_bitwise(corpus, fp32_ref, tmp_path):  # noqa: F811
+def test_zero0_bf16_save_resume_is_bitwise(corpus, fp32_ref, tmp_path):
     """ZeRO-0 bf16 follows the fp32 curve (DeepSpeed's priming step taken back), saves
     (DeepSpeed's files and the universal copy) and resumes bitwise."""
     ds = bf16_config("zero0.json", tmp_path)
@@ -91,7 +90,7 @@ RESUME_SLOW = {  # saved under, resumed under (n, ds_config, args)
 
 @pytest.mark.slow
 @pytest.mark.parametrize("case", list(RESUME_SLOW))
-def test_bf16_resume(case, corpus, fp32_ref, tmp_path):  # noqa: F811
+def test_bf16_resume(case, corpus, fp32_ref, tmp_path):
     """Save at 4, resume to 8 (same or another layout); the curve stays on the fp32 one.
     A same-layout resume is bitwise against the straight run of that layout."""
     (n0, ds0, x0), (n1, ds1, x1) = RESUME_SLOW[case]
@@ -144,19 +143,19 @@ def _layout_case(spec: tuple, data: str, fp32_ref: list[dict], tmp_path: Path) -
 
 
 @pytest.mark.parametrize("name", list(LAYOUTS))
-def test_bf16_layout_matches_fp32(name, corpus, fp32_ref, tmp_path):  # noqa: F811
+def test_bf16_layout_matches_fp32(name, corpus, fp32_ref, tmp_path):
     _layout_case(LAYOUTS[name], corpus, fp32_ref, tmp_path)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", list(SLOW_LAYOUTS))
-def test_bf16_layout_matches_fp32_more(name, corpus, fp32_ref, tmp_path):  # noqa: F811
+def test_bf16_layout_matches_fp32_more(name, corpus, fp32_ref, tmp_path):
     _layout_case(SLOW_LAYOUTS[name], corpus, fp32_ref, tmp_path)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("arch", ARCHS)
-def test_bf16_arch_dp2_matches_its_fp32_run(arch, corpus, tmp_path):  # noqa: F811
+def test_bf16_arch_dp2_matches_its_fp32_run(arch, corpus, tmp_path):
     from arch_args import for_arch
 
     args = [*for_arch(arch, ARCH_EXTRA), *STEPS, "--train.universal_checkpoint", "false"]
@@ -169,7 +168,7 @@ def test_bf16_arch_dp2_matches_its_fp32_run(arch, corpus, tmp_path):  # noqa: F8
 
 
 # ------------------------------------------------------------- NaN / Inf skip
-def test_bf16_zero3_nonfinite_step_is_skipped_whole(corpus, tmp_path, monkeypatch):  # noqa: F811
+def test_bf16_zero3_nonfinite_step_is_skipped_whole(corpus, tmp_path, monkeypatch):
     """A NaN gradient on rank 0 at iteration 3 under ZeRO-3 with many sub-groups (sub_group_size
     1000): no sub-group is updated (later losses finite and equal a clean run's up to 2), the
     scheduler does not step (iteration 4 has iteration 3's learning rate), one step counted."""
@@ -226,13 +225,13 @@ def _config_trains(n: int, ds: str, extra: list[str], data: str, out: Path) -> N
     "name",
     [x if x in DEFAULT_SHIPPED else pytest.param(x, marks=pytest.mark.slow) for x in SHIPPED],
 )
-def test_shipped_ds_config_trains_in_bf16(name, corpus, tmp_path):  # noqa: F811
+def test_shipped_ds_config_trains_in_bf16(name, corpus, tmp_path):
     _config_trains(*_shipped(name, tmp_path), corpus, tmp_path)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("kind", list(PLANNED))
-def test_planned_ds_config_trains_in_bf16(kind, corpus, tmp_path):  # noqa: F811
+def test_planned_ds_config_trains_in_bf16(kind, corpus, tmp_path):
     zero, pp = PLANNED[kind]
     cfg = load_config(
         "quickstart", ["--train.micro_batch_size", "4", "--train.global_batch_size", "8"]
@@ -246,7 +245,7 @@ def test_planned_ds_config_trains_in_bf16(kind, corpus, tmp_path):  # noqa: F811
 
 
 # ------------------------------------------------------------------- export
-def test_export_of_a_bf16_run_holds_the_fp32_masters_and_hf_logits_match(corpus, tmp_path):  # noqa: F811
+def test_export_of_a_bf16_run_holds_the_fp32_masters_and_hf_logits_match(corpus, tmp_path):
     """A bf16 ZeRO-0 checkpoint exports its fp32 master weights (the universal copy's, not the
     bf16-rounded module weights DeepSpeed saves), and the Hugging Face model loaded from the
     export gives the logits of our fp32 module holding them."""

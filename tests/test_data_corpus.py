@@ -16,7 +16,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import zstandard
-from test_data_format import independent_read
+from indexed_reader import independent_read
 
 from tapered_megatron.data import IndexedDataset, load_tokenizer, train_sentencepiece
 from tapered_megatron.data import sources as sources_mod

@@ -17,8 +17,8 @@ from pathlib import Path
 import pytest
 import torch
 from arch_args import for_arch
+from launch_helpers import ROOT, launch_ranks
 from safetensors.torch import load_file
-from test_train_launch import ROOT, corpus, launch_ranks  # noqa: F401
 
 from tapered_megatron.export.__main__ import main as export_main
 from tapered_megatron.export.consolidate import resolve_checkpoint
@@ -42,7 +42,7 @@ CASES = [
 ]
 
 
-def train(corpus: str, out: Path, arch: str, n: int, ds: str, extra: list[str]) -> Path:  # noqa: F811
+def train(corpus: str, out: Path, arch: str, n: int, ds: str, extra: list[str]) -> Path:
     """Train the tiny model of ``arch`` in ``n`` real processes; return its save dir."""
     out.mkdir(parents=True, exist_ok=True)
     if ds == "zero3":  # partition every parameter, however small
@@ -59,7 +59,7 @@ _single: dict[str, Path] = {}
 
 
 @pytest.fixture(scope="module")
-def single(corpus, tmp_path_factory):  # noqa: F811
+def single(corpus, tmp_path_factory):
     """The single-process ZeRO-0 checkpoint of an architecture (trained once per module)."""
 
     def get(arch: str) -> Path:
@@ -99,7 +99,7 @@ def export(ckpt: Path, out: Path, *extra: str) -> dict[str, torch.Tensor]:
 def test_export_of_layout_equals_single_process(
     arch,
     layout,
-    corpus,  # noqa: F811
+    corpus,
     single,
     single_export,
     tmp_path,

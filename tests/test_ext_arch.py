@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_train_launch import corpus, launch_ranks, metrics  # noqa: F401
+from launch_helpers import launch_ranks, metrics
 
 from tapered_megatron.config import ConfigError, load_config
 from tapered_megatron.models import build_model, count_model
@@ -44,7 +44,7 @@ def test_plugin_architecture_is_configured_like_a_builtin():
 
 
 @pytest.mark.distributed
-def test_plugin_architecture_trains_through_main(corpus, tmp_path):  # noqa: F811
+def test_plugin_architecture_trains_through_main(corpus, tmp_path):
     launch_ranks(1, corpus, tmp_path, "default.json", [*USE, "--train.iters", "4"])
     recs = metrics(tmp_path)
     assert [r["iteration"] for r in recs] == [1, 2, 3, 4]

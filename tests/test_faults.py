@@ -16,13 +16,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_train_launch import MAIN, _common, _env, _popen, corpus, metrics
+from launch_helpers import MAIN, common_args, job_env, metrics, popen_job
 
-from tapered_megatron.parallel.local_launch import free_port
+from tapered_megatron.parallel.host import free_port
 from tapered_megatron.training.heartbeat import Heartbeat, period_for
 from tapered_megatron.training.trainer import _Health
 
-__all__ = ["corpus"]  # the module fixture, shared with test_train_launch
 pytestmark = pytest.mark.distributed
 
 
@@ -33,12 +32,14 @@ def start(
     port = str(free_port())
     procs = []
     for r in range(n):
-        e = dict(_env(), **(env or {}))
+        e = dict(job_env(), **(env or {}))
         if n > 1:
             e.update(RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE=str(n))
             e.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
         ds = "zero0.json" if n == 1 else "zero2.json"
-        procs.append(_popen([sys.executable, "-u", MAIN, *_common(corpus, out, ds, extra)], e))
+        procs.append(
+            popen_job([sys.executable, "-u", MAIN, *common_args(corpus, out, ds, extra)], e)
+        )
     return procs
 
 
@@ -199,10 +200,10 @@ def _start_dp2(corpus: str, out: Path, extra: list[str]) -> list:
     port = str(free_port())
     procs = []
     for r in range(2):
-        env = dict(_env(), RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE="2")
+        env = dict(job_env(), RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE="2")
         env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
-        cmd = [sys.executable, "-u", MAIN, *_common(corpus, out, "zero2.json", extra)]
-        procs.append(_popen(cmd, env))
+        cmd = [sys.executable, "-u", MAIN, *common_args(corpus, out, "zero2.json", extra)]
+        procs.append(popen_job(cmd, env))
     return procs
 
 

@@ -15,9 +15,9 @@ import sys
 from pathlib import Path
 
 import pytest
-from launch_helpers import TINY, corpus  # noqa: F401  (module fixture)
+from launch_helpers import TINY
 
-from tapered_megatron.parallel.local_launch import free_port
+from tapered_megatron.parallel.host import free_port
 
 pytestmark = pytest.mark.distributed
 ROOT = Path(__file__).resolve().parents[1]
@@ -35,7 +35,7 @@ def _fp16_config(tmp_path: Path, power: int) -> str:
     return str(path)
 
 
-def _run(out: Path, ds: str, corpus: str, extra: list[str], world: int = 1) -> str:  # noqa: F811
+def _run(out: Path, ds: str, corpus: str, extra: list[str], world: int = 1) -> str:
     """Train ``world`` ranks of the tiny model; return rank 0's output."""
     args = [
         "--ds_config", ds, *TINY[:-2], "--data.path", corpus,
@@ -58,7 +58,7 @@ def _metrics(out: Path) -> list[dict]:
     return [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
 
 
-def test_overflow_steps_are_skipped_counted_and_the_scale_falls(corpus, tmp_path):  # noqa: F811
+def test_overflow_steps_are_skipped_counted_and_the_scale_falls(corpus, tmp_path):
     """Scale 2^30 overflows fp16: the first steps are skipped (no update, the LR schedule
     waits), the scale halves each time and is logged, then training proceeds."""
     log = _run(tmp_path, _fp16_config(tmp_path, 30), corpus, [])
@@ -77,7 +77,7 @@ def test_overflow_steps_are_skipped_counted_and_the_scale_falls(corpus, tmp_path
 
 
 @pytest.mark.slow
-def test_fp16_follows_fp32_and_resumes_bitwise(corpus, tmp_path):  # noqa: F811
+def test_fp16_follows_fp32_and_resumes_bitwise(corpus, tmp_path):
     """Scale 2^12 (no overflow at this size): 20 fp16 steps stay within 2 % of the fp32 run's
     losses; stopping at 10 and resuming gives the uninterrupted fp16 run's losses bitwise."""
     fp16 = _fp16_config(tmp_path, 12)

@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from real_text import train_losses
-from test_titans import assert_causal, tiny_cfg
+from tiny_memory import assert_causal, tiny_cfg
 
 from tapered_megatron.models import build_model, count_model
 from tapered_megatron.models.hope import (

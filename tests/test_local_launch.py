@@ -16,7 +16,7 @@ def _start_deepspeed_comm(rank: int, world_size: int, die: bool) -> str:
     """Start DeepSpeed's communication (which maps the shared-memory files); report this rank's."""
     import deepspeed
 
-    from tapered_megatron.training.launch import shm_workspace_path
+    from tapered_megatron.parallel.host import shm_workspace_path
 
     deepspeed.init_distributed(dist_backend="gloo")
     path = shm_workspace_path(rank)

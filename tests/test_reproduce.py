@@ -16,9 +16,8 @@ from pathlib import Path
 
 import pytest
 
+from experiments.tlm import driver, grid, prose, records, report, stats
 from tapered_megatron.config import load_config
-from tapered_megatron.eval import experiments as ex
-from tapered_megatron.eval import report
 
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "scripts" / "reproduce_tlm.py"
@@ -27,52 +26,52 @@ DOCS = REPO / "docs"
 
 # ----------------------------------------------------------------------------- statistics
 def test_seed_statistics_and_paired_comparison() -> None:
-    base = report.Stat({1: 10.0, 2: 12.0, 3: 11.0})
+    base = stats.Stat({1: 10.0, 2: 12.0, 3: 11.0})
     assert base.mean == pytest.approx(11.0) and base.std == pytest.approx(1.0)
-    noisy = report.Paired(report.Stat({1: 9.0, 2: 11.5, 3: 10.0}), base)
+    noisy = stats.Paired(stats.Stat({1: 9.0, 2: 11.5, 3: 10.0}), base)
     assert noisy.diffs.values == pytest.approx({1: -1.0, 2: -0.5, 3: -1.0})
     assert noisy.diffs.mean == pytest.approx(-5 / 6)
     assert noisy.diffs.std == pytest.approx(statistics.stdev([-1.0, -0.5, -1.0]))
     # |-0.83| is below the configuration's own seed std (1.26): not beyond the spread
     assert noisy.spread == pytest.approx(statistics.stdev([9.0, 11.5, 10.0]))
     assert noisy.exceeds == "no"
-    shifted = report.Paired(report.Stat({s: v - 3 for s, v in base.values.items()}), base)
+    shifted = stats.Paired(stats.Stat({s: v - 3 for s, v in base.values.items()}), base)
     assert shifted.diffs.std == pytest.approx(0.0) and shifted.exceeds == "yes"
     # only seeds both sides have are paired; one seed has no spread
-    one = report.Paired(report.Stat({1: 9.0, 4: 1.0}), base)
+    one = stats.Paired(stats.Stat({1: 9.0, 4: 1.0}), base)
     assert one.diffs.values == {1: -1.0} and one.exceeds == "n/a"
-    assert report.pm(base) == "11.00 ± 1.00" and report.signed_pm(noisy.diffs) == "-0.83 ± 0.29"
+    assert stats.pm(base) == "11.00 ± 1.00" and stats.signed_pm(noisy.diffs) == "-0.83 ± 0.29"
 
 
 def test_verdict_wording_follows_sign_and_spread() -> None:
-    base = report.Stat({1: 10.0, 2: 10.5})
-    better = report.Paired(report.Stat({1: 8.0, 2: 8.5}), base)
-    assert report.verdict(better, expect_negative=True) == "held, beyond the seed spread"
-    assert report.verdict(better, expect_negative=False).startswith("did not hold: the opposite")
-    close = report.Paired(report.Stat({1: 9.9, 2: 10.6}), base)
-    assert "within the seed spread" in report.verdict(close, expect_negative=True)
+    base = stats.Stat({1: 10.0, 2: 10.5})
+    better = stats.Paired(stats.Stat({1: 8.0, 2: 8.5}), base)
+    assert prose.verdict(better, expect_negative=True) == "held, beyond the seed spread"
+    assert prose.verdict(better, expect_negative=False).startswith("did not hold: the opposite")
+    close = stats.Paired(stats.Stat({1: 9.9, 2: 10.6}), base)
+    assert "within the seed spread" in prose.verdict(close, expect_negative=True)
 
 
 # ----------------------------------------------------------------------------- matrix
 def test_matrix_dedupes_shared_configurations() -> None:
-    runs = ex.plan_runs(ex.EXPERIMENTS, 3)
+    runs = grid.plan_runs(grid.EXPERIMENTS, 3)
     variants = {r.variant for r in runs}
     # 4 controlled + 15 swept + 10 new in (c) (transformer uniform and cosine 1.5/0.5 shared)
     assert len(variants) == 29 and len(runs) == 87
     assert len({r.name for r in runs}) == 87
     assert [r.seed for r in runs[:29]] == [1] * 29  # seed-major: complete tables appear early
-    assert ex.Variant("transformer", "cosine", (1.5, 0.5)) in ex.experiment_variants("sweep")
-    assert ex.Variant("transformer", "cosine", (1.5, 0.5)) in ex.experiment_variants("archs")
-    mults = {v.ratio for v in ex.experiment_variants("controlled") if v.schedule == "step"}
+    assert grid.Variant("transformer", "cosine", (1.5, 0.5)) in grid.experiment_variants("sweep")
+    assert grid.Variant("transformer", "cosine", (1.5, 0.5)) in grid.experiment_variants("archs")
+    mults = {v.ratio for v in grid.experiment_variants("controlled") if v.schedule == "step"}
     assert mults == {(1.5, 0.75, 0.75), (0.75, 1.5, 0.75), (0.75, 0.75, 1.5)}
-    assert len(ex.plan_runs(["controlled"], 2)) == 8
+    assert len(grid.plan_runs(["controlled"], 2)) == 8
 
 
 @pytest.mark.parametrize("smoke", [False, True])
 def test_every_planned_run_is_a_valid_budget_preserving_config(smoke: bool) -> None:
-    for v in {r.variant for r in ex.plan_runs(ex.EXPERIMENTS, 1)}:
-        over = [*(ex.SMOKE_OVERRIDES if smoke else ()), *v.overrides()]
-        cfg = load_config(ex.SCALES["cpu"].presets[v.arch], over)
+    for v in {r.variant for r in grid.plan_runs(grid.EXPERIMENTS, 1)}:
+        over = [*(grid.SMOKE_OVERRIDES if smoke else ()), *v.overrides()]
+        cfg = load_config(grid.SCALES["cpu"].presets[v.arch], over)
         plan = cfg.taper_plan
         assert sum(plan.widths) == cfg.model.layers * cfg.model.d_ff, v.key
         assert cfg.model.arch == v.arch
@@ -83,8 +82,8 @@ def test_every_planned_run_is_a_valid_budget_preserving_config(smoke: bool) -> N
 
 
 def test_run_command_is_a_plain_pretrain_job_behind_the_launcher(tmp_path: Path) -> None:
-    s = ex.Settings(tmp_path, ex.SCALES["cpu"], ["deepspeed", "--num_gpus", "8"])
-    run = ex.Run(ex.Variant("titans", "cosine", (1.5, 0.5), True), 2)
+    s = driver.Settings(tmp_path, grid.SCALES["cpu"], ["deepspeed", "--num_gpus", "8"])
+    run = grid.Run(grid.Variant("titans", "cosine", (1.5, 0.5), True), 2)
     cmd = s.command(run)
     assert cmd[:3] == ["deepspeed", "--num_gpus", "8"]
     assert cmd[3] == str(REPO / "pretrain" / "main.py")
@@ -104,7 +103,7 @@ def test_metrics_reader_keeps_the_resumed_record_and_skips_a_cut_line(tmp_path: 
         {"iteration": 2, "loss": 7.5, "val_loss": 7.9},  # after a resume from iteration 1
     ]
     f.write_text("\n".join(json.dumps(x) for x in lines) + '\n{"iteration": 3, "lo')
-    recs = ex.read_metrics(f)
+    recs = driver.read_metrics(f)
     assert [r["iteration"] for r in recs] == [1, 2] and recs[1]["val_loss"] == 7.9
 
 
@@ -168,30 +167,30 @@ def check_results(results_dir: Path) -> int:
     """Recompute RESULTS.md under ``results_dir`` from its saved files; return rows checked."""
     text = (results_dir / "RESULTS.md").read_text()
     meta = json.loads((results_dir / "results" / "meta.json").read_text())
-    recs = report.load_records(results_dir / "results" / "runs")
+    recs = records.load_records(results_dir / "results" / "runs")
     # 1. the whole document (tables, reading, links) is what the saved files give
     assert report.render(recs, meta) == text
     # 2. the comparison columns, recomputed independently of the report module
     tables = _tables(text)
     checked = 0
-    uni = ex.UNIFORM.key
+    uni = grid.UNIFORM.key
     if "controlled" in meta["only"]:
-        for row, v in zip(tables["(a)"], ex.experiment_variants("controlled"), strict=True):
+        for row, v in zip(tables["(a)"], grid.experiment_variants("controlled"), strict=True):
             assert row[0] == v.label and row[-4:] == _expected_row(recs, v.key, uni), row
             checked += 1
     if "sweep" in meta["only"]:
-        for row, v in zip(tables["(b)"], ex.experiment_variants("sweep"), strict=True):
+        for row, v in zip(tables["(b)"], grid.experiment_variants("sweep"), strict=True):
             assert row[-4:] == _expected_row(recs, v.key, uni), row
             if v.schedule != "uniform":
                 assert row[:2] == [v.schedule, f"{v.ratio[0]:g}/{v.ratio[1]:g}"]
             checked += 1
     if "archs" in meta["only"]:
-        for row, v in zip(tables["(c)"], ex.experiment_variants("archs"), strict=True):
+        for row, v in zip(tables["(c)"], grid.experiment_variants("archs"), strict=True):
             assert row[:2] == [v.arch, v.label]
-            assert row[-4:] == _expected_row(recs, v.key, ex.Variant(v.arch).key), row
+            assert row[-4:] == _expected_row(recs, v.key, grid.Variant(v.arch).key), row
             checked += 1
     if "(e)" in tables:
-        uni_v, tap_v = ex.experiment_variants("alignment")
+        uni_v, tap_v = grid.experiment_variants("alignment")
         for row in tables["(e)"]:
             layer = int(row[0])
             for cell, v, key in zip(
@@ -208,7 +207,7 @@ def check_results(results_dir: Path) -> int:
                 assert cell == _fmt(xs, digits=3)
                 checked += 1
     if "(f)" in tables:
-        for row, v in zip(tables["(f)"], ex.experiment_variants("archs"), strict=True):
+        for row, v in zip(tables["(f)"], grid.experiment_variants("archs"), strict=True):
             xs = [
                 100 * r["zeroshot"]["average_acc"]
                 for r in recs
@@ -223,7 +222,7 @@ def test_committed_results_are_recomputed_from_saved_metrics() -> None:
     if not (DOCS / "RESULTS.md").exists():
         pytest.skip("docs/RESULTS.md not generated yet")
     assert check_results(DOCS) > 0
-    for rec in report.load_records(DOCS / "results" / "runs"):
+    for rec in records.load_records(DOCS / "results" / "runs"):
         # every model trained past its fast drop: the last evaluation interval moved the loss by
         # less than 15% of what the first one did
         curve = [c[2] for c in rec["val_curve"]]
@@ -289,7 +288,7 @@ def test_killed_driver_reruns_only_what_is_left(tmp_path: Path) -> None:
     assert p.returncode == 0, p.stdout + p.stderr
     assert "training: 1 of 2 runs already done, 1 to go" in p.stdout
     assert (first / "metrics.jsonl").read_bytes() == kept  # the finished run was not touched
-    second = ex.read_metrics(out / "runs" / "transformer-cosine-1.5-0.5-s1" / "metrics.jsonl")
+    second = driver.read_metrics(out / "runs" / "transformer-cosine-1.5-0.5-s1" / "metrics.jsonl")
     assert [r["iteration"] for r in second] == [1, 2, 3, 4]
     if importlib.util.find_spec("tapered_megatron.eval.alignment") is None:
         assert "tapered_megatron.eval.alignment is not installed" in p.stdout
@@ -310,15 +309,21 @@ def test_killed_driver_reruns_only_what_is_left(tmp_path: Path) -> None:
 
 
 def test_rerun_from_another_checkout_or_launcher_is_accepted(tmp_path: Path) -> None:
-    s = ex.Settings(tmp_path, ex.SCALES["cpu"], ["python"])
-    run = ex.Run(ex.UNIFORM, 1)
+    s = driver.Settings(tmp_path, grid.SCALES["cpu"], ["python"])
+    run = grid.Run(grid.UNIFORM, 1)
     cmd = s.command(run)
     d = s.run_dir(run)
-    moved = ["deepspeed", "--num_gpus", "1", "/elsewhere/pretrain/main.py", *ex.job_part(cmd)[1:]]
-    ex._check_command(d, moved)
-    ex._check_command(d, cmd)  # same job arguments: accepted
+    moved = [
+        "deepspeed",
+        "--num_gpus",
+        "1",
+        "/elsewhere/pretrain/main.py",
+        *driver.job_part(cmd)[1:],
+    ]
+    driver._check_command(d, moved)
+    driver._check_command(d, cmd)  # same job arguments: accepted
     with pytest.raises(SystemExit, match="another command"):
-        ex._check_command(d, [*cmd[:-2], "--train.iters", "5", "--resume", "auto"])
+        driver._check_command(d, [*cmd[:-2], "--train.iters", "5", "--resume", "auto"])
 
 
 def test_a_run_dir_of_another_command_is_refused(tmp_path: Path) -> None:

@@ -10,13 +10,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from launch_helpers import (
-    ROOT,
-    assert_close,
-    corpus,  # noqa: F401  (module fixture)
-    launch_ranks,
-    metrics,
-)
+from launch_helpers import ROOT, assert_close, launch_ranks, metrics
 
 pytestmark = pytest.mark.distributed
 
@@ -60,7 +54,7 @@ def _ds(name: str, tmp_path) -> str:
 @pytest.mark.parametrize(
     "case", [c if c in DEFAULT else pytest.param(c, marks=pytest.mark.slow) for c in CASES]
 )
-def test_resume_under_another_layout(case, corpus, tmp_path):  # noqa: F811
+def test_resume_under_another_layout(case, corpus, tmp_path):
     (n0, ds0, x0), (n1, ds1, x1), common = CASES[case]
     ref_dir = tmp_path / "ref"
     ref_dir.mkdir()
@@ -83,7 +77,7 @@ def test_resume_under_another_layout(case, corpus, tmp_path):  # noqa: F811
 IMPLICIT_GB = ["--train.micro_batch_size", "2", "--train.global_batch_size", "0"]
 
 
-def test_resume_on_fewer_ranks_keeps_the_global_batch(corpus, tmp_path):  # noqa: F811
+def test_resume_on_fewer_ranks_keeps_the_global_batch(corpus, tmp_path):
     """Saved on 2 ranks with ``train.global_batch_size`` 0 (micro 2 x dp 2 = 4), resumed on one:
     the run goes on with global batch 4 (accumulation 2), not 2, and matches the uninterrupted
     run with that batch."""
@@ -103,7 +97,7 @@ def test_resume_on_fewer_ranks_keeps_the_global_batch(corpus, tmp_path):  # noqa
 
 
 def test_kept_global_batch_unmet_is_one_line_and_an_explicit_one_wins(
-    corpus,  # noqa: F811
+    corpus,
     tmp_path,
     monkeypatch,
     capsys,

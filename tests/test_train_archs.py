@@ -11,7 +11,7 @@ import math
 
 import pytest
 from arch_args import for_arch
-from test_train_launch import assert_close, corpus, launch_ranks, metrics  # noqa: F401
+from launch_helpers import assert_close, launch_ranks, metrics
 
 ARCHS = ("transformer", "gated_attention", "titans", "hope_attention")
 # Small memory chunks / windows for seq_len 16; two CMS levels so d_ff(l) = 32 still splits.
@@ -23,7 +23,7 @@ EXTRA = ["--model.titans.chunk_size", "8", "--model.titans.window", "8",
 @pytest.mark.distributed
 @pytest.mark.parametrize("schedule", ["cosine", "uniform"])
 @pytest.mark.parametrize("arch", ARCHS)
-def test_arch_trains_under_dp2_and_pp2(arch, schedule, corpus, tmp_path):  # noqa: F811
+def test_arch_trains_under_dp2_and_pp2(arch, schedule, corpus, tmp_path):
     common = [*for_arch(arch, EXTRA), "--taper.schedule", schedule,
               "--train.exit_interval", "10"]  # fmt: skip
     curves = []

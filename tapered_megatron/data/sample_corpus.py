@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from ..resources import resource
 from .cache import build_once, digest
 from .preprocess import iter_texts, paragraphs, tokenize_files
 from .tokenizer import train_sentencepiece
@@ -14,12 +15,12 @@ CORPUS_ENV = "TAPERED_MEGATRON_SAMPLE_CORPUS"
 
 
 def sample_corpus_path() -> Path:
-    """The repo's ``data/sample/corpus.jsonl.gz`` (override: $TAPERED_MEGATRON_SAMPLE_CORPUS)."""
+    """The shipped ``data/sample/corpus.jsonl.gz`` (override: $TAPERED_MEGATRON_SAMPLE_CORPUS)."""
     env = os.environ.get(CORPUS_ENV)
-    path = Path(env) if env else Path(__file__).resolve().parents[2] / "data/sample/corpus.jsonl.gz"
+    path = Path(env) if env else resource("sample_corpus")
     if not path.is_file():
         raise FileNotFoundError(
-            f"{path}: sample corpus not found (use a checkout of the repo, or set {CORPUS_ENV})"
+            f"{path}: sample corpus not found (reinstall the package, or set {CORPUS_ENV})"
         )
     return path
 

@@ -29,8 +29,9 @@ from typing import Any
 
 from tapered_megatron.eval.common import fail
 from tapered_megatron.export.load import ExportError
+from tapered_megatron.resources import resource
 
-TASKS_DIR = Path(__file__).resolve().parents[2] / "tasks"
+TASKS_DIR = resource("tasks")
 
 
 def local_tasks(include_path: Path = TASKS_DIR) -> list[str]:

@@ -37,7 +37,7 @@ from typing import Any
 import torch
 
 from tapered_megatron.config import Config, ConfigError, load_saved_config
-from tapered_megatron.export.load import ExportError
+from tapered_megatron.export.errors import ExportError
 from tapered_megatron.models import build_model, unit_prefixes
 from tapered_megatron.parallel.layers import unshard
 

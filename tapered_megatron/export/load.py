@@ -11,24 +11,19 @@ from __future__ import annotations
 
 import json
 import os
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
-import yaml
 
-from tapered_megatron.config import Config, ConfigError, load_config
+from tapered_megatron.config import Config, ConfigError, config_from_dict
+from tapered_megatron.export.errors import ExportError
 from tapered_megatron.models import LanguageModel, build_model
 
 WEIGHTS = "model.safetensors"
 CONFIG = "config.json"
 TOKENIZER_MODEL = "tokenizer.model"
-
-
-class ExportError(ValueError):
-    """Bad input to the export / evaluation tools; the message says what and how to fix it."""
 
 
 @dataclass
@@ -40,18 +35,6 @@ class LoadedModel:
     tokenizer_model: str | None  # sentencepiece model the run was trained with, if known
     source: str  # the export directory or checkpoint tag directory
     iteration: int | None = None  # training iteration (checkpoints and exports)
-
-
-def config_from_dict(data: dict[str, Any]) -> Config:
-    """A validated :class:`Config` from its ``to_dict()`` form (e.g. ``config.json``'s
-    ``tapered_config``), through the same loader as YAML presets."""
-    with tempfile.TemporaryDirectory() as tmp:
-        path = Path(tmp) / "config.yaml"
-        path.write_text(yaml.safe_dump(data, sort_keys=False))
-        try:
-            return load_config(str(path))
-        except ConfigError as e:
-            raise ExportError(f"recorded configuration is not valid here: {e}") from None
 
 
 def read_export_config(model_dir: str | Path) -> tuple[Config, dict[str, Any]]:
@@ -66,7 +49,10 @@ def read_export_config(model_dir: str | Path) -> tuple[Config, dict[str, Any]]:
     raw = json.loads(path.read_text())
     if "tapered_config" not in raw:
         raise ExportError(f"--model {d}: {CONFIG} is not a tapered-megatron export")
-    cfg = config_from_dict(raw["tapered_config"])
+    try:
+        cfg = config_from_dict(raw["tapered_config"])
+    except ConfigError as e:
+        raise ExportError(f"recorded configuration is not valid here: {e}") from None
     if list(cfg.taper_plan.widths) != list(raw.get("taper_widths") or cfg.taper_plan.widths):
         raise ExportError(
             f"--model {d}: recorded taper widths {raw['taper_widths']} differ from the plan of "

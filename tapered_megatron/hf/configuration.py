@@ -71,7 +71,7 @@ class TaperedConfig(PreTrainedConfig):
 
     def run_config(self) -> Config:
         """The tapered-megatron config, checked to give the recorded widths and vocabulary."""
-        from tapered_megatron.export.load import config_from_dict
+        from tapered_megatron.config import config_from_dict
 
         cfg = config_from_dict(self.tapered_config or {})
         widths = list(cfg.taper_plan.widths)

@@ -8,21 +8,17 @@ Public entry (stable)::
     counts = count_model(cfg)             # params / FLOPs / activation bytes per layer
     table = units(cfg, "sublayer")        # the pipeline units everything above maps over
 
-See :mod:`tapered_megatron.models.base` for the mixer / MLP-slot protocol and the registry. The
-built-in architectures register themselves when their files are imported below.
+See :mod:`tapered_megatron.models.base` for the mixer / MLP-slot protocol and
+:mod:`tapered_megatron.models.registry` for the registry (it imports the built-in architectures).
 """
 
-from tapered_megatron.models import attention, hope, titans  # noqa: F401 - registers them
 from tapered_megatron.models.base import (
     ARCHITECTURES,
     Architecture,
-    ArchitectureError,
     Counts,
     MLPSlot,
     TokenMixer,
-    load_plugins,
     register_architecture,
-    resolve_architecture,
 )
 from tapered_megatron.models.counters import LayerCounts, ModelCounts, count_model
 from tapered_megatron.models.language_model import (
@@ -41,6 +37,7 @@ from tapered_megatron.models.language_model import (
     unit_prefixes,
     units,
 )
+from tapered_megatron.models.registry import ArchitectureError, load_plugins, resolve_architecture
 
 __all__ = [
     "ARCHITECTURES",

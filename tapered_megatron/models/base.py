@@ -49,16 +49,14 @@ the init is the same at any TP size and in the pipeline form. Parameters without
 attributes keep their constructor value (constants such as norm gains or gate biases).
 
 Architectures outside the package are files or modules named in ``model.plugins`` (imported by
-:func:`load_plugins` before ``model.arch`` is resolved); see ``docs/ARCHITECTURE.md``.
+:func:`~tapered_megatron.models.registry.load_plugins` before ``model.arch`` is resolved); see
+``docs/ARCHITECTURE.md``.
 """
 
 from __future__ import annotations
 
-import importlib
-import sys
 from collections.abc import Callable
 from dataclasses import dataclass, fields, is_dataclass
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 from torch import nn
@@ -163,12 +161,9 @@ class Architecture:
         return tuple(f.name for f in fields(self.options)) if key == "" else (key,)
 
 
-#: The registry: ``model.arch`` -> record. Filled by the architecture files as they are imported.
+#: The registry: ``model.arch`` -> record. Filled by the architecture files as they are imported
+#: (:mod:`tapered_megatron.models.registry` imports the built-in ones).
 ARCHITECTURES: dict[str, Architecture] = {}
-
-
-class ArchitectureError(RuntimeError):
-    """An architecture that cannot be found (unknown name or a plugin that does not load)."""
 
 
 def register_architecture(arch: Architecture) -> Architecture:
@@ -181,54 +176,3 @@ def register_architecture(arch: Architecture) -> Architecture:
         raise TypeError(f"architecture {arch.name!r}: options must be a dataclass")
     ARCHITECTURES[arch.name] = arch
     return arch
-
-
-def resolve_architecture(name: str) -> Architecture:
-    """The registered record of ``name``."""
-    try:
-        return ARCHITECTURES[name]
-    except KeyError:
-        known = ", ".join(sorted(ARCHITECTURES))
-        raise ArchitectureError(
-            f"model.arch: unknown architecture {name!r}; registered: {known} (architectures "
-            "from other files are added with model.plugins)"
-        ) from None
-
-
-def load_plugins(plugins: tuple[str, ...] | list[str]) -> None:
-    """Import each plugin: a module path (``my_pkg.my_arch``) or a ``.py`` file path.
-
-    Importing a plugin registers its architectures. A file is imported as a top-level module
-    named after the file, its folder put on ``sys.path`` (so spawned worker processes, which
-    inherit ``sys.path``, can import it again to unpickle configs).
-    """
-    for plugin in plugins:
-        path = Path(plugin)
-        if path.suffix == ".py":
-            if not path.is_file():
-                raise ArchitectureError(
-                    f"model.plugins: file {plugin} does not exist; give a .py path or a module"
-                )
-            folder, name = str(path.resolve().parent), path.stem
-            known = sys.modules.get(name)
-            if known is not None:
-                if Path(getattr(known, "__file__", "") or "").resolve() != path.resolve():
-                    raise ArchitectureError(
-                        f"model.plugins: {plugin} would import as module {name!r}, which is "
-                        f"already {known.__file__}; rename the file"
-                    )
-                continue
-            if folder not in sys.path:
-                sys.path.insert(0, folder)
-            module = name
-        else:
-            module = plugin
-        try:
-            importlib.import_module(module)
-        except ModuleNotFoundError as e:
-            if e.name != module:
-                raise
-            raise ArchitectureError(
-                f"model.plugins: no module named {module!r}; give an importable module or a "
-                ".py file path"
-            ) from None

@@ -151,7 +151,7 @@ from torch import nn
 from torch.autograd.function import once_differentiable
 
 from tapered_megatron.autocast import autocast_dtype, autocast_off
-from tapered_megatron.config import ConfigError, at_least
+from tapered_megatron.config_fields import ConfigError, at_least
 from tapered_megatron.models.attention import Attention
 from tapered_megatron.models.base import Architecture, Counts, MLPSlot, register_architecture
 from tapered_megatron.models.mlp import SwiGLU

@@ -33,8 +33,9 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from tapered_megatron.models.base import Counts, resolve_architecture
+from tapered_megatron.models.base import Counts
 from tapered_megatron.models.layers import RMSNorm
+from tapered_megatron.models.registry import resolve_architecture
 from tapered_megatron.parallel import (
     ColumnParallelLinear,
     VocabParallelEmbedding,

@@ -14,9 +14,9 @@ import json
 import sys
 
 from tapered_megatron.config import ConfigError, load_config
-from tapered_megatron.models.base import ArchitectureError
 from tapered_megatron.models.counters import count_model
 from tapered_megatron.models.language_model import build_model
+from tapered_megatron.models.registry import ArchitectureError
 
 
 def _fmt(x: float) -> str:

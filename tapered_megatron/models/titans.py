@@ -158,7 +158,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.autograd.function import once_differentiable
 
-from tapered_megatron.config import ConfigError, at_least
+from tapered_megatron.config_fields import ConfigError, at_least
 from tapered_megatron.models.base import Architecture, Counts, TokenMixer, register_architecture
 from tapered_megatron.models.layers import RotaryEmbedding, silu_parts
 from tapered_megatron.models.mlp import SwiGLU

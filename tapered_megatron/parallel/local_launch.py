@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import os
 import queue as queue_mod
-import socket
 import time
 import traceback
 from collections.abc import Callable
@@ -21,12 +20,7 @@ from typing import Any
 
 import torch.multiprocessing as mp
 
-
-def free_port() -> int:
-    """An unused TCP port on localhost."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from tapered_megatron.parallel.host import free_port, shm_workspace_path
 
 
 def _entry(rank: int, world_size: int, port: int, fn: Callable, args: tuple, queue: Any) -> None:
@@ -56,8 +50,6 @@ def _entry(rank: int, world_size: int, port: int, fn: Callable, args: tuple, que
 
 def run_workers(fn: Callable, world_size: int, *args: Any, timeout: float = 300) -> list[Any]:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` gloo ranks; return per-rank results."""
-    from tapered_megatron.training.launch import shm_workspace_path
-
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     port = free_port()

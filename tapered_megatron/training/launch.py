@@ -25,11 +25,12 @@ from pathlib import Path
 from typing import Any
 
 from tapered_megatron.config import Config, ConfigError, load_config
-from tapered_megatron.parallel.local_launch import free_port
+from tapered_megatron.parallel.host import free_port, shm_workspace_path
+from tapered_megatron.resources import resource
 from tapered_megatron.training.heartbeat import Heartbeat, period_for
 from tapered_megatron.training.preflight import check_inputs
 
-DEFAULT_DS_CONFIG = Path(__file__).resolve().parents[2] / "ds_configs" / "default.json"
+DEFAULT_DS_CONFIG = resource("ds_configs") / "default.json"
 
 # Environment variables that carry the world size / rank under the launchers we support.
 _WORLD_ENV = ("WORLD_SIZE", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE")
@@ -314,18 +315,6 @@ def resumed_global_batch(cfg: Config, world_size: int) -> tuple[int | None, str]
         f"global batch {saved} kept from the checkpoint (micro {cfg.train.micro_batch_size} x "
         f"dp {world_size // tp_pp} = {implied} here); pass --train.global_batch_size to change it"
     )
-
-
-def shm_workspace_path(rank: int, addr: str | None = None, port: int | str | None = None) -> Path:
-    """The ``/dev/shm`` file DeepSpeed's CPU shared-memory all-reduce creates for ``rank``.
-
-    DeepSpeed's CPU communication op (built when every rank is on one host, ``LOCAL_SIZE`` equal
-    to the world size) creates one such file per rank, named after the user, the rendezvous
-    address and port (default: ``MASTER_ADDR`` / ``MASTER_PORT``), and never removes it.
-    """
-    addr = os.environ.get("MASTER_ADDR", "") if addr is None else addr
-    port = os.environ.get("MASTER_PORT", "") if port is None else port
-    return Path("/dev/shm") / f"deepspeed_allreduce_buffer_{os.getuid()}_{addr}_{port}_{rank}"
 
 
 def release_shm_workspace(rank: int, world_size: int) -> None:

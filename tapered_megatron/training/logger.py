@@ -24,8 +24,8 @@ from deepspeed.accelerator import get_accelerator
 from tapered_megatron.accelerator import lookup, on_cpu
 from tapered_megatron.accelerator import product_name as device_product_name
 from tapered_megatron.config import Config
-from tapered_megatron.eval.alignment import LayerAlignment
-from tapered_megatron.eval.alignment import figure as alignment_figure
+from tapered_megatron.training.alignment import LayerAlignment
+from tapered_megatron.training.alignment import figure as alignment_figure
 
 __all__ = ["TrainLogger", "device_product_name", "memory_gb", "peak_tflops", "probe_tflops"]
 

@@ -31,13 +31,13 @@ from torch import nn
 
 from tapered_megatron import parallel
 from tapered_megatron.config import Config
-from tapered_megatron.eval import validation_loss
-from tapered_megatron.eval.alignment import AlignmentProbe
 from tapered_megatron.models import allow_layer_recompiles, build_model, count_model, lm_loss
 from tapered_megatron.pipeline.clock import StageClock
 from tapered_megatron.training import checkpoint, optim, reshard
+from tapered_megatron.training.alignment import AlignmentProbe
 from tapered_megatron.training.launch import Layout, precision_note
 from tapered_megatron.training.logger import TrainLogger
+from tapered_megatron.training.validation import validation_loss
 
 
 class Trainer:

@@ -1,8 +1,6 @@
-"""The paper's experiments as a matrix of ordinary ``pretrain/main.py`` runs, and their driver.
+"""The driver of ``scripts/reproduce_tlm.py``: each run is an ordinary ``pretrain/main.py`` job.
 
-Used by ``scripts/reproduce_tlm.py``. Every run is one configuration x one seed; a configuration
-shared by several experiments (the uniform Transformer, cosine 1.5/0.5) is trained once. Each
-run lives in ``<out>/runs/<run>/``::
+Each run lives in ``<out>/runs/<run>/``::
 
     cmd.json        the launched command line (a rerun with another command is refused)
     metrics.jsonl   one JSON line per iteration (``--logging.metrics_file``), ``val_loss`` on
@@ -29,153 +27,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from experiments.tlm.grid import SMOKE_OVERRIDES, Run, Scale, evaluation_phases
+
 REPO = Path(__file__).resolve().parents[2]
-ARCHS = ("transformer", "gated_attention", "titans", "hope_attention")
-EXPERIMENTS = ("controlled", "sweep", "archs", "alignment")
-SWEEP_SCHEDULES = ("cosine", "linear", "sigmoid")
-SWEEP_RATIOS = ((1.25, 0.75), (1.375, 0.625), (1.5, 0.5), (1.625, 0.375), (1.75, 0.25))
-# The controlled experiment's thirds: 1.5 x the base width in one third, 0.75 in the other two.
-STEP_THIRDS = {
-    "wider-early": (1.5, 0.75, 0.75),
-    "wider-middle": (0.75, 1.5, 0.75),
-    "wider-late": (0.75, 0.75, 1.5),
-}
-DEFAULT_TAPER = ("cosine", (1.5, 0.5))
-
-
-@dataclass(frozen=True)
-class Variant:
-    """One model configuration (without the seed)."""
-
-    arch: str = "transformer"
-    schedule: str = "uniform"
-    ratio: tuple[float, ...] = ()
-    reverse: bool = False
-
-    @property
-    def key(self) -> str:
-        """Stable, file-name-safe identifier, e.g. ``transformer-cosine-1.5-0.5-rev``."""
-        parts = [self.arch, self.schedule, *(f"{r:g}" for r in self.ratio)]
-        return "-".join(parts) + ("-rev" if self.reverse else "")
-
-    @property
-    def label(self) -> str:
-        """Human-readable label for tables, e.g. ``cosine 1.5/0.5 (reverse)``."""
-        if self.schedule == "uniform":
-            return "uniform"
-        if self.schedule == "step":
-            for name, mult in STEP_THIRDS.items():
-                if mult == self.ratio:
-                    return f"{name} [{'/'.join(f'{r:g}' for r in mult)}]"
-        text = f"{self.schedule} {'/'.join(f'{r:g}' for r in self.ratio)}"
-        return text + (" (reverse)" if self.reverse else "")
-
-    def overrides(self) -> list[str]:
-        """Config overrides that select this variant."""
-        out = ["--model.arch", self.arch, "--taper.schedule", self.schedule]
-        if self.schedule == "step":
-            out += ["--taper.step_multipliers", *(f"{r:g}" for r in self.ratio)]
-        elif self.schedule != "uniform":
-            out += ["--taper.ratio", *(f"{r:g}" for r in self.ratio)]
-        if self.reverse:
-            out += ["--taper.reverse", "true"]
-        return out
-
-
-UNIFORM = Variant()
-
-
-def experiment_variants(name: str) -> list[Variant]:
-    """The configurations one experiment compares (its first entry is the uniform baseline)."""
-    if name == "controlled":
-        return [UNIFORM, *(Variant("transformer", "step", m) for m in STEP_THIRDS.values())]
-    if name == "sweep":
-        return [UNIFORM] + [
-            Variant("transformer", s, r) for r in SWEEP_RATIOS for s in SWEEP_SCHEDULES
-        ]
-    if name == "archs":
-        sched, ratio = DEFAULT_TAPER
-        return [
-            v
-            for a in ARCHS
-            for v in (Variant(a), Variant(a, sched, ratio), Variant(a, sched, ratio, True))
-        ]
-    if name == "alignment":
-        sched, ratio = DEFAULT_TAPER
-        return [UNIFORM, Variant("transformer", sched, ratio)]
-    raise ValueError(f"unknown experiment {name!r}; choose from {', '.join(EXPERIMENTS)}")
-
-
-@dataclass(frozen=True)
-class Scale:
-    """How big the runs are: a preset per architecture plus overrides, and evaluation sizes."""
-
-    name: str
-    presets: dict[str, str]
-    overrides: tuple[str, ...] = ()
-    alignment_tokens: int = 16384
-    zeroshot_limit: int = 0  # 0: every example of each task
-    gpu: bool = False  # needs an accelerator (the plan is printed instead where none is)
-
-
-def _preset_scale(name: str, tag: str) -> Scale:
-    return Scale(name, {a: f"{a}_{tag}" for a in ARCHS}, (), 262144, 0, True)
-
-
-SCALES = {
-    # tlm_cpu.yaml: a ~1.3M-parameter model (d_model 128, 6 layers, vocab 2048), 320 x 1024 tokens.
-    "cpu": Scale("cpu", {a: "tlm_cpu" for a in ARCHS}, (), 16384, 200),
-    "440m": _preset_scale("440m", "440m"),
-    "760m": _preset_scale("760m", "760m"),
-    "1.3b": _preset_scale("1.3b", "1.3b"),
-}
-SMOKE_OVERRIDES = (
-    "--model.d_model",
-    "32",
-    "--model.layers",
-    "3",
-    "--model.heads",
-    "2",
-    "--model.d_ff",
-    "96",
-    "--model.seq_len",
-    "64",
-    "--train.iters",
-    "4",
-    "--train.micro_batch_size",
-    "2",
-    "--train.warmup_iters",
-    "1",
-    "--eval.interval",
-    "2",
-    "--eval.iters",
-    "2",
-    "--logging.interval",
-    "2",
-)
-
-
-@dataclass(frozen=True)
-class Run:
-    """One training job: a variant and a seed."""
-
-    variant: Variant
-    seed: int
-
-    @property
-    def name(self) -> str:
-        """Directory name under ``<out>/runs``."""
-        return f"{self.variant.key}-s{self.seed}"
-
-
-def plan_runs(experiments: Iterable[str], seeds: int) -> list[Run]:
-    """Deduplicated runs of ``experiments``, seed-major (all of seed 1 first) for early tables."""
-    variants: list[Variant] = []
-    for e in experiments:
-        for v in experiment_variants(e):
-            if v not in variants:
-                variants.append(v)
-    return [Run(v, s) for s in range(1, seeds + 1) for v in variants]
 
 
 @dataclass
@@ -380,16 +234,6 @@ def evaluate_run(settings: Settings, run: Run, phase: str, log: Callable[[str], 
         log(f"FAILED {phase} on {run.name}: {target} not written")
         return "failed"
     return "ok"
-
-
-def evaluation_phases(experiments: Iterable[str]) -> dict[str, list[Variant]]:
-    """Which variants each evaluation phase covers: (e) alignment, (f) zero-shot of (c)."""
-    phases: dict[str, list[Variant]] = {}
-    if "alignment" in experiments:
-        phases["alignment"] = experiment_variants("alignment")
-    if "archs" in experiments:
-        phases["zeroshot"] = experiment_variants("archs")
-    return phases
 
 
 def evaluate_all(

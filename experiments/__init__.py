@@ -1,0 +1,1 @@
+"""Experiments that drive the library from outside (not installed with the package)."""

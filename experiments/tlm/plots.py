@@ -1,0 +1,175 @@
+"""The plots (a)-(f) of RESULTS.md (matplotlib, PNG)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from experiments.tlm import grid
+from experiments.tlm.stats import Stat, perplexity, ppl_stat, rho_stats, zs_stat
+
+PLOTS = {
+    "controlled": "a_controlled.png",
+    "sweep": "b_sweep.png",
+    "archs": "c_archs.png",
+    "curves": "d_curves.png",
+    "alignment": "e_alignment.png",
+    "zeroshot": "f_zeroshot.png",
+}
+
+
+def _plt() -> Any:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def _dots(ax: Any, labels: list[str], stats: list[Stat], ylabel: str) -> None:
+    """Mean ± std per label as points with error bars (no bar baseline to exaggerate gaps)."""
+    xs = list(range(len(labels)))
+    ok = [(x, s) for x, s in zip(xs, stats, strict=True) if s.n]
+    ax.errorbar(
+        [x for x, _ in ok], [s.mean for _, s in ok], [s.std for _, s in ok], fmt="o", capsize=3
+    )
+    ax.set_xticks(xs, labels, rotation=30, ha="right", fontsize=8)
+    ax.set_xlim(-0.5, len(xs) - 0.5)
+    ax.set_ylabel(ylabel)
+    ax.grid(axis="y", alpha=0.3)
+
+
+def plot_all(by: dict, keys: list[str], dest: Path) -> list[str]:
+    """Write the PNGs named by ``keys`` (:func:`plot_keys`) under ``dest``; return the names."""
+    plt = _plt()
+    written = []
+
+    def save(fig: Any, key: str) -> None:
+        fig.tight_layout()
+        fig.savefig(dest / PLOTS[key], dpi=110)
+        plt.close(fig)
+        written.append(PLOTS[key])
+
+    dest.mkdir(parents=True, exist_ok=True)
+    if "controlled" in keys:
+        vs = grid.experiment_variants("controlled")
+        fig, ax = plt.subplots(figsize=(5, 3.5))
+        _dots(
+            ax,
+            [v.label.split(" ")[0] for v in vs],
+            [ppl_stat(by.get(v.key)) for v in vs],
+            "val ppl",
+        )
+        ax.set_title("(a) controlled: wider thirds (mean ± std over seeds)")
+        save(fig, "controlled")
+    if "sweep" in keys:
+        fig, ax = plt.subplots(figsize=(5.5, 3.8))
+        xs = [r[0] for r in grid.SWEEP_RATIOS]
+        for s in grid.SWEEP_SCHEDULES:
+            st = [
+                ppl_stat(by.get(grid.Variant("transformer", s, r).key)) for r in grid.SWEEP_RATIOS
+            ]
+            ok = [(x, t) for x, t in zip(xs, st, strict=True) if t.n]
+            if ok:
+                ax.errorbar(
+                    [x for x, _ in ok],
+                    [t.mean for _, t in ok],
+                    [t.std for _, t in ok],
+                    marker="o",
+                    capsize=3,
+                    label=s,
+                )
+        u = ppl_stat(by.get(grid.UNIFORM.key))
+        if u.n:
+            ax.axhline(u.mean, color="k", ls="--", label="uniform")
+            ax.axhspan(u.mean - u.std, u.mean + u.std, color="k", alpha=0.1)
+        ax.set_xlabel("r_start (r_end = 2 - r_start)")
+        ax.set_ylabel("val ppl")
+        ax.set_title("(b) schedule sweep")
+        ax.legend(fontsize=8)
+        save(fig, "sweep")
+    if "archs" in keys:
+        fig, axes = plt.subplots(1, len(grid.ARCHS), figsize=(10, 3.6))
+        for ax, a in zip(axes, grid.ARCHS, strict=True):
+            vs = [v for v in grid.experiment_variants("archs") if v.arch == a]
+            _dots(
+                ax,
+                ["uniform", "cosine 1.5/0.5", "reverse"],
+                [ppl_stat(by.get(v.key)) for v in vs],
+                "val ppl",
+            )
+            ax.set_title(a, fontsize=9)
+        fig.suptitle("(c) architectures (mean ± std over seeds)")
+        save(fig, "archs")
+    if "curves" in keys:
+        groups = [e for e in ("controlled", "sweep", "archs") if e in keys]
+        fig, axes = plt.subplots(1, len(groups), figsize=(5 * len(groups), 3.8), squeeze=False)
+        for ax, e in zip(axes[0], groups, strict=True):
+            for v in grid.experiment_variants(e):
+                runs = by.get(v.key)
+                if not runs:
+                    continue
+                curves = [r["val_curve"] for r in runs.values()]
+                n = min(len(c) for c in curves)
+                toks = [curves[0][i][1] for i in range(n)]
+                ppl = [sum(perplexity(c[i][2]) for c in curves) / len(curves) for i in range(n)]
+                name = v.label if e != "archs" else f"{v.arch} {v.label}"
+                ax.plot(toks, ppl, label=name, lw=1)
+            ax.set_xlabel("tokens")
+            ax.set_ylabel("val ppl (mean over seeds)")
+            ax.set_yscale("log")
+            ax.set_title(f"(d) {e}")
+            ax.legend(fontsize=5, ncol=2)
+        save(fig, "curves")
+    if "alignment" in keys:
+        uni, tap = grid.experiment_variants("alignment")
+        rho = {
+            (n, k): rho_stats(by, v, k)
+            for n, v in (("uniform", uni), ("tapered", tap))
+            for k in ("rho_block", "rho_mlp")
+        }
+        if any(rho.values()):
+            fig, ax = plt.subplots(figsize=(5, 3.5))
+            for (n, k), st in rho.items():
+                if st:
+                    ax.errorbar(
+                        range(len(st)),
+                        [s.mean for s in st],
+                        [s.std for s in st],
+                        marker="o",
+                        capsize=2,
+                        ls="-" if n == "tapered" else "--",
+                        label=f"{n} {k}",
+                    )
+            ax.axhline(0, color="k", lw=0.5)
+            ax.set_xlabel("layer")
+            ax.set_ylabel("cosine")
+            ax.set_title("(e) alignment with the residual stream")
+            ax.legend(fontsize=8)
+            save(fig, "alignment")
+    if "zeroshot" in keys:
+        fig, ax = plt.subplots(figsize=(6, 3.8))
+        vs = grid.experiment_variants("archs")
+        _dots(
+            ax,
+            [f"{v.arch} {v.label}" for v in vs],
+            [zs_stat(by.get(v.key)) for v in vs],
+            "avg zero-shot acc (%)",
+        )
+        ax.set_title("(f) zero-shot")
+        save(fig, "zeroshot")
+    return written
+
+
+def plot_keys(by: dict, records: list[dict[str, Any]], only: list[str]) -> list[str]:
+    """Which of the plots (a)-(f) have data (the same rule for drawing and for linking)."""
+    keys = [k for k in ("controlled", "sweep", "archs") if k in only and records]
+    if records and keys:
+        keys.append("curves")
+    uni, tap = grid.experiment_variants("alignment")
+    if "alignment" in only and (rho_stats(by, uni, "rho_block") or rho_stats(by, tap, "rho_block")):
+        keys.append("alignment")
+    if "archs" in only and any(r.get("zeroshot") for r in records):
+        keys.append("zeroshot")
+    return keys

@@ -1,0 +1,103 @@
+"""The saved summary of each finished run (``docs/results/runs/<run>/metrics.json``): what
+RESULTS.md is computed from, so it can be regenerated and checked without the checkpoints."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+from experiments.tlm import driver, grid
+
+
+def _window_means(recs: list[dict[str, Any]], width: int) -> list[list[float]]:
+    out = []
+    for i in range(0, len(recs), width):
+        chunk = recs[i : i + width]
+        out.append([chunk[-1]["iteration"], sum(r["loss"] for r in chunk) / len(chunk)])
+    return out
+
+
+def run_record(settings: driver.Settings, run: grid.Run) -> dict[str, Any]:
+    """The saved summary of one finished run (what RESULTS.md is computed from)."""
+    from tapered_megatron.config import load_config
+
+    d = settings.run_dir(run)
+    job = driver.job_part(json.loads((d / "cmd.json").read_text())["command"])
+    over = [a for a in job[1:] if a not in ("--resume", "auto")]
+    preset = over[over.index("--config") + 1]
+    del over[over.index("--config") : over.index("--config") + 2]
+    cfg = load_config(preset, over)
+    tokens_per_iter = (cfg.train.global_batch_size or cfg.train.micro_batch_size) * (
+        cfg.model.seq_len
+    )
+    recs = driver.read_metrics(d / "metrics.jsonl")
+    curve = [
+        [r["iteration"], r["iteration"] * tokens_per_iter, r["val_loss"]]
+        for r in recs
+        if "val_loss" in r
+    ]
+    done = json.loads((d / "done").read_text())
+    out: dict[str, Any] = {
+        "run": run.name,
+        "variant": run.variant.key,
+        "arch": run.variant.arch,
+        "schedule": run.variant.schedule,
+        "ratio": list(run.variant.ratio),
+        "reverse": run.variant.reverse,
+        "seed": run.seed,
+        "widths": list(cfg.taper_plan.widths),
+        "model": {
+            "d_model": cfg.model.d_model,
+            "layers": cfg.model.layers,
+            "d_ff": cfg.model.d_ff,
+            "vocab_size": cfg.model.vocab_size,
+            "seq_len": cfg.model.seq_len,
+        },
+        "tokens_per_iteration": tokens_per_iter,
+        "iterations": recs[-1]["iteration"],
+        "eval_tokens": cfg.eval.iters * tokens_per_iter,
+        "lr": cfg.train.lr,
+        "val_curve": curve,
+        "train_curve": _window_means(recs, 10),
+        "final_val_loss": curve[-1][2],
+        "wall_s": round(done["wall_s"], 1),
+    }
+    align = d / "alignment.json"
+    out["alignment"] = json.loads(align.read_text()) if align.exists() else None
+    zs = d / "zeroshot" / "zeroshot.json"
+    out["zeroshot"] = json.loads(zs.read_text()) if zs.exists() else None
+    return out
+
+
+def collect(settings: driver.Settings, runs: Iterable[grid.Run], dest: Path) -> int:
+    """Write ``dest/<run>/metrics.json`` for every finished run; return how many were written.
+
+    Saved runs no longer in the plan are left alone; ``dest`` holds small JSON only.
+    """
+    n = 0
+    for run in runs:
+        if not driver.is_done(settings, run):
+            continue
+        rec = run_record(settings, run)
+        (dest / run.name).mkdir(parents=True, exist_ok=True)
+        (dest / run.name / "metrics.json").write_text(json.dumps(rec, indent=1) + "\n")
+        n += 1
+    return n
+
+
+def load_records(runs_dir: Path) -> list[dict[str, Any]]:
+    """Every saved ``<run>/metrics.json`` under ``runs_dir``, sorted by run name."""
+    return [json.loads(p.read_text()) for p in sorted(runs_dir.glob("*/metrics.json"))]
+
+
+def sync_records(settings: driver.Settings, runs: list[grid.Run], dest: Path) -> int:
+    """:func:`collect`, after removing saved records of runs outside this plan."""
+    names = {r.name for r in runs}
+    if dest.exists():
+        for d in dest.iterdir():
+            if d.is_dir() and d.name not in names:
+                shutil.rmtree(d)
+    return collect(settings, runs, dest)

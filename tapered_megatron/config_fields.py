@@ -1,0 +1,21 @@
+"""What config dataclasses are written with: :class:`ConfigError` and :func:`at_least`.
+
+A leaf module (no package imports), so the architecture files, whose options dataclasses use
+both, do not import the config loader that looks those architectures up. Both are re-exported
+by :mod:`tapered_megatron.config`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import field
+from typing import Any
+
+
+class ConfigError(ValueError):
+    """Invalid configuration; the message names the offending key and how to fix it."""
+
+
+def at_least(low: float, default: Any) -> Any:
+    """A dataclass field whose value (each element, for a tuple) must be ``>= low``; checked
+    when the config is parsed, with the key named in the error."""
+    return field(default=default, metadata={"min": low})
