@@ -5,8 +5,8 @@
     python scripts/reproduce_tlm.py --scale 440m --launcher "deepspeed --num_gpus 8" \\
         --data-path /data/pile_text_document --tokenizer-model /data/tok.model
 
-Experiments (tlm-spec.md section 3): (a) ``controlled`` uniform vs wider-early/middle/late thirds,
-(b) ``sweep`` cosine/linear/sigmoid x five ratio pairs, (c) ``archs`` four architectures x
+Experiments (the paper's, arXiv 2606.23670): (a) ``controlled`` uniform vs
+wider-early/middle/late thirds, (b) ``sweep`` cosine/linear/sigmoid x five ratio pairs, (c) ``archs`` four architectures x
 {uniform, cosine 1.5/0.5, reverse}, with (d) validation curves of all of them, (e) ``alignment``
 (rho_block / rho_mlp of the uniform and tapered Transformer) and (f) zero-shot scores of the
 (c) models. Each run is an ordinary ``pretrain/main.py`` job under ``--launcher``; finished runs
@@ -216,9 +216,8 @@ def _report_only(settings: driver.Settings, runs: list, results: Path, meta: dic
 def _command(argv: list[str] | None) -> str:
     """The invocation as RESULTS.md shows it (``--no-report`` dropped: the same runs)."""
     args = sys.argv[1:] if argv is None else argv
-    return shlex.join(
-        ["python", "scripts/reproduce_tlm.py", *(x for x in args if x != "--no-report")]
-    )
+    kept = (records.repo_relative(x) for x in args if x != "--no-report")
+    return shlex.join(["python", "scripts/reproduce_tlm.py", *kept])
 
 
 def _total_wall(out: Path, this_s: float) -> float:

@@ -4,6 +4,7 @@ RESULTS.md is computed from, so it can be regenerated and checked without the ch
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from collections.abc import Iterable
 from pathlib import Path
@@ -69,7 +70,15 @@ def run_record(settings: driver.Settings, run: grid.Run) -> dict[str, Any]:
     out["alignment"] = json.loads(align.read_text()) if align.exists() else None
     zs = d / "zeroshot" / "zeroshot.json"
     out["zeroshot"] = json.loads(zs.read_text()) if zs.exists() else None
+    if out["zeroshot"] and "model" in out["zeroshot"]:
+        out["zeroshot"]["model"] = repo_relative(out["zeroshot"]["model"])
     return out
+
+
+def repo_relative(path: str) -> str:
+    """``path`` relative to the repository when it is absolute, so committed results carry no
+    path of the machine that produced them."""
+    return os.path.relpath(path, driver.REPO) if os.path.isabs(path) else path
 
 
 def collect(settings: driver.Settings, runs: Iterable[grid.Run], dest: Path) -> int:

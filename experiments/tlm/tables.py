@@ -7,7 +7,7 @@ from typing import Any
 from experiments.tlm import grid
 from experiments.tlm.stats import Paired, pm, ppl_stat, rho_stats, signed_pm, zs_stat
 
-# tlm-spec.md section 3: the paper's 440M validation perplexities.
+# The paper's 440M validation perplexities (arXiv 2606.23670).
 PAPER_CONTROLLED = {
     "uniform": 16.28,
     "wider-early": 15.96,
