@@ -6,7 +6,8 @@
         --data-path /data/pile_text_document --tokenizer-model /data/tok.model
 
 Experiments (the paper's, arXiv 2606.23670): (a) ``controlled`` uniform vs
-wider-early/middle/late thirds, (b) ``sweep`` cosine/linear/sigmoid x five ratio pairs, (c) ``archs`` four architectures x
+wider-early/middle/late thirds, (b) ``sweep`` cosine/linear/sigmoid x five ratio pairs,
+(c) ``archs`` four architectures x
 {uniform, cosine 1.5/0.5, reverse}, with (d) validation curves of all of them, (e) ``alignment``
 (rho_block / rho_mlp of the uniform and tapered Transformer) and (f) zero-shot scores of the
 (c) models. Each run is an ordinary ``pretrain/main.py`` job under ``--launcher``; finished runs

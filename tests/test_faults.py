@@ -329,7 +329,9 @@ def test_a_stopped_rank_is_named_when_the_backend_aborts_instead_of_raising(stop
     timeout, port, waiting = 10, str(free_port()), 1 - stopped
     procs, errs = [], []
     for r in range(2):
-        env = dict(_env(), RANK=str(r), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
+        env = dict(
+            job_env(), RANK=str(r), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=port
+        )
         errs.append(open(tmp_path / f"err{r}.txt", "w"))  # noqa: SIM115 (closed below)
         cmd = [sys.executable, "-c", _HANG, str(timeout), str(stopped)]
         procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=errs[r]))
