@@ -43,13 +43,28 @@ def test_auto_keys_are_filled_from_train_config():
 
 
 @pytest.mark.parametrize("half", ["bf16", "fp16"])
-def test_explicit_mixed_precision_runs_on_the_cpu_accelerator_with_a_note(half):
+def test_explicit_mixed_precision_runs_on_the_cpu_accelerator_with_a_note(half, monkeypatch):
+    from deepspeed.accelerator.cpu_accelerator import CPU_Accelerator
+
+    monkeypatch.setattr(CPU_Accelerator, "is_fp16_supported", lambda self: True)
     ds, _ = _resolve([], {half: {"enabled": True}}, world=1)
     assert launch.precision(ds) == half
     note = launch.precision_note(ds)
     assert half in note and "testing" in note and "\n" not in note
     auto, _ = _resolve([], {"bf16": {"enabled": "auto"}}, world=1)
     assert launch.precision(auto) == "fp32" and launch.precision_note(auto) == ""
+
+
+def test_a_half_precision_the_accelerator_lacks_is_one_line(monkeypatch):
+    from deepspeed.accelerator.cpu_accelerator import CPU_Accelerator
+
+    monkeypatch.setattr(CPU_Accelerator, "is_fp16_supported", lambda self: False)
+    with pytest.raises(ConfigError) as e:
+        _resolve([], {"fp16": {"enabled": True}}, world=1)
+    assert "does not support it" in str(e.value) and "enable bf16" in str(e.value)
+    with pytest.raises(ConfigError) as e:
+        _resolve(["--parallel.pp", "2"], {"fp16": {"enabled": True}}, world=2)
+    assert "ZeRO stage 0" in str(e.value) and "\n" not in str(e.value)
 
 
 def test_every_shipped_ds_config_resolves():

@@ -36,13 +36,23 @@ from typing import Any
 
 import torch
 
+from tapered_megatron.checkpoint_layout import (
+    COMPLETE,
+    CONFIG,
+    LATEST,
+    TAPER_PLAN,
+    UNIVERSAL,
+    complete_tags,
+    has_universal,
+    is_tag,
+    iteration_of,
+    latest_tag,
+)
 from tapered_megatron.config import Config, ConfigError, load_saved_config
 from tapered_megatron.export.errors import ExportError
 from tapered_megatron.models import build_model, unit_prefixes
 from tapered_megatron.parallel.layers import unshard
 
-COMPLETE, LATEST = "complete", "latest"  # as written by tapered_megatron.training.checkpoint
-_TAG = re.compile(r"^global_step(\d+)$")
 _LAYER_FILE = re.compile(r"^layer_(\d+)-model_(\d+)-model_states\.pt$")
 
 
@@ -66,32 +76,26 @@ class CheckpointRef:
         return self.consumed_samples * self.cfg.model.seq_len
 
 
-def _tags(save_dir: Path) -> list[tuple[int, str, bool]]:
-    """``(iteration, tag, complete)`` of every ``global_stepN`` under ``save_dir``, oldest first."""
-    out = []
-    for d in save_dir.iterdir():
-        m = _TAG.match(d.name)
-        if m and d.is_dir():
-            out.append((int(m.group(1)), d.name, (d / COMPLETE).exists()))
-    return sorted(out)
-
-
 def resolve_checkpoint(path: str | Path, tag: str | None = None) -> CheckpointRef:
     """The checkpoint at ``path`` (a save dir, or one ``global_stepN`` dir) and ``tag`` (default:
     ``latest``). Fails with one line for a missing directory or tag and a partial checkpoint."""
     p = Path(path)
     if not p.is_dir():
         raise ExportError(f"--checkpoint {p}: no such directory")
-    if _TAG.match(p.name):
+    if is_tag(p.name):
         if tag is not None and tag != p.name:
             raise ExportError(f"--tag {tag} contradicts --checkpoint {p}; give the save directory")
         tag_dir = p
     else:
-        tags = _tags(p)
-        done = [t for _, t, ok in tags if ok]
+        done = [t for _, t in complete_tags(p)]
         if tag is None:
             if (p / LATEST).is_file():
-                tag = (p / LATEST).read_text().strip()
+                tag = latest_tag(p)
+                if not is_tag(tag):
+                    raise ExportError(
+                        f"{p / LATEST} names {tag!r}, not a global_stepN of this directory; "
+                        "pass --tag"
+                    )
             elif done:
                 tag = done[-1]
             else:
@@ -106,16 +110,16 @@ def resolve_checkpoint(path: str | Path, tag: str | None = None) -> CheckpointRe
                 f"{', '.join(done) or 'none'}"
             )
     if not (tag_dir / COMPLETE).is_file():
-        others = [t for _, t, ok in _tags(tag_dir.parent) if ok and t != tag_dir.name]
+        others = [t for _, t in complete_tags(tag_dir.parent) if t != tag_dir.name]
         raise ExportError(
             f"{tag_dir} is a partial checkpoint (no '{COMPLETE}' marker: the run stopped while "
             f"saving it); export a complete one with --tag ({', '.join(others) or 'none found'})"
         )
     try:
-        cfg = load_saved_config(tag_dir / "config.yaml")
+        cfg = load_saved_config(tag_dir / CONFIG)
     except (ConfigError, FileNotFoundError) as e:
-        raise ExportError(f"{tag_dir}/config.yaml: {e}") from None
-    plan_file = tag_dir / "taper_plan.json"
+        raise ExportError(f"{tag_dir / CONFIG}: {e}") from None
+    plan_file = tag_dir / TAPER_PLAN
     if plan_file.is_file():
         saved = json.loads(plan_file.read_text())["widths"]
         if list(saved) != list(cfg.taper_plan.widths):
@@ -124,8 +128,7 @@ def resolve_checkpoint(path: str | Path, tag: str | None = None) -> CheckpointRe
                 f"({list(cfg.taper_plan.widths)}); use the tapered_megatron version that trained it"
             )
     marker = json.loads((tag_dir / COMPLETE).read_text() or "{}")
-    m = _TAG.match(tag_dir.name)
-    iteration = int(marker.get("iteration", m.group(1) if m else 0))
+    iteration = int(marker.get("iteration", iteration_of(tag_dir.name)))
     return CheckpointRef(tag_dir, cfg, iteration, int(marker.get("consumed_samples", 0)))
 
 
@@ -174,8 +177,6 @@ def consolidate(ref: CheckpointRef) -> dict[str, torch.Tensor]:
 def _universal(tag_dir: Path, cfg: Config) -> dict[str, torch.Tensor]:
     """The fp32 master weights from the checkpoint's layout-free ``universal/`` copy (already
     full and keyed by single-process name; read as plain tensors, never as pickled objects)."""
-    from tapered_megatron.training.checkpoint import UNIVERSAL
-
     out = {}
     for name, p in build_model(cfg, device="meta").named_parameters():
         f = tag_dir / UNIVERSAL / f"{name}.pt"
@@ -191,8 +192,6 @@ def _universal(tag_dir: Path, cfg: Config) -> dict[str, torch.Tensor]:
 def _consolidate(ref: CheckpointRef) -> dict[str, torch.Tensor]:
     """The universal copy's fp32 masters when the checkpoint has one (every layout; the only
     fp32 source of a bf16/fp16 ZeRO-0 or pipeline run), else DeepSpeed's own files."""
-    from tapered_megatron.training.checkpoint import has_universal
-
     tag_dir, cfg = ref.tag_dir, ref.cfg
     if has_universal(tag_dir):
         return _universal(tag_dir, cfg)

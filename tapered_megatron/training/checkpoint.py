@@ -1,15 +1,6 @@
 """Checkpoints: DeepSpeed's save/load plus our client state, written so ``latest`` never lies.
 
-Layout of ``train.save_dir``::
-
-    global_step100/            DeepSpeed's files (model / optimizer / scheduler per rank)
-        rng_rank00000.pt ...   RNG states of every rank (python, numpy, torch, accelerator)
-        config.yaml            the resolved configuration of the run
-        taper_plan.json        the taper plan (widths per layer)
-        layout.json            the parallel layout it was saved under (TP, PP, DP, ZeRO, unit)
-        universal/             layout-free copy (train.universal_checkpoint; see reshard.py)
-        complete               written by rank 0 after every rank finished writing
-    latest                     "global_step100", replaced atomically after ``complete``
+The directory layout (names, tags, completeness) is :mod:`tapered_megatron.checkpoint_layout`.
 
 Consumed samples and the iteration travel in DeepSpeed's client state. ``--train.resume auto``
 picks the checkpoint named by ``latest`` if it is complete, else the newest complete one; a
@@ -21,7 +12,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import shutil
 import signal
 from collections.abc import Callable
@@ -33,27 +23,22 @@ import torch.distributed as dist
 import yaml
 
 from tapered_megatron import parallel
+from tapered_megatron.checkpoint_layout import (
+    COMPLETE,
+    CONFIG,
+    LATEST,
+    LAYOUT,
+    TAPER_PLAN,
+    complete_tags,
+    is_complete,
+    is_tag,
+    newest_complete,
+    saved_layout,
+    tag_of,
+    tags,
+)
 from tapered_megatron.config import Config
 from tapered_megatron.parallel.random import set_rng_state
-
-COMPLETE = "complete"
-LATEST = "latest"
-LAYOUT = "layout.json"
-UNIVERSAL, UNIVERSAL_META = "universal", "meta.pt"  # the layout-free copy (reshard.py)
-_TAG = re.compile(r"^global_step(\d+)$")
-
-
-def tag_of(iteration: int) -> str:
-    """DeepSpeed's tag for the checkpoint taken after ``iteration`` optimizer steps."""
-    return f"global_step{iteration}"
-
-
-def iteration_of(tag: str) -> int:
-    """The iteration of a ``global_stepN`` tag."""
-    m = _TAG.match(tag)
-    if m is None:
-        raise ValueError(f"{tag!r} is not a global_stepN checkpoint tag")
-    return int(m.group(1))
 
 
 def layout_record(cfg: Config, layout: Any) -> dict[str, Any]:
@@ -66,19 +51,6 @@ def layout_record(cfg: Config, layout: Any) -> dict[str, Any]:
         "zero_stage": layout.zero_stage,
         "pipeline_unit": cfg.parallel.pipeline_unit if layout.pp > 1 else "none",
     }
-
-
-def describe_layout(rec: dict[str, Any]) -> str:
-    """``TP2 PP1 DP1 ZeRO-1 unit none`` (keys a record lacks are left out)."""
-    names = (("tp", "TP{}"), ("pp", "PP{}"), ("dp", "DP{}"), ("zero_stage", "ZeRO-{}"))
-    words = [fmt.format(rec[k]) for k, fmt in names if k in rec]
-    return " ".join([*words, f"unit {rec.get('pipeline_unit', 'none')}"])
-
-
-def saved_layout(tag_dir: Path) -> dict[str, Any] | None:
-    """The layout a checkpoint was saved under; ``None`` for one written before ``layout.json``."""
-    f = tag_dir / LAYOUT
-    return json.loads(f.read_text()) if f.exists() else None
 
 
 def saved_global_batch(tag_dir: Path) -> int | None:
@@ -97,11 +69,6 @@ def saved_global_batch(tag_dir: Path) -> int | None:
     return tr.micro_batch_size * layout["dp"] if layout and "dp" in layout else None
 
 
-def has_universal(tag_dir: Path) -> bool:
-    """Whether a checkpoint holds the layout-free copy (``train.universal_checkpoint``)."""
-    return (tag_dir / UNIVERSAL / UNIVERSAL_META).exists()
-
-
 def _rank() -> int:
     return dist.get_rank() if dist.is_initialized() else 0
 
@@ -118,23 +85,6 @@ def _write_atomic(path: Path, text: str) -> None:
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
-
-
-def is_complete(tag_dir: Path) -> bool:
-    """Whether a ``global_stepN`` directory was fully written."""
-    return (tag_dir / COMPLETE).exists()
-
-
-def complete_tags(save_dir: Path) -> list[tuple[int, str]]:
-    """``(iteration, tag)`` of the complete checkpoints in ``save_dir``, oldest first."""
-    if not save_dir.is_dir():
-        return []
-    out = []
-    for d in save_dir.iterdir():
-        m = _TAG.match(d.name)
-        if m and d.is_dir() and is_complete(d):
-            out.append((int(m.group(1)), d.name))
-    return sorted(out)
 
 
 def save(
@@ -170,8 +120,8 @@ def save(
         also(tag_dir, client)
     _barrier()
     if _rank() == 0:
-        (tag_dir / "config.yaml").write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
-        (tag_dir / "taper_plan.json").write_text(json.dumps(cfg.taper_plan.to_dict(), indent=1))
+        (tag_dir / CONFIG).write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
+        (tag_dir / TAPER_PLAN).write_text(json.dumps(cfg.taper_plan.to_dict(), indent=1))
         if layout is not None:
             (tag_dir / LAYOUT).write_text(json.dumps(layout) + "\n")
         crash_point("complete")
@@ -195,29 +145,15 @@ def crash_point(name: str) -> None:
         os.kill(os.getpid(), signal.SIGKILL)
 
 
-def partial_tags(save_dir: Path, newer_than: int) -> list[str]:
-    """``global_stepN`` directories in ``save_dir`` after iteration ``newer_than`` that lack
-    ``complete`` (a save cut short), oldest first."""
-    if not save_dir.is_dir():
-        return []
-    found = []
-    for d in save_dir.iterdir():
-        m = _TAG.match(d.name)
-        if m and int(m.group(1)) > newer_than and d.is_dir() and not is_complete(d):
-            found.append((int(m.group(1)), d.name))
-    return [name for _, name in sorted(found)]
-
-
 def prune(save_dir: Path, keep_last: int) -> None:
     """Delete all but the newest ``keep_last`` complete checkpoints (and partial older ones)."""
     done = complete_tags(save_dir)
     if len(done) <= keep_last:
         return
     oldest_kept = done[-keep_last][0]
-    for d in save_dir.iterdir():
-        m = _TAG.match(d.name)
-        if m and int(m.group(1)) < oldest_kept:
-            shutil.rmtree(d, ignore_errors=True)
+    for it, tag, _ in tags(save_dir):
+        if it < oldest_kept:
+            shutil.rmtree(save_dir / tag, ignore_errors=True)
 
 
 def find_resume(cfg: Config) -> tuple[Path, str] | None:
@@ -231,26 +167,17 @@ def find_resume(cfg: Config) -> tuple[Path, str] | None:
         return None
     if how == "auto":
         save_dir = Path(cfg.train.save_dir)
-        latest = save_dir / LATEST
-        if latest.exists():
-            tag = latest.read_text().strip()
-            if is_complete(save_dir / tag):
-                return save_dir, tag
-        done = complete_tags(save_dir)
-        return (save_dir, done[-1][1]) if done else None
+        tag = newest_complete(save_dir)
+        return (save_dir, tag) if tag else None
     p = Path(how)
-    if _TAG.match(p.name):
+    if is_tag(p.name):
         if not is_complete(p):
             raise FileNotFoundError(f"train.resume: {p} is not a complete checkpoint")
         return p.parent, p.name
-    if (p / LATEST).exists():
-        tag = (p / LATEST).read_text().strip()
-        if is_complete(p / tag):
-            return p, tag
-    done = complete_tags(p)
-    if not done:
+    tag = newest_complete(p)
+    if tag is None:
         raise FileNotFoundError(f"train.resume: no complete checkpoint under {p}")
-    return p, done[-1][1]
+    return p, tag
 
 
 def load(engine: Any, load_dir: Path, tag: str) -> dict[str, Any]:

@@ -23,6 +23,7 @@ from typing import Any
 
 import yaml
 
+from tapered_megatron import checkpoint_layout as layout_files
 from tapered_megatron.config import Config, ConfigError, load_saved_config
 
 # Bytes per parameter in a DeepSpeed checkpoint: the module's weights plus Adam's fp32 moments
@@ -220,18 +221,17 @@ def check_resume(cfg: Config, layout: Any = None) -> None:
 def _check_layout_change(tag_dir: Path, saved_cfg: dict[str, Any], now: dict[str, Any]) -> None:
     """A checkpoint without ``universal/`` loads only under the layout it was saved under (its
     ``layout.json``; for one written before that file, the TP / PP / unit of its config)."""
-    from tapered_megatron.training import checkpoint
-
-    if checkpoint.has_universal(tag_dir):
+    if layout_files.has_universal(tag_dir):
         return
-    then = checkpoint.saved_layout(tag_dir)
+    then = layout_files.saved_layout(tag_dir)
     if then is None:
         par = (saved_cfg or {}).get("parallel", {})
         then = {"tp": par.get("tp", 1), "pp": par.get("pp", 1)}
         then["pipeline_unit"] = par.get("pipeline_unit", "none") if then["pp"] > 1 else "none"
     if any(then[k] != now[k] for k in then):
         raise ConfigError(
-            f"train.resume: {tag_dir} was saved under {checkpoint.describe_layout(then)} without a "
-            f"universal/ copy (train.universal_checkpoint false, or an older checkpoint), so it "
-            f"cannot resume under {checkpoint.describe_layout(now)}; launch with the saved layout"
+            f"train.resume: {tag_dir} was saved under {layout_files.describe_layout(then)} "
+            "without a universal/ copy (train.universal_checkpoint false, or an older "
+            f"checkpoint), so it cannot resume under {layout_files.describe_layout(now)}; launch "
+            "with the saved layout"
         )

@@ -38,15 +38,11 @@ from deepspeed.utils import (
 )
 
 from tapered_megatron import parallel
+from tapered_megatron.checkpoint_layout import UNIVERSAL, UNIVERSAL_META, has_universal
 from tapered_megatron.models import canonical_parameters
 from tapered_megatron.parallel.layers import param_shape, shard, unshard
 from tapered_megatron.parallel.random import set_rng_state
 from tapered_megatron.training import optim
-from tapered_megatron.training.checkpoint import (
-    UNIVERSAL,
-    UNIVERSAL_META,
-    has_universal,
-)
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
 

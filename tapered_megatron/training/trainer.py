@@ -29,6 +29,7 @@ from deepspeed.runtime.base_optimizer import ZeROOptimizer
 from deepspeed.runtime.utils import is_model_parallel_parameter
 from torch import nn
 
+from tapered_megatron import checkpoint_layout as layout_files
 from tapered_megatron import parallel
 from tapered_megatron.config import Config
 from tapered_megatron.models import allow_layer_recompiles, build_model, count_model, lm_loss
@@ -63,7 +64,7 @@ class Trainer:
         self.iteration, self.consumed = 0, 0
         where = checkpoint.find_resume(cfg)
         if where is not None:
-            for tag in checkpoint.partial_tags(where[0], checkpoint.iteration_of(where[1])):
+            for tag in layout_files.partial_tags(where[0], layout_files.iteration_of(where[1])):
                 self.log(
                     f"{where[0] / tag} is partial (no complete marker: a save cut short); ignored"
                 )
@@ -195,13 +196,13 @@ class Trainer:
     def _load(self, load_dir: Path, tag: str) -> dict[str, Any]:
         """DeepSpeed's own files when the layout is the one saved, else the layout-free copy."""
         now = checkpoint.layout_record(self.cfg, self.layout)
-        saved = checkpoint.saved_layout(load_dir / tag)
+        saved = layout_files.saved_layout(load_dir / tag)
         if saved is None or saved == now:
             return checkpoint.load(self.engine, load_dir, tag)
         self.log(
             f"layout change: checkpoint {load_dir / tag} was saved under "
-            f"{checkpoint.describe_layout(saved)}, resuming under "
-            f"{checkpoint.describe_layout(now)} (resharded from its universal/ copy)"
+            f"{layout_files.describe_layout(saved)}, resuming under "
+            f"{layout_files.describe_layout(now)} (resharded from its universal/ copy)"
         )
         return reshard.load(self.engine, self.cfg, load_dir / tag)
 

@@ -1,0 +1,106 @@
+"""The checkpoint directory layout: names, tags and completeness, read by training, pre-flight
+and export (no torch, no process group).
+
+Layout of ``train.save_dir``::
+
+    global_step100/            DeepSpeed's files (model / optimizer / scheduler per rank)
+        rng_rank00000.pt ...   RNG states of every rank (python, numpy, torch, accelerator)
+        config.yaml            the resolved configuration of the run
+        taper_plan.json        the taper plan (widths per layer)
+        layout.json            the parallel layout it was saved under (TP, PP, DP, ZeRO, unit)
+        universal/             layout-free copy (train.universal_checkpoint; training/reshard.py)
+        complete               written by rank 0 after every rank finished writing
+    latest                     "global_step100", replaced atomically after ``complete``
+
+A tag without ``complete`` (a save cut short) is never loaded or exported.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+COMPLETE = "complete"
+LATEST = "latest"
+LAYOUT = "layout.json"
+CONFIG = "config.yaml"
+TAPER_PLAN = "taper_plan.json"
+UNIVERSAL, UNIVERSAL_META = "universal", "meta.pt"
+_TAG = re.compile(r"^global_step(\d+)$")
+
+
+def tag_of(iteration: int) -> str:
+    """DeepSpeed's tag for the checkpoint taken after ``iteration`` optimizer steps."""
+    return f"global_step{iteration}"
+
+
+def is_tag(name: str) -> bool:
+    """Whether ``name`` is a ``global_stepN`` tag."""
+    return _TAG.match(name) is not None
+
+
+def iteration_of(tag: str) -> int:
+    """The iteration of a ``global_stepN`` tag."""
+    m = _TAG.match(tag)
+    if m is None:
+        raise ValueError(f"{tag!r} is not a global_stepN checkpoint tag")
+    return int(m.group(1))
+
+
+def is_complete(tag_dir: Path) -> bool:
+    """Whether a ``global_stepN`` directory was fully written."""
+    return (tag_dir / COMPLETE).exists()
+
+
+def tags(save_dir: Path) -> list[tuple[int, str, bool]]:
+    """``(iteration, tag, complete)`` of every ``global_stepN`` directory, oldest first."""
+    if not save_dir.is_dir():
+        return []
+    found = [d for d in save_dir.iterdir() if is_tag(d.name) and d.is_dir()]
+    return sorted((iteration_of(d.name), d.name, is_complete(d)) for d in found)
+
+
+def complete_tags(save_dir: Path) -> list[tuple[int, str]]:
+    """``(iteration, tag)`` of the complete checkpoints in ``save_dir``, oldest first."""
+    return [(it, tag) for it, tag, done in tags(save_dir) if done]
+
+
+def partial_tags(save_dir: Path, newer_than: int) -> list[str]:
+    """Tags in ``save_dir`` after iteration ``newer_than`` that lack ``complete``, oldest first."""
+    return [tag for it, tag, done in tags(save_dir) if it > newer_than and not done]
+
+
+def latest_tag(save_dir: Path) -> str | None:
+    """The tag ``latest`` names, if that file exists."""
+    f = save_dir / LATEST
+    return f.read_text().strip() if f.is_file() else None
+
+
+def newest_complete(save_dir: Path) -> str | None:
+    """``latest`` if it names a complete checkpoint of ``save_dir``, else the newest complete
+    tag, else None (a ``latest`` naming anything but a tag here is not followed)."""
+    tag = latest_tag(save_dir)
+    if tag is not None and is_tag(tag) and is_complete(save_dir / tag):
+        return tag
+    done = complete_tags(save_dir)
+    return done[-1][1] if done else None
+
+
+def saved_layout(tag_dir: Path) -> dict[str, Any] | None:
+    """The layout a checkpoint was saved under; ``None`` for one written before ``layout.json``."""
+    f = tag_dir / LAYOUT
+    return json.loads(f.read_text()) if f.exists() else None
+
+
+def describe_layout(rec: dict[str, Any]) -> str:
+    """``TP2 PP1 DP1 ZeRO-1 unit none`` (keys a record lacks are left out)."""
+    names = (("tp", "TP{}"), ("pp", "PP{}"), ("dp", "DP{}"), ("zero_stage", "ZeRO-{}"))
+    words = [fmt.format(rec[k]) for k, fmt in names if k in rec]
+    return " ".join([*words, f"unit {rec.get('pipeline_unit', 'none')}"])
+
+
+def has_universal(tag_dir: Path) -> bool:
+    """Whether a checkpoint holds the layout-free copy (``train.universal_checkpoint``)."""
+    return (tag_dir / UNIVERSAL / UNIVERSAL_META).exists()
