@@ -178,8 +178,7 @@ def test_window_backward_equals_numerical_gradients(teach, norm, final, shared, 
     ``W_2``, w.r.t. every input (level inputs, pre-activations, shared or per-sequence ``W_2``,
     targets, rates, norms), second-order terms included; inner gradients clipped for some
     tokens and not for others."""
-    from tapered_megatron.models import hope
-    from tapered_megatron.models.hope import _scales, _UpdatingWindow, _WindowSpec
+    from tapered_megatron.models.hope import _scales, _UpdatingWindow, _WindowSpec, modules
 
     gen = torch.Generator().manual_seed(5)
     bsz, d, h, c = 2, 4, 3, 3
@@ -205,7 +204,7 @@ def test_window_backward_equals_numerical_gradients(teach, norm, final, shared, 
         return out
 
     with monkeypatch.context() as patch:
-        patch.setattr(hope, "_scales", scales)
+        patch.setattr(modules, "_scales", scales)
         _UpdatingWindow.apply(spec, *inputs)
     share = torch.cat([x.flatten() for x in clipped]).double().mean()
     assert 0.1 < share < 0.9, share  # both branches of the clip are exercised
@@ -218,9 +217,9 @@ def test_updating_level_gradients_across_fold_windows(norm, monkeypatch):
     ``W_13`` factors in dual form and start from the folded per-sequence ``W_2``; the last
     window ends in a period without update) against fp64 finite differences: the output's
     gradients w.r.t. the level's input, its three matrices and its rate gates."""
-    from tapered_megatron.models import hope
+    from tapered_megatron.models.hope import modules
 
-    monkeypatch.setattr(hope, "fold_window", lambda d, h, c, seq: 2 * c)  # windows of 6 tokens
+    monkeypatch.setattr(modules, "fold_window", lambda d, h, c, seq: 2 * c)  # windows of 6 tokens
     cfg = tiny_cfg(
         "hope_attention",
         *("--model.d_model", "8", "--model.seq_len", "14", "--taper.schedule", "uniform"),
