@@ -10,7 +10,7 @@ grad l_t(W)``, kernel: :mod:`.window`)::
     u_0 = norm(z),  u_i = u_{i-1} + f_i(u_{i-1}),  CMS(u_0) = u_K - u_0 = sum_i f_i(u_{i-1})
     association (default):  l_t(W) = 1/2 ||f_i(u_t; W) - u_{t+1}||^2
     teach:                  the error of token t is (softmax(z_t) - one_hot(x_{t+1})) W_head
-    learned rate:           eta_t = (hope.lr / d_model) sigmoid(u_t w_i + b_i)
+    learned rate:           eta_t = hope.lr sigmoid(u_t w_i + b_i),  W_13's step eta_t / ||u_t||^2
 
 The level widths split the layer's ``d_ff(l)`` in rounding units (:func:`level_widths`), so the
 CMS has the ``3 d d_ff(l)`` parameters of the SwiGLU it replaces (plus ``d + 1`` per rate gate):
