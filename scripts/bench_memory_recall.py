@@ -25,8 +25,8 @@ restricted to a sliding window of ``window`` tokens in every model):
   ``hope.step_norm own``, ``hope.lr 1``, ``hope.rate_init 0.5`` (per-matrix normalised steps,
   large from the start); ``hope-spread``: ``hope.w2_gate_spread 4.8`` (``W_2``'s gate logit
   starts with 3x the spread over tokens that init_std gives at d 64, so the gate can open on
-  some tokens and not others from step 0). hope.py's module doc says what each choice costs in
-  language modelling.
+  some tokens and not others from step 0). docs/memory_architectures.md says what each choice
+  costs in language modelling.
 
 Same steps, batch, learning rate (AdamW), seed, training data and evaluation data for all;
 parameter counts reported (the Titans mixers carry their own memory projections, so they are
@@ -205,10 +205,10 @@ def main(argv: list[str] | None = None) -> int:
                    "4"),
         "hope": ("hope_attention",),
         "hope-input": ("hope_attention", "--model.hope.step_norm", "input"),
-        # hope.step_norm own, large initial steps: fast in-context binding (see hope.py)
+        # hope.step_norm own, large initial steps: fast in-context binding
         "hope-own": ("hope_attention", "--model.hope.step_norm", "own", "--model.hope.lr", "1",
                      "--model.hope.rate_init", "0.5"),
-        # W_2's gate logit spread widened at init (hope.py: reliable recall, a language cost)
+        # W_2's gate logit spread widened at init (reliable recall, a language cost)
         "hope-spread": ("hope_attention", "--model.hope.w2_gate_spread", "4.8"),
     }  # fmt: skip
     results = {}

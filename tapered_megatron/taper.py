@@ -1,13 +1,13 @@
 """MLP width schedules of Tapered Language Models and their budget-exact rounding.
 
 A TLM keeps every dimension of the uniform model except the MLP intermediate width ``d_ff(l)``,
-which follows a schedule over depth (tlm-spec.md section 2) and whose sum over layers equals the
-uniform budget ``L * d_ff_base``. :func:`make_plan` turns a schedule into integer widths that are
-multiples of one rounding unit, ``multiple`` (a tensor-parallel size must divide it, so each rank
-holds an integer slice and the widths are the same at every TP size), keeps the schedule's shape
-(monotone for linear/cosine/sigmoid), pins the first and last layers to the rounded endpoints and
-meets the budget exactly whenever the budget is a multiple of the unit; otherwise the smallest
-deviation is reported in the plan, never hidden.
+which follows a schedule over depth (Tapered Language Models, arXiv 2606.23670) and whose sum
+over layers equals the uniform budget ``L * d_ff_base``. :func:`make_plan` turns a schedule into
+integer widths that are multiples of one rounding unit, ``multiple`` (a tensor-parallel size must
+divide it, so each rank holds an integer slice and the widths are the same at every TP size),
+keeps the schedule's shape (monotone for linear/cosine/sigmoid), pins the first and last layers
+to the rounded endpoints and meets the budget exactly whenever the budget is a multiple of the
+unit; otherwise the smallest deviation is reported in the plan, never hidden.
 
 The resulting :class:`TaperPlan` is immutable and is the one object that the model builder, the
 parameter/FLOP counters and the pipeline balancer read.

@@ -178,8 +178,8 @@ def test_window_backward_equals_numerical_gradients(teach, norm, final, shared, 
     ``W_2``, w.r.t. every input (level inputs, pre-activations, shared or per-sequence ``W_2``,
     targets, rates, norms), second-order terms included; inner gradients clipped for some
     tokens and not for others."""
-    from tapered_megatron.models import hope
-    from tapered_megatron.models.hope import _scales, _UpdatingWindow, _WindowSpec
+    from tapered_megatron.models.hope import window
+    from tapered_megatron.models.hope.window import _scales, _UpdatingWindow, _WindowSpec
 
     gen = torch.Generator().manual_seed(5)
     bsz, d, h, c = 2, 4, 3, 3
@@ -205,7 +205,7 @@ def test_window_backward_equals_numerical_gradients(teach, norm, final, shared, 
         return out
 
     with monkeypatch.context() as patch:
-        patch.setattr(hope, "_scales", scales)
+        patch.setattr(window, "_scales", scales)
         _UpdatingWindow.apply(spec, *inputs)
     share = torch.cat([x.flatten() for x in clipped]).double().mean()
     assert 0.1 < share < 0.9, share  # both branches of the clip are exercised
@@ -218,9 +218,9 @@ def test_updating_level_gradients_across_fold_windows(norm, monkeypatch):
     ``W_13`` factors in dual form and start from the folded per-sequence ``W_2``; the last
     window ends in a period without update) against fp64 finite differences: the output's
     gradients w.r.t. the level's input, its three matrices and its rate gates."""
-    from tapered_megatron.models import hope
+    from tapered_megatron.models.hope import modules
 
-    monkeypatch.setattr(hope, "fold_window", lambda d, h, c, seq: 2 * c)  # windows of 6 tokens
+    monkeypatch.setattr(modules, "fold_window", lambda d, h, c, seq: 2 * c)  # windows of 6 tokens
     cfg = tiny_cfg(
         "hope_attention",
         *("--model.d_model", "8", "--model.seq_len", "14", "--taper.schedule", "uniform"),
@@ -346,9 +346,9 @@ def test_teach_signal_is_the_per_token_loss_gradient():
 
 
 def test_bf16_autocast_updates_match_fp64_at_4096():
-    """Under bf16 autocast the updating levels compute in fp32 (hope.py, Precision): with the
-    ``W_2`` gates half open (a trained model's regime; at init they start at 1e-5) the CMS output
-    over 4096 tokens stays within 1 % of fp64 (measured 0.31 %; the updates move it by 10 %).
+    """Under bf16 autocast the updating levels compute in fp32 (see docs/memory_architectures.md):
+    with the ``W_2`` gates half open (a trained model's regime; at init they start at 1e-5) the CMS
+    output over 4096 tokens stays within 1 % of fp64 (measured 0.31 %; the updates move it by 10 %).
     Run in bf16 the levels were 1.27 % off."""
     seq, d = 4096, 128
     cfg = tiny_cfg(

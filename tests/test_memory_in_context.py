@@ -102,10 +102,11 @@ def test_hope_cms_moves_the_block_and_recalls(shape):
         off = cms(u)
     change = ((on - off).norm() / u.norm()).item()  # the static CMS output is small at init
     print(f"hope {shape}: CMS output change / input {change:.5f}, recall error per repeat {recall}")
-    # At the defaults (W_13: effective step 0.01 at init; W_2: its own gate at 1e-5, hope.py
-    # module doc) a fresh CMS moves by 8e-5 (quickstart) and 2.8e-5 (440m) of its input and its
-    # recall barely moves (1.0001 -> 0.9992): the updates start small on purpose (larger
-    # initial W_2 steps made training worse at the tlm_cpu scale) and matter once the outer
-    # loop has learned to use them (validation loss 5.10 with them, 5.41 without; recall 1.0).
+    # At the defaults (W_13: effective step 0.01 at init; W_2: its own gate at 1e-5,
+    # docs/memory_architectures.md) a fresh CMS moves by 8e-5 (quickstart) and 2.8e-5 (440m) of
+    # its input and its recall barely moves (1.0001 -> 0.9992): the updates start small on
+    # purpose (larger initial W_2 steps made training worse at the tlm_cpu scale) and matter once
+    # the outer loop has learned to use them (validation loss 5.10 with them, 5.41 without;
+    # recall 1.0).
     assert 1e-5 < change < 1e-3
     assert recall[-1] < recall[0]

@@ -1,4 +1,4 @@
-"""The paper's mechanistic analysis (tlm-spec.md section 4): what each layer writes.
+"""The paper's mechanistic analysis (arXiv 2606.23670): what each layer writes.
 
 Per layer ``l``, averaged over tokens::
 
@@ -85,7 +85,7 @@ def main(argv: list[str] | None = None) -> int:
     """The command line; see the module docstring."""
     ap = argparse.ArgumentParser(
         prog="python -m tapered_megatron.eval.alignment",
-        description="Per-layer rho_block and rho_mlp (tlm-spec.md section 4).",
+        description="Per-layer rho_block and rho_mlp (arXiv 2606.23670).",
     )
     add_model_args(ap)
     add_data_args(ap)

@@ -1,6 +1,6 @@
 """The block protocol and the architecture registry: a new architecture is one file.
 
-A layer of every architecture is (tlm-spec.md section 1, pre-norm)::
+A layer of every architecture is (pre-norm, as in the paper, arXiv 2606.23670)::
 
     z = h + mixer(mixer_norm(h))        # token mixer M_l
     h = z + mlp(mlp_norm(z))            # MLP slot F_l, the tapered site (width d_ff(l))

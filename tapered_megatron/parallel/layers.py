@@ -14,7 +14,8 @@ of the full tensor, so no rank ever holds the whole model.
 
 Layers: :class:`ColumnParallelLinear` (output features split; input replicated),
 :class:`RowParallelLinear` (input features split; partial outputs summed), and
-:class:`VocabParallelEmbedding` (vocabulary rows split). No biases (tlm-spec.md section 5).
+:class:`VocabParallelEmbedding` (vocabulary rows split). No biases (as in the paper, arXiv
+2606.23670).
 """
 
 from __future__ import annotations

@@ -6,9 +6,9 @@ parameter, keyed by its canonical name (its name in the single
 :class:`~tapered_megatron.models.LanguageModel`, ``layers.3.mlp.w13.weight``), the FULL fp32
 weight and the full AdamW moments (``exp_avg``, ``exp_avg_sq``), plus ``meta.pt``: the layout it
 was saved under, the world size, the optimizer step, the LR scheduler state and the client state
-(iteration, consumed samples). Model shapes depend on the config alone (issue 13 item 1), so
-the full tensors fit any layout; the TP split of each parameter is read from its ``tp_layout``
-(see :mod:`tapered_megatron.parallel.layers`). It costs 12 bytes per parameter on disk.
+(iteration, consumed samples). Model shapes depend on the config alone, so the full tensors fit
+any layout; the TP split of each parameter is read from its ``tp_layout`` (see
+:mod:`tapered_megatron.parallel.layers`). It costs 12 bytes per parameter on disk.
 
 Save (collective): each rank reads the DP-full tensors of its own parameters through DeepSpeed's
 fragment API (``deepspeed.utils.safe_get_full_fp32_param`` / ``safe_get_full_optimizer_state``;

@@ -1,0 +1,32 @@
+"""Hope: the ``hope_attention`` architecture, causal attention followed by a Continuum Memory
+System whose MLP levels update inside the sequence (Behrouz, Razaviyayn, Zhong, Mirrokni,
+"Nested Learning: The Illusion of Deep Learning Architectures", arXiv 2512.24695), one of the
+four architectures of Tapered Language Models (arXiv 2606.23670).
+
+:mod:`~.window` is the kernel (one fold window of an updating level, with its hand-written
+backward, and the choice of the window's length), :mod:`~.modules` the modules
+(:class:`CMSLevel`, :class:`ContinuumMemory`), the teach signal's first pass and the
+architecture's registration. Design and measurements: docs/memory_architectures.md.
+"""
+
+from tapered_megatron.models.hope.modules import (
+    W2_GATE_GAIN,
+    CMSLevel,
+    ContinuumMemory,
+    HopeOptions,
+    level_widths,
+    teach_pass,
+)
+from tapered_megatron.models.hope.window import NORM_EPS, fold_window, window_macs
+
+__all__ = [
+    "NORM_EPS",
+    "W2_GATE_GAIN",
+    "CMSLevel",
+    "ContinuumMemory",
+    "HopeOptions",
+    "fold_window",
+    "level_widths",
+    "teach_pass",
+    "window_macs",
+]

@@ -1,0 +1,374 @@
+"""Hope-attention's Continuum Memory System (CMS) as modules: :class:`CMSLevel` (one SwiGLU
+level with an update period), :class:`ContinuumMemory` (the chain, ``hope_attention``'s MLP
+slot), the teach signal's first pass, the ``model.hope`` options and the registration.
+
+A ``hope_attention`` block is causal softmax attention followed by a chain of ``K`` SwiGLU
+levels, residual inside the chain; level ``i`` changes its weights inside the sequence only at
+multiples of its period ``C_i`` (the paper's CMS rule ``W <- W - sum_{t in period} eta_t
+grad l_t(W)``, kernel: :mod:`.window`)::
+
+    u_0 = norm(z),  u_i = u_{i-1} + f_i(u_{i-1}),  CMS(u_0) = u_K - u_0 = sum_i f_i(u_{i-1})
+    association (default):  l_t(W) = 1/2 ||f_i(u_t; W) - u_{t+1}||^2
+    teach:                  the error of token t is (softmax(z_t) - one_hot(x_{t+1})) W_head
+    learned rate:           eta_t = hope.lr sigmoid(u_t w_i + b_i),  W_13's step eta_t / ||u_t||^2
+
+The level widths split the layer's ``d_ff(l)`` in rounding units (:func:`level_widths`), so the
+CMS has the ``3 d d_ff(l)`` parameters of the SwiGLU it replaces (plus ``d + 1`` per rate gate):
+tapered and uniform stay budget-equal, and ``K = 1`` with period 0 is the SwiGLU MLP. Updating
+levels compute in fp32 whatever the autocast dtype (their per-sequence weights accumulate small
+updates). Every level's hidden width is split over TP ranks; the updates need the full level
+output, which the row-parallel all-reduce already provides. Design, choices and measurements:
+docs/memory_architectures.md.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Literal
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tapered_megatron.autocast import autocast_dtype, autocast_off
+from tapered_megatron.config_fields import ConfigError, at_least
+from tapered_megatron.models.attention import Attention
+from tapered_megatron.models.base import Architecture, Counts, MLPSlot, register_architecture
+from tapered_megatron.models.hope.window import (
+    NORM_EPS,
+    _UpdatingWindow,
+    _WindowSpec,
+    fold_window,
+    window_macs,
+)
+from tapered_megatron.models.mlp import SwiGLU
+from tapered_megatron.parallel import (
+    copy_to_tp_region,
+    get_tensor_model_parallel_world_size,
+    reduce_from_tp_region,
+    vocab_parallel_linear_cross_entropy_mean,
+)
+
+if TYPE_CHECKING:
+    from tapered_megatron.config import Config
+
+W2_GATE_GAIN = 10.0  # split: W_2's gate is sigmoid(gain (u w + b)), so it can open in few steps
+
+
+@dataclass(frozen=True)
+class HopeOptions:
+    """``model.hope``: hope_attention's Continuum Memory System."""
+
+    levels: int = at_least(1, 3)  # K MLP levels in the chain
+    periods: tuple[int, ...] = at_least(0, (0, 64, 16))  # update period per level; 0 = never
+    lr: float = at_least(0.0, 0.1)  # inner-loop rate scale (effective step on a repeated input)
+    rate: Literal["learned", "constant"] = "learned"  # learned: sigmoid of a map of the input
+    rate_init: float = 0.1  # learned rate: initial sigmoid value (gate bias logit(rate_init))
+    update: Literal["association", "teach"] = "association"  # next position | outer-loss signal
+    # W_2's step: over the level input's squared norm (input), over its own input's (own), or
+    # over its own input's with a gate of its own (split; hope.window's module doc)
+    step_norm: Literal["input", "own", "split"] = "split"
+    w2_rate_init: float = 1e-5  # split: initial value of W_2's gate (which can reach 1)
+    # split: the least init std over tokens of W_2's gate logit (gain x (u w' + b')); 0 keeps
+    # the weights' init_std (recall vs language modelling: docs/memory_architectures.md)
+    w2_gate_spread: float = at_least(0.0, 0.0)
+
+
+def _validate(cfg: Config) -> None:
+    """One period per level; the narrowest layer splits into that many rounding units; a
+    learned rate's initial value lies in (0, 1); ``w2_gate_spread`` needs ``W_2``'s gate;
+    ``teach`` needs the whole model (no pipeline)."""
+    h, plan = cfg.model.hope, cfg.taper_plan
+    if len(h.periods) != h.levels:
+        raise ConfigError(
+            f"model.hope.periods: give one period per level ({h.levels}), got {list(h.periods)}"
+        )
+    if min(plan.widths) < h.levels * plan.unit:
+        raise ConfigError(
+            f"model.hope.levels: the narrowest layer (d_ff={min(plan.widths)}) cannot be split "
+            f"into {h.levels} CMS levels of at least one rounding unit ({plan.unit}); use fewer "
+            "levels, a wider model.d_ff or a smaller taper.multiple"
+        )
+    for key in ("rate_init", "w2_rate_init"):
+        if not 0 < getattr(h, key) < 1:
+            raise ConfigError(f"model.hope.{key}: {getattr(h, key)} must lie in (0, 1)")
+    if h.w2_gate_spread and (h.step_norm != "split" or h.rate != "learned"):
+        raise ConfigError(
+            f"model.hope.w2_gate_spread: {h.w2_gate_spread} sets W_2's own gate, which exists "
+            "only with model.hope.step_norm split and model.hope.rate learned; drop it or use both"
+        )
+    if h.update == "teach" and cfg.parallel.pp != 1:
+        raise ConfigError(
+            "model.hope.update: teach needs a first pass of the whole model (parallel.pp = 1); "
+            "use association under pipeline parallelism"
+        )
+
+
+def level_widths(d_ff: int, levels: int, unit: int) -> list[int]:
+    """Split ``d_ff`` into ``levels`` widths, multiples of ``unit``, as even as possible."""
+    n, rem = divmod(d_ff, unit)
+    if rem or n < levels:
+        raise ValueError(
+            f"model.hope.levels: d_ff={d_ff} cannot be split into {levels} levels of multiples of "
+            f"{unit}; use fewer levels or a wider d_ff"
+        )
+    base, extra = divmod(n, levels)
+    return [(base + (1 if i < extra else 0)) * unit for i in range(levels)]
+
+
+def _logit(p: float) -> float:
+    return math.log(p) - math.log1p(-p)
+
+
+def _gate(
+    d: int, init_std: float, init: float, gain: float = 1.0
+) -> tuple[nn.Parameter, nn.Parameter]:
+    """A learned rate gate ``sigmoid(gain (u w + b))``: ``w`` [d] ~ normal(0, init_std) (drawn
+    by ``init_parameters``), ``b`` = logit(init) / gain, so the gate starts near ``init``."""
+    w = nn.Parameter(torch.empty(d))
+    w.init_std = init_std
+    return w, nn.Parameter(torch.full((1,), _logit(init) / gain))
+
+
+def w2_gate_std(init_std: float, d_model: int, spread: float) -> float:
+    """Init std of ``W_2``'s gate weights ``w'``: ``init_std``, raised where needed so that the
+    gate's logit ``W2_GATE_GAIN (u w' + b')`` on an RMS-normalised input (``||u||^2 ~ d_model``)
+    spreads over tokens with a std of at least ``spread`` (``hope.w2_gate_spread``)."""
+    return max(init_std, spread / (W2_GATE_GAIN * math.sqrt(d_model)))
+
+
+class CMSLevel(SwiGLU):
+    """One level of the chain: a SwiGLU of width ``d_ff`` with an update period (0: never).
+
+    ``forward`` is the plain SwiGLU (static weights); :meth:`forward_updating` adds the in-context
+    updates. An updating level with ``hope.rate = learned`` owns its rate gate ``rate_w`` [d],
+    ``rate_b`` [1] (replicated over TP ranks), and with ``hope.step_norm = split`` also ``W_2``'s
+    gate ``w2_rate_w``, ``w2_rate_b``.
+    """
+
+    def __init__(self, cfg, layer: int, d_ff: int, period: int) -> None:
+        super().__init__(cfg, layer, d_ff=d_ff)
+        m, h = cfg.model, cfg.model.hope
+        self.period = period
+        self.updating = period > 0 and h.lr > 0
+        self.step_norm = h.step_norm
+        self.w2_rate = h.w2_rate_init  # split with constant rates: W_2's constant rate
+        self.rate_w = self.rate_b = self.w2_rate_w = self.w2_rate_b = None
+        if self.updating and h.rate == "learned":
+            self.rate_w, self.rate_b = _gate(m.d_model, m.init_std, h.rate_init)
+            if h.step_norm == "split":
+                std = w2_gate_std(m.init_std, m.d_model, h.w2_gate_spread)
+                self.w2_rate_w, self.w2_rate_b = _gate(m.d_model, std, h.w2_rate_init, W2_GATE_GAIN)
+
+    def rates(self, u: torch.Tensor, eta: float, w2: bool = False) -> torch.Tensor:
+        """Per-token step sizes [B, S]: ``eta * sigmoid(u w + b)`` (learned) or ``eta``; with
+        ``w2``, ``W_2``'s own under ``step_norm = split``: ``sigmoid(gain (u w' + b'))`` or the
+        constant ``w2_rate_init``."""
+        w, b = (self.w2_rate_w, self.w2_rate_b) if w2 else (self.rate_w, self.rate_b)
+        if w is None:
+            const = self.w2_rate if w2 else eta
+            return torch.full(u.shape[:-1], const, dtype=u.dtype, device=u.device)
+        logit = u @ w.to(u.dtype) + b.to(u.dtype)
+        r = torch.sigmoid(W2_GATE_GAIN * logit) if w2 else eta * torch.sigmoid(logit)
+        return copy_to_tp_region(r)  # used on this rank's slice: sum the gradient over ranks
+
+    @torch.compiler.disable  # an outer torch.compile would unroll the loop over periods
+    def forward_updating(
+        self,
+        u: torch.Tensor,
+        eta: float,
+        teach: torch.Tensor | None = None,
+        record: list | None = None,
+    ) -> torch.Tensor:
+        """Output with in-context updates at every multiple of ``period``; ``u`` [B, S, d].
+
+        The error of token ``t`` is ``f(u_t) - u_{t+1}`` (association), or ``teach[:, t]`` when
+        given (the outer loss's signal). The updated weights are kept in factored form,
+        ``W_13 = W_13^0 - sum r D^T X`` and ``W_2 = W_2^0 - sum r E^T A`` over the tokens seen so
+        far (``r`` the per-token rate and clip, folded into ``D`` and ``E``), and applied as
+        ``x W^T = x W_0^T - (x X^T) D`` (the dual form), so no per-sequence weight copy is built;
+        ``W_2``'s factors are folded into materialised per-sequence weights at the end of every
+        *window* of :func:`fold_window` tokens, which bounds the dual form's cost per token;
+        ``W_13``'s stay in dual form across windows (it only meets the level's inputs ``X``, so
+        each window's ``x W_13^T`` is a few matmuls before its period loop). Each window is one
+        :class:`_UpdatingWindow` (hand-written backward).
+        """
+        seq, c, d = u.shape[1], self.period, u.shape[-1]
+        if seq <= c:  # no boundary inside the sequence: the static level
+            return self(u)
+        ul = copy_to_tp_region(u)
+        # per-token quantities of the whole sequence, each in one pass
+        rate = self.rates(u, eta)
+        x_sq = ul.square().sum(-1)
+        r13 = rate / x_sq.clamp_min(NORM_EPS)  # W_13: rate / ||u_t||^2
+        r2 = self.rates(u, eta, w2=True) if self.step_norm == "split" else rate
+        tgt = u[:, 1:] if teach is None else teach.to(u.dtype)  # association targets u_{t+1}
+        # in fp32 whatever the autocast dtype (fp64 stays fp64): the per-sequence weights
+        # accumulate small updates over thousands of tokens, which bf16 rounds away
+        dtype = torch.float64 if u.dtype == torch.float64 else torch.float32
+        ops = (ul, self.w13.weight, self.w2.weight, tgt, r13, r2, x_sq / d)
+        xs, w13, w2, tgt, r13, r2, xsq = (t.to(dtype) for t in ops)
+        out_dtype = autocast_dtype(u) or u.dtype
+        window = fold_window(d, w2.shape[-1] * get_tensor_model_parallel_world_size(), c, seq)
+        outs, factors = [], []  # the windows' outputs, W_13 factors D
+        with autocast_off(u.device):
+            for w0 in range(0, seq, window):
+                # x W_13^T with the earlier windows' W_13 updates in dual form:
+                # x W_13^T - (x X^T) D over the earlier windows' inputs X and factors D
+                win = slice(w0, w0 + window)
+                gv = xs[:, win] @ w13.mT
+                if w0:
+                    fac_d = factors[0] if len(factors) == 1 else torch.cat(factors, dim=1)
+                    gv = torch.baddbmm(gv, xs[:, win] @ xs[:, :w0].mT, fac_d, alpha=-1)
+                spec = _WindowSpec(
+                    period=c,
+                    step_norm=self.step_norm,
+                    teach=teach is not None,
+                    final=w0 + window >= seq,
+                    tp=get_tensor_model_parallel_world_size() > 1,
+                    start=w0,
+                    record=record,
+                )
+                res = _UpdatingWindow.apply(
+                    spec, xs[:, win], gv, w2, tgt[:, win], r13[:, win], r2[:, win], xsq[:, win]
+                )
+                if spec.final:
+                    out = res
+                else:
+                    out, fac_d, w2 = res
+                    factors.append(fac_d)
+                outs.append(out)
+        y = torch.cat(outs, dim=1) if len(outs) > 1 else outs[0]
+        return y.to(out_dtype)
+
+
+class ContinuumMemory(MLPSlot):
+    """The CMS MLP slot of layer ``layer``: ``forward(u [B, S, d]) -> sum_i f_i(u_{i-1})``.
+
+    With ``hope.update = teach`` the levels learn from ``self.teach_signal`` [B, S, d], which
+    :func:`teach_pass` sets before the model's forward (without it the chain is static).
+    ``record_updates = True`` makes each forward store, per level, the token positions at which
+    that level's weights were updated (``self.last_updates``), for tests and diagnostics.
+    """
+
+    def __init__(self, cfg, layer: int, d_ff: int | None = None) -> None:
+        super().__init__(cfg, layer)
+        h = cfg.model.hope
+        plan = cfg.taper_plan
+        d_ff = plan.widths[layer] if d_ff is None else d_ff
+        self.widths = level_widths(d_ff, h.levels, plan.unit)
+        self.eta = h.lr
+        self.update = h.update
+        self.levels = nn.ModuleList(
+            CMSLevel(cfg, layer, w, p) for w, p in zip(self.widths, h.periods)
+        )
+        self.teach_signal: torch.Tensor | None = None
+        self.record_updates = False
+        self.last_updates: list[list[int]] = []
+
+    @classmethod
+    def counts(cls, cfg, layer: int, dtype_bytes: int = 2, d_ff: int | None = None) -> Counts:
+        """Full-model params (``3 d d_ff(l)`` plus ``d + 1`` per learned rate gate), forward
+        FLOPs/token, activation bytes."""
+        m, h = cfg.model, cfg.model.hope
+        d = m.d_model
+        d_ff = cfg.taper_plan.widths[layer] if d_ff is None else d_ff
+        widths = level_widths(d_ff, h.levels, cfg.taper_plan.unit)
+        total = Counts(0, 0.0, 0.0)
+        for w, period in zip(widths, h.periods):
+            base = SwiGLU.counts(cfg, layer, dtype_bytes, d_ff=w)
+            if period > 0 and h.lr > 0:
+                gates = (1 + (h.step_norm == "split")) if h.rate == "learned" else 0
+                gate, s, macs, elems = gates * (d + 1), m.seq_len, 0.0, 0.0
+                if s > period:  # else the level runs static
+                    # per token: window_macs (e W_2, x X^T, the dual form, the folds) at the
+                    # window forward_updating picks, the gates' d MACs; kept: the corrected
+                    # pre-activation, D, A, E, the error and its W_2 product (2w + 2w + w + d +
+                    # d + w), norms, rates (5), x X^T and the two held dual-form products
+                    # (about 2 (L - c) per token in a window of L), x X^T over earlier windows
+                    win = fold_window(d, w, period, s)
+                    macs = window_macs(d, w, period, s, win) + gate
+                    cross = sum(min(win, s - w0) * w0 for w0 in range(0, s, win)) / s
+                    elems = 6 * w + 2 * d + 5 + 2 * (min(win, s) - period) + cross
+                base = base + Counts(gate, 2.0 * macs, elems * dtype_bytes)
+            total = total + base
+        return total
+
+    def forward(self, u: torch.Tensor) -> torch.Tensor:
+        teach = self.teach_signal if self.update == "teach" else None
+        if teach is not None and teach.shape != u.shape:
+            raise RuntimeError(
+                f"hope teach signal of shape {tuple(teach.shape)} for input {tuple(u.shape)}: "
+                "it is set by teach_pass(model, input_ids) for this very input"
+            )
+        active = self.update == "association" or teach is not None
+        total = None
+        self.last_updates = []
+        for level in self.levels:
+            rec: list[int] = []
+            if level.updating and active:
+                o = level.forward_updating(u, self.eta, teach, rec if self.record_updates else None)
+            else:
+                o = level(u)
+            self.last_updates.append(rec)
+            u = u + o
+            total = o if total is None else total + o
+        return total
+
+
+@torch.no_grad()
+def teach_pass(model: nn.Module, input_ids: torch.Tensor) -> None:
+    """First pass of ``hope.update = teach``: run ``model`` with static CMS levels, take the
+    per-token gradient of the next-token cross-entropy w.r.t. the normalised final hidden state
+    (``(softmax - one_hot(next id)) W_head``, zero at the last position, divided by the RMS
+    entry of ``W_head``) and hand it to every :class:`ContinuumMemory` as its teach signal."""
+    cms = [m for m in model.modules() if isinstance(m, ContinuumMemory)]
+    for c in cms:
+        c.teach_signal = None
+    h = model.embedding(input_ids)
+    for block in model.layers:
+        h = block(h)
+    head = model.head
+    target = F.pad(input_ids[:, 1:], (0, 1))
+    mask = torch.ones(input_ids.shape, device=h.device)
+    mask[:, -1] = 0
+    weight = head.proj.weight.detach()
+    with torch.enable_grad():
+        x = head.norm(h).detach().requires_grad_()
+        loss = vocab_parallel_linear_cross_entropy_mean(copy_to_tp_region(x), weight, target, mask)
+        (grad,) = torch.autograd.grad(loss, x)
+    ms = reduce_from_tp_region(weight.float().pow(2).sum())
+    ms = ms / (weight.numel() * get_tensor_model_parallel_world_size())
+    signal = grad * (mask.sum() * torch.rsqrt(ms)).to(grad.dtype)
+    for c in cms:
+        c.teach_signal = signal
+
+
+def _first_pass(model: nn.Module, input_ids: torch.Tensor) -> None:
+    """The record's first pass: :func:`teach_pass` when ``hope.update = teach``."""
+    if model.cfg.model.hope.update == "teach":
+        teach_pass(model, input_ids)
+
+
+def _first_pass_config(cfg: Config) -> Config | None:
+    """What the teach signal's first pass costs: a forward of the same model with static CMS
+    levels (the config without in-context updates); None under ``association``."""
+    if cfg.model.hope.update != "teach":
+        return None
+    return cfg.with_overrides(["--model.hope.update", "association", "--model.hope.lr", "0"])
+
+
+register_architecture(
+    Architecture(
+        "hope_attention",
+        Attention,
+        ContinuumMemory,
+        HopeOptions,
+        "hope",
+        validate=_validate,
+        compiles=True,  # the CMS period loop stays eager (torch.compiler.disable)
+        first_pass=_first_pass,
+        first_pass_config=_first_pass_config,
+    )
+)

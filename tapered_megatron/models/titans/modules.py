@@ -1,0 +1,404 @@
+"""The Titans token mixer as modules: :class:`NeuralMemory` (the memory branch: q/k/v, the short
+convolution, the gates and the memory rule of :mod:`.scan`) and :class:`TitansMixer` (the
+variants), with the ``model.titans`` options and the architecture's registration.
+
+Per head and token the gates are ``theta, eta, alpha = sigmoid(x W + b)`` (step size, momentum,
+forgetting; initial forgetting half-lives log-spaced over heads, :func:`alpha_half_lives`);
+q, k, v are the memory's own projections, a causal depthwise convolution and SiLU, q and k
+l2-normalised. With ``mem = M_t(q_t)`` and ``attn`` the sliding-window attention of
+:mod:`.attention` (RoPE, ``persistent_tokens`` learned key/value pairs in front)::
+
+    MAG (default)  o = W_o [RMSNorm_h(attn(x)) * sigmoid(RMSNorm_h(mem(x)))]
+    MAL            o = W_o attn(W_m RMSNorm_h(mem(x)))
+    LMM            o = W_o RMSNorm_h(mem(x))
+    MAC            per segment s of ``window`` tokens, with the memory M*_{s-1} at its start:
+                   h = M*_{s-1}(q(x)),  a = attn over [persistent | W_h RMS_h(h) | segment],
+                   y = x + W_y a  (the memory learns from y),
+                   o = W_o [RMSNorm_h(a) * sigmoid(RMSNorm_h(M_t(q(y_t))))]
+
+Memory heads are split over TP ranks like attention heads and every memory computation is
+local to its head. The memory MLP is state, not the tapered site: the block's SwiGLU tapers.
+Design, choices and measurements: docs/memory_architectures.md.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Literal
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tapered_megatron.config_fields import ConfigError, at_least
+from tapered_megatron.models.base import Architecture, Counts, TokenMixer, register_architecture
+from tapered_megatron.models.layers import RotaryEmbedding
+from tapered_megatron.models.mlp import SwiGLU
+from tapered_megatron.models.titans.attention import _attend, window_attention
+from tapered_megatron.models.titans.ops import _head_rms_norm, conv_silu_normalize, gated_head_norms
+from tapered_megatron.models.titans.scan import MemoryState, _state_dtype, memory_scan, mlp_read
+from tapered_megatron.parallel import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    copy_to_tp_region,
+    get_tensor_model_parallel_world_size,
+)
+from tapered_megatron.parallel.layers import row_layout
+
+if TYPE_CHECKING:
+    from tapered_megatron.config import Config
+
+GATE_BIAS_INIT = {"theta": -3.0, "eta": 2.0}  # alpha: per head, see alpha_half_lives
+ALPHA_HALF_LIFE = (0.25, 16.0)  # initial forgetting half-lives, in windows, log-spaced over heads
+GATE_SPREAD_WIDTH = 512  # the gates' init std is held at its value for this width above it
+
+
+@dataclass(frozen=True)
+class TitansOptions:
+    """``model.titans``: the neural long-term memory of the ``titans`` architecture."""
+
+    variant: Literal["mag", "mal", "mac", "lmm"] = "mag"
+    memory_depth: int = at_least(2, 2)  # layers of the per-head memory MLP
+    memory_expansion: int = at_least(1, 2)  # memory MLP hidden width, as a multiple of head_dim
+    chunk_size: int = at_least(1, 16)  # tokens per chunk of the chunk-parallel update
+    conv_size: int = at_least(1, 4)  # short causal depthwise convolution on q, k, v
+    window: int = at_least(1, 64)  # attention window (MAG / MAL); MAC: segment length
+    persistent_tokens: int = at_least(0, 0)  # learned key/value pairs before every attention
+
+
+def _validate(cfg: Config) -> None:
+    """Persistent tokens need an attention (not lmm); MAC segments start at chunk starts."""
+    t = cfg.model.titans
+    if t.variant == "lmm" and t.persistent_tokens:
+        raise ConfigError(
+            "model.titans.persistent_tokens: variant lmm has no attention to prepend them to; "
+            "use 0 or another variant"
+        )
+    if t.variant == "mac" and t.window % t.chunk_size:
+        raise ConfigError(
+            f"model.titans.window ({t.window}) must be a multiple of model.titans.chunk_size "
+            f"({t.chunk_size}) for variant mac (segments start at chunk starts)"
+        )
+
+
+def _per_head(shape: tuple[int, ...], std: float | None = None, fn=None) -> nn.Parameter:
+    """A parameter whose first axis is heads (or head-major channels), split over TP ranks."""
+    tp = get_tensor_model_parallel_world_size()
+    layout = row_layout(shape)
+    p = nn.Parameter(torch.empty(layout.local_shape(tp)))
+    p.tp_layout = layout
+    p.init_std = std
+    if fn is not None:
+        p.init_fn = fn
+    return p
+
+
+def _normal_fan_in(shape: tuple[int, ...], gen: torch.Generator) -> torch.Tensor:
+    return torch.empty(shape).normal_(0.0, 1.0 / math.sqrt(shape[-1]), generator=gen)
+
+
+def _uniform_fan_in(shape: tuple[int, ...], gen: torch.Generator) -> torch.Tensor:
+    bound = 1.0 / math.sqrt(shape[-1])
+    return torch.empty(shape).uniform_(-bound, bound, generator=gen)
+
+
+def alpha_half_lives(heads: int, window: int) -> list[float]:
+    """Initial forgetting half-lives per head, in tokens: log-spaced from ``ALPHA_HALF_LIFE[0]``
+    to ``ALPHA_HALF_LIFE[1]`` windows (one head: their geometric mean)."""
+    lo, hi = (f * window for f in ALPHA_HALF_LIFE)
+    if heads == 1:
+        return [math.sqrt(lo * hi)]
+    return [lo * (hi / lo) ** (h / (heads - 1)) for h in range(heads)]
+
+
+def gate_std(init_std: float, d_model: int) -> float:
+    """Init std of the gates' weights: ``init_std`` up to ``GATE_SPREAD_WIDTH``, lowered above it
+    so that the gate logits' spread over tokens at init, ``std * sqrt(d_model)`` on the
+    RMS-normalised input, stays at its value for that width (0.45 at the default ``init_std``
+    0.02), so a wide model's fresh memory does not overshoot on repeated input (why 512:
+    docs/memory_architectures.md). Models up to d_model 512 are unchanged.
+    """
+    return init_std * math.sqrt(min(d_model, GATE_SPREAD_WIDTH) / d_model)
+
+
+def gate_bias_init(heads: int, window: int) -> torch.Tensor:
+    """Full gate bias ``[theta (heads) | eta (heads) | alpha (heads)]`` (logits)."""
+    alpha = torch.tensor([1.0 - 2.0 ** (-1.0 / t) for t in alpha_half_lives(heads, window)])
+    return torch.cat(
+        (
+            torch.full((heads,), GATE_BIAS_INIT["theta"]),
+            torch.full((heads,), GATE_BIAS_INIT["eta"]),
+            torch.log(alpha) - torch.log1p(-alpha),
+        )
+    )
+
+
+@dataclass(frozen=True)
+class _Dims:
+    d: int
+    heads: int
+    head_dim: int
+    hidden: int
+    depth: int
+
+    @property
+    def mem_layers(self) -> list[tuple[int, int]]:
+        """(out, in) of each memory MLP layer."""
+        dims = [self.head_dim] + [self.hidden] * (self.depth - 1) + [self.head_dim]
+        return list(zip(dims[1:], dims[:-1]))
+
+
+def _dims(cfg) -> _Dims:
+    m = cfg.model
+    t = m.titans
+    return _Dims(m.d_model, m.heads, m.head_dim, t.memory_expansion * m.head_dim, t.memory_depth)
+
+
+class NeuralMemory(nn.Module):
+    """The memory branch: q/k/v projections, conv, gates and the memory rule; heads split by TP.
+
+    ``forward(x [B, S, d]) -> [B, S, H_local, head_dim]`` (the raw read-out ``M_t(q_t)``);
+    :meth:`segment` continues from a given state (MAC), :meth:`queries` gives read-only queries.
+    """
+
+    def __init__(self, cfg) -> None:
+        super().__init__()
+        dm = _dims(cfg)
+        t = cfg.model.titans
+        std = cfg.model.init_std
+        self.dims, self.chunk_size = dm, t.chunk_size
+        self.compiled = cfg.train.compile
+        inner = dm.heads * dm.head_dim
+        tp = get_tensor_model_parallel_world_size()
+        self.local_heads = dm.heads // tp
+        self.qkv = ColumnParallelLinear(
+            dm.d, 3 * inner, std=std, out_blocks=(3, inner), split_dim=1
+        )
+        self.conv = _per_head((3 * inner, t.conv_size), fn=_uniform_fan_in)
+        self.conv.tp_layout = row_layout((3 * inner, t.conv_size), (3, inner), 1)
+        self.gates = ColumnParallelLinear(
+            dm.d, 3 * dm.heads, std=gate_std(std, dm.d), out_blocks=(3, dm.heads), split_dim=1
+        )
+        heads, window = dm.heads, t.window
+        self.gate_bias = _per_head((3 * heads,), fn=lambda s, g: gate_bias_init(heads, window))
+        self.gate_bias.tp_layout = row_layout((3 * dm.heads,), (3, dm.heads), 1)
+        self.memory = nn.ParameterList(
+            _per_head((dm.heads, o, i), fn=_normal_fan_in) for o, i in dm.mem_layers
+        )
+
+    def gate_values(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """theta, eta, alpha, each [B, H_local, S]."""
+        g = torch.sigmoid(self.gates(x) + self.gate_bias)  # [B, S, 3 H_local]
+        theta, eta, alpha = g.view(*g.shape[:2], 3, self.local_heads).permute(2, 0, 3, 1).unbind(0)
+        return theta, eta, alpha
+
+    def _split_heads(self, t: torch.Tensor, parts: int) -> tuple[torch.Tensor, ...]:
+        bsz, seq, _ = t.shape
+        t = t.view(bsz, seq, parts, self.local_heads, self.dims.head_dim).permute(2, 0, 3, 1, 4)
+        return tuple(t.unbind(0))
+
+    def project(
+        self, x: torch.Tensor, tail: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q, k, v [B, H, S, D] of ``x`` (q, k l2-normalised per head) and the conv tail (the
+        last K-1 projected inputs) for the next call; ``tail`` continues the convolution from a
+        previous call."""
+        pre = self.qkv(x)
+        d = self.dims.head_dim
+        qkv = conv_silu_normalize(pre, self.conv, tail, d, 2 * self.local_heads * d)
+        q, k, v = self._split_heads(qkv, 3)
+        width = self.conv.shape[1]
+        hist = pre if tail is None else torch.cat((tail, pre), dim=1)
+        if hist.shape[1] < width - 1:
+            hist = F.pad(hist, (0, 0, width - 1 - hist.shape[1], 0))
+        tail = hist[:, hist.shape[1] - (width - 1) :]
+        return q, k, v, tail
+
+    def queries(self, x: torch.Tensor) -> torch.Tensor:
+        """Read-only queries of ``x`` [B, H, S, D]: the memory's q projection, conv, SiLU and
+        l2 normalisation."""
+        n = self.local_heads * self.dims.head_dim
+        pre = F.linear(copy_to_tp_region(x), self.qkv.weight[:n])
+        q = conv_silu_normalize(pre, self.conv[:n], None, self.dims.head_dim, n)
+        return self._split_heads(q, 1)[0]
+
+    def initial_state(self, dtype: torch.dtype) -> MemoryState:
+        """The memory at the start of a sequence (learned weights, zero momentum)."""
+        return MemoryState.initial(list(self.memory), _state_dtype(dtype))
+
+    def segment(
+        self, x: torch.Tensor, state: MemoryState | None, tail: torch.Tensor | None
+    ) -> tuple[torch.Tensor, MemoryState, torch.Tensor]:
+        """Learn from and read out ``x`` [B, S, d], continuing from ``state`` and conv ``tail``
+        (None: the start of a sequence); returns the read-out [B, S, H, D], state and tail."""
+        q, k, v, tail = self.project(x, tail)
+        theta, eta, alpha = self.gate_values(x)
+        y, state = memory_scan(
+            q, k, v, theta, eta, alpha, list(self.memory), self.chunk_size, state, self.compiled
+        )
+        return y.transpose(1, 2), state, tail
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.segment(x, None, None)[0]
+
+
+class TitansMixer(TokenMixer):
+    """Titans token mixer (MAG default; MAL, MAC and LMM by ``cfg.model.titans.variant``).
+
+    ``forward(x [B, S, d]) -> [B, S, d]`` where ``x`` is the block's normalised input.
+    """
+
+    def __init__(self, cfg, layer: int) -> None:
+        super().__init__(cfg, layer)
+        m, t = cfg.model, cfg.model.titans
+        dm = _dims(cfg)
+        std = m.init_std
+        out_std = std / math.sqrt(2 * m.layers)
+        self.variant, self.window, self.eps = t.variant, t.window, m.norm_eps
+        tp = get_tensor_model_parallel_world_size()
+        self.local_heads, self.head_dim = m.heads // tp, dm.head_dim
+        inner = m.heads * dm.head_dim
+        self.memory = NeuralMemory(cfg)
+        self.mem_norm = _per_head((inner,))
+        nn.init.ones_(self.mem_norm)
+        self.persistent = None
+        if t.variant != "lmm":
+            self.attn_qkv = ColumnParallelLinear(
+                dm.d, 3 * inner, std=std, out_blocks=(3, inner), split_dim=1
+            )
+            self.rope = RotaryEmbedding(dm.head_dim, m.seq_len, m.rope_theta)
+            if t.persistent_tokens:
+                self.persistent = _per_head((m.heads, 2, t.persistent_tokens, dm.head_dim), std=std)
+        if t.variant in ("mag", "mac"):
+            self.attn_norm = _per_head((inner,))
+            nn.init.ones_(self.attn_norm)
+        if t.variant == "mal":
+            self.mem_out = RowParallelLinear(inner, dm.d, std=out_std)
+        if t.variant == "mac":
+            self.mem_tokens = RowParallelLinear(inner, dm.d, std=std)  # W_h
+            self.attn_proj = RowParallelLinear(inner, dm.d, std=std)  # W_y
+        self.out = RowParallelLinear(inner, dm.d, std=out_std)
+
+    @classmethod
+    def counts(cls, cfg, layer: int, dtype_bytes: int = 2) -> Counts:
+        """Full-model params, forward FLOPs/token and activation bytes/token (see base)."""
+        m, t = cfg.model, cfg.model.titans
+        dm = _dims(cfg)
+        d, h, inner, s = dm.d, dm.heads, dm.heads * dm.head_dim, m.seq_len
+        b = max(1, min(t.chunk_size, s))
+        mem_p = sum(o * i for o, i in dm.mem_layers)  # memory MLP weights per head
+        mem_io = sum(o + i for o, i in dm.mem_layers)
+        hidden = dm.hidden * (dm.depth - 1)
+        # memory branch: projections, conv, gates, initial memory weights, norm gain
+        mats = 3 * d * inner + 3 * d * h
+        params = mats + 3 * inner * t.conv_size + 3 * h + h * mem_p + inner
+        # per head and token: key forward (P) and explicit backward (P - first layer), read-out
+        # through M_0 and S_0 (2P), the b x b dual form (b (in + out) per layer, b^2 for the
+        # coefficients) and the chunk-end materialisation of M and S (2P)
+        first = dm.mem_layers[0][0] * dm.mem_layers[0][1]
+        mem_macs = h * (mem_p + (mem_p - first) + 2 * mem_p + b * mem_io + b * b + 2 * mem_p)
+        flops = 2.0 * (mats + 3 * inner * t.conv_size + mem_macs)
+        # kept: x (d), qkv before/after conv and silu (9 inner), gates (6h), per head the key
+        # pass (hidden pre/post activations, deltas, read-out pre/post: ~3 hidden + 3 head_dim),
+        # the b x b score rows per layer, and M, S at each chunk boundary (2P per b tokens)
+        mem_elems = h * (3 * hidden + 3 * dm.head_dim + b * dm.depth + b + 2 * mem_p / b)
+        elems = d + 9 * inner + 6 * h + mem_elems + 2 * inner
+        if t.variant != "lmm":
+            n_p = t.persistent_tokens
+            if t.variant == "mac":  # persistent + memory tokens and the segment, causal in both
+                seg = [min(t.window, s - i) for i in range(0, s, t.window)]
+                ctx = n_p + sum(2 * c * (c + 1) / 2 for c in seg) / s
+            else:
+                ctx = n_p + sum(min(i + 1, t.window) for i in range(s)) / s
+            params += 3 * d * inner + 2 * n_p * inner
+            flops += 2.0 * 3 * d * inner + 2 * 2 * inner * ctx
+            elems += 5 * inner + h  # q k v after RoPE, attention output, log-sum-exp
+        if t.variant in ("mag", "mac"):
+            params += inner
+            elems += 2 * inner  # normalised attention output, sigmoid gate
+        if t.variant == "mal":
+            params += inner * d
+            flops += 2.0 * inner * d
+            elems += d
+        if t.variant == "mac":
+            # W_h, W_y; per token: retrieval q projection + conv + memory read, W_h, the K/V
+            # projections of the memory tokens, W_y
+            params += 2 * inner * d
+            retrieve = d * inner + inner * t.conv_size + h * mem_p
+            flops += 2.0 * (retrieve + inner * d + 2 * d * inner + inner * d)
+            elems += 2 * inner + h * hidden + 3 * d + 2 * inner  # query, read, tokens, k/v, y
+        params += inner * d  # output projection
+        flops += 2.0 * inner * d
+        return Counts(int(params), float(flops), float(elems * dtype_bytes))
+
+    def _qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        bsz, seq, _ = x.shape
+        qkv = self.attn_qkv(x).view(bsz, seq, 3, self.local_heads, self.head_dim)
+        return qkv.unbind(2)
+
+    def _attention(self, x: torch.Tensor) -> torch.Tensor:
+        """Sliding-window attention of ``x`` (MAG, MAL), persistent tokens in front."""
+        q, k, v = self._qkv(x)
+        return window_attention(self.rope(q), self.rope(k), v, self.window, self.persistent)
+
+    def _mac(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Memory as context, segment by segment (module doc); returns the attention output and
+        the memory read-out, both [B, S, H, D]."""
+        bsz, seq, _ = x.shape
+        h, hd, n = self.local_heads, self.head_dim, self.local_heads * self.head_dim
+        queries = self.memory.queries(x)
+        aq, ak, av = self._qkv(x)
+        kv_weight = self.attn_qkv.weight[n:]  # this rank's k and v rows
+        state, tail = None, None
+        attn, read = [], []
+        for start in range(0, seq, self.window):
+            end = min(start + self.window, seq)
+            c = end - start
+            if state is None:
+                state = self.memory.initial_state(x.dtype)
+            hm = mlp_read(state.weights, queries[:, :, start:end]).transpose(1, 2)
+            tokens = self.mem_tokens(_head_rms_norm(hm, None, self.eps).reshape(bsz, c, n))
+            mk, mv = F.linear(copy_to_tp_region(tokens), kv_weight).view(bsz, c, 2, h, hd).unbind(2)
+            tril = torch.ones(c, c, dtype=torch.bool, device=x.device).tril()
+            a = _attend(
+                self.rope(aq[:, start:end]),
+                torch.cat((self.rope(mk), self.rope(ak[:, start:end])), dim=1),
+                torch.cat((mv, av[:, start:end]), dim=1),
+                torch.cat((tril, tril), dim=1),
+                self.persistent,
+            )
+            y = x[:, start:end] + self.attn_proj(a.reshape(bsz, c, n))  # residual form
+            r, state, tail = self.memory.segment(y, state, tail)
+            attn.append(a)
+            read.append(r)
+        return torch.cat(attn, dim=1), torch.cat(read, dim=1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        bsz, seq, _ = x.shape
+        if self.variant == "mac":
+            attn, mem = self._mac(x)
+            o = gated_head_norms(attn, mem, self.attn_norm, self.mem_norm, self.eps)
+            return self.out(o.reshape(bsz, seq, -1))
+        mem = self.memory(x)
+        if self.variant == "mag":
+            o = gated_head_norms(self._attention(x), mem, self.attn_norm, self.mem_norm, self.eps)
+        elif self.variant == "mal":
+            mem = _head_rms_norm(mem, self.mem_norm, self.eps)
+            o = self._attention(self.mem_out(mem.reshape(bsz, seq, -1)))
+        else:
+            o = _head_rms_norm(mem, self.mem_norm, self.eps)
+        return self.out(o.reshape(bsz, seq, -1))
+
+
+register_architecture(
+    Architecture(
+        "titans",
+        TitansMixer,
+        SwiGLU,
+        options=TitansOptions,
+        validate=_validate,
+        mixer_efficiency=0.6,  # chunked memory scan: small batched matmuls and a Python loop
+        compiles=True,  # the chunk step compiles on its own; the chunk loop stays eager
+    )
+)
