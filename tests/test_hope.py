@@ -7,8 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from real_text import train_losses
-from tiny_memory import assert_causal, tiny_cfg
+from tiny_memory import assert_causal, assert_learns_real_text, tiny_cfg
 
 from tapered_megatron.models import build_model, count_model
 from tapered_megatron.models.hope import (
@@ -313,11 +312,7 @@ def test_w2_gate_spread_sets_the_least_init_spread_of_the_gate_logit(d, spread):
 
 
 def test_loss_decreases_on_real_text():
-    cfg = tiny_cfg("hope_attention", "--model.d_model", "64", "--model.d_ff", "192")
-    losses = train_losses(cfg, steps=40)
-    first, last = sum(losses[:5]) / 5, sum(losses[-5:]) / 5
-    print(f"hope_attention loss {first:.3f} -> {last:.3f}")
-    assert last < first - 0.5
+    assert_learns_real_text("hope_attention", 192)
 
 
 def test_teach_signal_is_the_per_token_loss_gradient():

@@ -53,3 +53,14 @@ def assert_causal(model, vocab: int, seq: int, cut_points: list[int]) -> None:
             out = model(other)
             torch.testing.assert_close(out[:, : t + 1], base[:, : t + 1], rtol=0, atol=1e-6)
             assert not torch.allclose(out[:, t + 1 :], base[:, t + 1 :])
+
+
+def assert_learns_real_text(arch: str, d_ff: int, steps: int = 40) -> None:
+    """``arch``'s tiny model trained ``steps`` steps on real text: the mean loss of the last five
+    steps is at least 0.5 nats below the first five's."""
+    from real_text import train_losses
+
+    losses = train_losses(tiny_cfg(arch, "--model.d_model", "64", "--model.d_ff", str(d_ff)), steps)
+    first, last = sum(losses[:5]) / 5, sum(losses[-5:]) / 5
+    print(f"{arch} loss {first:.3f} -> {last:.3f}")
+    assert last < first - 0.5
