@@ -22,7 +22,6 @@ during training (``eval.alignment``) the trainer measures the same with
 
 from __future__ import annotations
 
-import argparse
 import sys
 from collections.abc import Iterable
 from dataclasses import asdict
@@ -30,12 +29,10 @@ from dataclasses import asdict
 import torch
 
 from tapered_megatron.eval.common import (
-    add_data_args,
-    add_model_args,
     emit_json,
     fail,
-    load_from_args,
-    token_stream,
+    load_with_tokens,
+    model_data_parser,
     windows,
 )
 from tapered_megatron.export.load import ExportError
@@ -83,19 +80,16 @@ def plot(rows: list[LayerAlignment], path: str, title: str) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     """The command line; see the module docstring."""
-    ap = argparse.ArgumentParser(
-        prog="python -m tapered_megatron.eval.alignment",
-        description="Per-layer rho_block and rho_mlp (arXiv 2606.23670).",
+    ap = model_data_parser(
+        "python -m tapered_megatron.eval.alignment",
+        "Per-layer rho_block and rho_mlp (arXiv 2606.23670).",
     )
-    add_model_args(ap)
-    add_data_args(ap)
     ap.add_argument("--tokens", type=int, default=16384, help="tokens to average over")
     ap.add_argument("--plot", default=None, help="write the curves to this PNG")
     ap.add_argument("--json", action="store_true", help="last stdout line: one JSON object")
     a = ap.parse_args(argv)
     try:
-        loaded = load_from_args(a)
-        stream, split = token_stream(a, loaded, a.tokens + 1)
+        loaded, stream, split = load_with_tokens(a, a.tokens + 1)
     except (ExportError, FileNotFoundError) as e:
         return fail(e)
     seq_len = a.seq_len or loaded.cfg.model.seq_len

@@ -59,6 +59,23 @@ def add_data_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--batch-size", type=int, default=8, help="windows per forward pass")
 
 
+def model_data_parser(prog: str, description: str) -> argparse.ArgumentParser:
+    """A tool's command line with the model (:func:`add_model_args`) and data
+    (:func:`add_data_args`) options; the tool adds its own."""
+    ap = argparse.ArgumentParser(prog=prog, description=description)
+    add_model_args(ap)
+    add_data_args(ap)
+    return ap
+
+
+def load_with_tokens(
+    a: argparse.Namespace, max_tokens: int | None
+) -> tuple[LoadedModel, np.ndarray, str]:
+    """:func:`load_from_args` and :func:`token_stream` of parsed arguments ``a``."""
+    loaded = load_from_args(a)
+    return (loaded, *token_stream(a, loaded, max_tokens))
+
+
 def load_from_args(a: argparse.Namespace) -> LoadedModel:
     """The model named by ``--model`` / ``--checkpoint``, on ``--device``, in eval mode."""
     loaded = load_model(a.model, a.checkpoint, a.tag)

@@ -19,7 +19,6 @@ batches.
 
 from __future__ import annotations
 
-import argparse
 import math
 import sys
 import time
@@ -29,12 +28,10 @@ from dataclasses import dataclass
 import torch
 
 from tapered_megatron.eval.common import (
-    add_data_args,
-    add_model_args,
     emit_json,
     fail,
-    load_from_args,
-    token_stream,
+    load_with_tokens,
+    model_data_parser,
     windows,
 )
 from tapered_megatron.export.load import ExportError
@@ -74,18 +71,15 @@ def perplexity_of(
 
 def main(argv: list[str] | None = None) -> int:
     """The command line; see the module docstring."""
-    ap = argparse.ArgumentParser(
-        prog="python -m tapered_megatron.eval.perplexity",
-        description="Loss and perplexity of a model over a dataset split.",
+    ap = model_data_parser(
+        "python -m tapered_megatron.eval.perplexity",
+        "Loss and perplexity of a model over a dataset split.",
     )
-    add_model_args(ap)
-    add_data_args(ap)
     ap.add_argument("--max-tokens", type=int, default=None, help="stop after this many tokens")
     ap.add_argument("--json", action="store_true", help="last stdout line: one JSON object")
     a = ap.parse_args(argv)
     try:
-        loaded = load_from_args(a)
-        stream, split = token_stream(a, loaded, a.max_tokens)
+        loaded, stream, split = load_with_tokens(a, a.max_tokens)
     except (ExportError, FileNotFoundError) as e:
         return fail(e)
     from tqdm import tqdm
