@@ -19,9 +19,11 @@ CLI: ``python -m tapered_megatron.config --config X [overrides] --print``.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import functools
 import json
+import math
 import os
 import sys
 import tempfile
@@ -146,15 +148,15 @@ class TrainConfig:
     iters: int = at_least(1, 200)
     micro_batch_size: int = at_least(1, 8)
     global_batch_size: int = at_least(0, 0)  # 0: micro_batch_size * data-parallel size
-    lr: float = 1e-3
-    min_lr: float = 1e-4
+    lr: float = at_least(0, 1e-3)
+    min_lr: float = at_least(0, 1e-4)
     warmup_iters: int = at_least(0, 20)
-    lr_decay_iters: int = 0  # 0: train.iters
-    weight_decay: float = 0.1
-    adam_beta1: float = 0.9
-    adam_beta2: float = 0.95
-    adam_eps: float = 1e-8
-    clip_grad: float = 1.0
+    lr_decay_iters: int = at_least(0, 0)  # 0: train.iters
+    weight_decay: float = at_least(0, 0.1)
+    adam_beta1: float = at_least(0, 0.9, below=1)
+    adam_beta2: float = at_least(0, 0.95, below=1)
+    adam_eps: float = at_least(0, 1e-8)
+    clip_grad: float = at_least(0, 1.0)  # 0: no clipping
     seed: int = 1234
     save_interval: int = at_least(0, 0)  # 0: only at the end
     save_dir: str = "checkpoints/quickstart"
@@ -286,23 +288,26 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
     if tp is int:
         if isinstance(value, bool):
             raise ConfigError(f"{key}: expected an integer, got {value!r}")
-        if isinstance(value, int):
-            return value
         if isinstance(value, float) and value.is_integer():
-            return int(value)
-        if isinstance(value, str):
-            try:
-                return int(value)
-            except ValueError:
-                pass
+            value = int(value)
+        elif isinstance(value, str):
+            with contextlib.suppress(ValueError):
+                value = int(value)
+        if isinstance(value, int):
+            if abs(value) >= 2**62:
+                raise ConfigError(f"{key}: {value} is out of range; use a value below 2**62")
+            return value
         raise ConfigError(f"{key}: expected an integer, got {value!r}")
     if tp is float:
         if isinstance(value, bool):
             raise ConfigError(f"{key}: expected a number, got {value!r}")
         try:
-            return float(value)
+            number = float(value)
         except (TypeError, ValueError):
             raise ConfigError(f"{key}: expected a number, got {value!r}") from None
+        if not math.isfinite(number):
+            raise ConfigError(f"{key}: must be a finite number, got {value!r}")
+        return number
     if tp is str:
         if isinstance(value, (dict, list)):
             raise ConfigError(f"{key}: expected a string, got {value!r}")
@@ -328,11 +333,12 @@ def _from_dict(cls: type, data: dict[str, Any], prefix: str = "", extra: tuple =
     kwargs = {}
     for k, v in data.items():
         kwargs[k] = value = _coerce(v, hints[k], prefix + k)
-        low = fields[k].metadata.get("min")
-        if low is not None:
-            for x in value if isinstance(value, tuple) else (value,):
-                if x < low:
-                    raise ConfigError(f"{prefix}{k}: must be >= {low}, got {x}")
+        low, below = fields[k].metadata.get("min"), fields[k].metadata.get("below")
+        for x in value if isinstance(value, tuple) else (value,):
+            if low is not None and x < low:
+                raise ConfigError(f"{prefix}{k}: must be >= {low}, got {x}")
+            if below is not None and x >= below:
+                raise ConfigError(f"{prefix}{k}: must be < {below}, got {x}")
     return cls(**kwargs)
 
 

@@ -15,7 +15,8 @@ class ConfigError(ValueError):
     """Invalid configuration; the message names the offending key and how to fix it."""
 
 
-def at_least(low: float, default: Any) -> Any:
-    """A dataclass field whose value (each element, for a tuple) must be ``>= low``; checked
-    when the config is parsed, with the key named in the error."""
-    return field(default=default, metadata={"min": low})
+def at_least(low: float, default: Any, below: float | None = None) -> Any:
+    """A dataclass field whose value (each element, for a tuple) must be ``>= low`` (and
+    ``< below`` when given); checked when the config is parsed, with the key named in the
+    error."""
+    return field(default=default, metadata={"min": low, "below": below})

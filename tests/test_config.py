@@ -211,3 +211,24 @@ def test_saved_config_of_an_older_checkpoint_loads(tmp_path):
     assert load_saved_config(path) == cfg.with_overrides(["--train.checkpoint_activations", "true"])
     with pytest.raises(ConfigError, match="a config carries only its own"):
         load_config(str(path))
+
+
+@pytest.mark.parametrize(
+    "key, value, says",
+    [
+        ("--train.lr", "inf", "train.lr: must be a finite number"),
+        ("--train.clip_grad", "nan", "train.clip_grad: must be a finite number"),
+        ("--train.min_lr", "-1e-4", "train.min_lr: must be >= 0"),
+        ("--train.adam_beta2", "1.0", "train.adam_beta2: must be < 1"),
+        (
+            "--train.iters",
+            "100000000000000000000000",
+            "train.iters: 100000000000000000000000 is out",
+        ),
+        ("--train.iters", "1e23", "train.iters: expected an integer"),
+    ],
+)
+def test_non_finite_and_out_of_range_numbers_are_one_line(key, value, says):
+    with pytest.raises(ConfigError) as e:
+        load_config("quickstart", [key, value])
+    assert says in str(e.value) and "\n" not in str(e.value)

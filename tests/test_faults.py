@@ -127,6 +127,18 @@ def test_persistent_nans_stop_cleanly_keeping_the_last_checkpoint(corpus, tmp_pa
     assert [r["iteration"] for r in metrics(tmp_path)] == list(range(1, 10))
 
 
+def test_a_skipped_step_never_becomes_a_checkpoint(corpus, tmp_path):
+    """The step at iteration 4 is skipped (NaN), the save due there is withheld: the
+    checkpoint of iteration 2 is not pruned for it, and the next good save goes ahead."""
+    extra = ["--train.iters", "6", "--train.save_interval", "2", "--eval.interval", "0"]
+    rc, log = run_once(corpus, tmp_path, extra, {"TAPERED_MEGATRON_INJECT_NAN": "4"})
+    assert rc == [0], log[-3000:]
+    assert "iteration 4: checkpoint withheld (the last 1 step(s) were skipped" in log
+    ckpt = tmp_path / "ckpt"
+    assert sorted(p.name for p in ckpt.glob("global_step*")) == ["global_step2", "global_step6"]
+    assert (ckpt / "latest").read_text() == "global_step6"
+
+
 def test_resume_restores_the_rng_dropout_bitwise(corpus, tmp_path):
     """With dropout (the model's stream draws every step) a run stopped at iteration 4 and
     resumed with ``--resume auto`` continues the uninterrupted run bitwise: loss, lr, gradient

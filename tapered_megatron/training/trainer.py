@@ -341,13 +341,37 @@ class Trainer:
                 record.update(self._evaluate(it))
             metrics.write(record)
             if cadence.save(it):
-                self.log(f"saved checkpoint {self._save(it)}")
+                if why := self._unsafe_to_save(loss, health.in_a_row):
+                    self.log(
+                        f"iteration {it}: checkpoint withheld ({why}); the last complete "
+                        "checkpoint stays latest and nothing is pruned"
+                    )
+                else:
+                    self.log(f"saved checkpoint {self._save(it)}")
             if cadence.stop(it):
                 self.log(f"train.exit_interval={cadence.exit_every}: stopping at iteration {it}")
                 break
         self.logger.close()
         metrics.close()
         return losses
+
+    def _unsafe_to_save(self, loss: float, skipped_in_a_row: int) -> str:
+        """Why the state after this step must not become a checkpoint ("" when it may): the
+        last steps were skipped, the loss is not finite, or a weight is not finite on some
+        rank (collective). A bad step never replaces a good checkpoint."""
+        if skipped_in_a_row:
+            return f"the last {skipped_in_a_row} step(s) were skipped as non-finite"
+        if not math.isfinite(loss):
+            return f"loss {loss}"
+        bad = torch.zeros((), device=self.device)
+        for p in self.engine.module.parameters():
+            local = p.ds_tensor if hasattr(p, "ds_tensor") else p.data  # ZeRO-3: the partition
+            if local.numel() and not torch.isfinite(local).all():
+                bad.fill_(1.0)
+                break
+        if dist.get_world_size() > 1:
+            dist.all_reduce(bad, op=dist.ReduceOp.MAX)
+        return "a weight is not finite" if bad.item() else ""
 
     def _evaluate(self, it: int) -> dict[str, Any]:
         """Run :meth:`_validate`, log its results; return them as metrics-file fields."""
