@@ -90,6 +90,10 @@ def test_every_shipped_ds_config_resolves():
         ([], {"pipeline": {"stages": 4}}, 1, "pipeline.stages"),
         ([], {"bf16": {"enabled": True}, "fp16": {"enabled": True}}, 1, "both fp16 and bf16"),
         ([], {"zero_optimization": {"stage": 5}}, 1, "zero_optimization.stage"),
+        ([], {"zero_optimization": "yes"}, 1, '"zero_optimization": {"stage": 1}'),
+        ([], {"fp16": True}, 1, '"fp16": {"enabled": true}'),
+        ([], {"optimizer": {"type": "Adamm"}}, 1, "optimizer.type='Adamm'"),
+        ([], {"scheduler": {"type": "cosine"}}, 1, "scheduler.type='cosine'"),
     ],
 )
 def test_inconsistent_configs_are_rejected_naming_the_key(overrides, ds, world, key):

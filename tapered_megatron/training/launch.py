@@ -133,6 +133,7 @@ def resolve(cfg: Config, ds_config: dict[str, Any], world_size: int) -> tuple[di
     Raises :class:`ConfigError` on any inconsistency. Never touches torch.distributed.
     """
     ds = copy.deepcopy(ds_config)
+    check_sections(ds)
     tp, pp, tr = cfg.parallel.tp, cfg.parallel.pp, cfg.train
     if world_size % (tp * pp):
         raise ConfigError(
@@ -213,6 +214,50 @@ def resolve(cfg: Config, ds_config: dict[str, Any], world_size: int) -> tuple[di
     ds.setdefault("steps_per_print", 10**9)
     layout = Layout(world_size, tp, pp, dp, mbs, gbs, gas, stage)
     return ds, layout
+
+
+#: ds_config sections that must be JSON objects, each with an example.
+_SECTIONS = {
+    "zero_optimization": '{"stage": 1}',
+    "bf16": '{"enabled": true}',
+    "fp16": '{"enabled": true}',
+    "optimizer": '{"type": "AdamW", "params": {...}}',
+    "scheduler": '{"type": "WarmupCosineLR", "params": {...}}',
+    "data_types": '{"grad_accum_dtype": "fp32"}',
+    "pipeline": '{"stages": "auto"}',
+}
+
+
+def check_sections(ds: dict[str, Any]) -> None:
+    """Type-check the ds_config's sections and DeepSpeed's optimizer / scheduler types, so a
+    typo is one line before any process group starts instead of a traceback inside
+    ``deepspeed.initialize``."""
+    from deepspeed.runtime import config as ds_cfg
+    from deepspeed.runtime.lr_schedules import VALID_LR_SCHEDULES
+
+    for key, example in _SECTIONS.items():
+        if key in ds and not isinstance(ds[key], dict):
+            raise ConfigError(
+                f'ds_config "{key}": {json.dumps(ds[key])} is not a JSON object; write e.g. '
+                f'"{key}": {example}'
+            )
+    import torch
+
+    name = ds.get("optimizer", {}).get("type") if "optimizer" in ds else None
+    ours = isinstance(name, str) and name.lower() in ds_cfg.DEEPSPEED_OPTIMIZERS
+    if "optimizer" in ds and not (ours or (isinstance(name, str) and hasattr(torch.optim, name))):
+        raise ConfigError(
+            f"ds_config optimizer.type={name!r} is neither one of DeepSpeed's "
+            f"({', '.join(ds_cfg.DEEPSPEED_OPTIMIZERS)}) nor a torch.optim class; fix it or "
+            "remove the optimizer section (our AdamW is used then)"
+        )
+    name = ds.get("scheduler", {}).get("type") if "scheduler" in ds else None
+    if "scheduler" in ds and name not in VALID_LR_SCHEDULES:
+        raise ConfigError(
+            f"ds_config scheduler.type={name!r} is not one DeepSpeed knows "
+            f"({', '.join(VALID_LR_SCHEDULES)}); fix it or remove the scheduler section (our "
+            "warmup + cosine schedule is used then)"
+        )
 
 
 def _on_cpu() -> bool:
