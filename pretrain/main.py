@@ -16,6 +16,7 @@ validated before any process group starts.
 import time
 
 T0 = time.time()
+PREEMPTED = 75  # EX_TEMPFAIL: stopped on train.exit_signal after saving; resume to continue
 
 import sys  # noqa: E402
 
@@ -34,7 +35,7 @@ def main(argv: list[str] | None = None) -> int:
 
     import torch.distributed as dist
 
-    from tapered_megatron.training.trainer import TrainingStopped, run
+    from tapered_megatron.training.trainer import TrainingPreempted, TrainingStopped, run
 
     beat = launch.init_distributed(cfg.train.collective_timeout_s)
     try:
@@ -43,6 +44,10 @@ def main(argv: list[str] | None = None) -> int:
         if launch.env_rank() == 0:
             print(f"error: {e}", file=sys.stderr, flush=True)
         return 1
+    except TrainingPreempted as e:  # the job script requeues on this code
+        if launch.env_rank() == 0:
+            print(str(e), flush=True)
+        return PREEMPTED
     except Exception as e:  # a failed or timed-out collective: name the rank that went quiet
         if beat is None or not beat.explain(e):
             raise

@@ -166,6 +166,9 @@ class TrainConfig:
     universal_checkpoint: bool = True
     resume: str = ""  # "" (fresh), "auto" (newest complete checkpoint in save_dir) or a path
     exit_interval: int = at_least(0, 0)  # stop (after saving) at multiples of it; 0: never
+    # on this signal (e.g. SIGUSR1, which SLURM's --signal sends before the time limit) every
+    # rank stops at the same iteration boundary after saving; exit code 75. "": no handler
+    exit_signal: str = ""
     compile: bool = False  # torch.compile via DeepSpeed's engine.compile (where arch compiles)
     max_skipped_steps: int = at_least(1, 10)  # consecutive non-finite steps that stop the run
     loss_spike_factor: float = at_least(0, 3.0)  # log a loss above this x running mean; 0: off
@@ -564,6 +567,12 @@ def tp_problem(cfg: Config, tp: int) -> str | None:
     return None
 
 
+def _is_signal(name: str) -> bool:
+    import signal
+
+    return isinstance(getattr(signal, name, None), signal.Signals)
+
+
 def validate(cfg: Config) -> None:
     """Reject impossible combinations with a message naming the key (types, choices and bounds
     are checked while parsing; the architecture's own checks run last)."""
@@ -583,6 +592,10 @@ def validate(cfg: Config) -> None:
     )
     _require(
         0 <= tr.min_lr <= tr.lr, f"train.min_lr ({tr.min_lr}) must lie in [0, train.lr={tr.lr}]"
+    )
+    _require(
+        not tr.exit_signal or _is_signal(tr.exit_signal),
+        f"train.exit_signal: {tr.exit_signal!r} is not a signal name; use e.g. SIGUSR1 or ''",
     )
     compilable = sorted(a.name for a in _registry().ARCHITECTURES.values() if a.compiles)
     _require(

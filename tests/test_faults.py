@@ -139,6 +139,30 @@ def test_a_skipped_step_never_becomes_a_checkpoint(corpus, tmp_path):
     assert (ckpt / "latest").read_text() == "global_step6"
 
 
+def test_exit_signal_on_one_rank_stops_every_rank_after_saving(corpus, tmp_path):
+    """SLURM's pre-time-limit signal (``train.exit_signal``) reaching one rank of two: both
+    stop at the same iteration after a complete checkpoint that ``latest`` names (what
+    ``--resume auto`` continues from), exit code 75."""
+    extra = ["--train.iters", "400", "--train.exit_signal", "SIGUSR1", "--eval.interval", "0"]
+    extra += ["--logging.interval", "1"]
+    procs = start(corpus, tmp_path, extra, n=2)
+    deadline = time.time() + 240
+    metrics_file = tmp_path / "metrics.jsonl"
+    while time.time() < deadline and (
+        not metrics_file.exists() or len(metrics_file.read_text().splitlines()) < 3
+    ):
+        time.sleep(0.5)
+    procs[1].send_signal(signal.SIGUSR1)
+    rc, log = finish(procs, tmp_path)
+    assert rc == [75, 75], log[-3000:]
+    it = len(metrics(tmp_path))
+    assert 3 <= it < 400
+    assert f"SIGUSR1 received: stopped at iteration {it} after saving" in log
+    ckpt = tmp_path / "ckpt"
+    assert (ckpt / "latest").read_text() == f"global_step{it}"
+    assert (ckpt / f"global_step{it}" / "complete").exists()
+
+
 def test_resume_restores_the_rng_dropout_bitwise(corpus, tmp_path):
     """With dropout (the model's stream draws every step) a run stopped at iteration 4 and
     resumed with ``--resume auto`` continues the uninterrupted run bitwise: loss, lr, gradient

@@ -61,6 +61,7 @@ class Trainer:
         optim.undo_priming_step(self.engine)
         optim.skip_nonfinite_steps(self.engine)
         self.nan_iters = injected_nan_iterations()
+        self.exit_signal = ExitSignal(cfg.train.exit_signal, self.device)
         self.iteration, self.consumed = 0, 0
         where = checkpoint.find_resume(cfg)
         if where is not None:
@@ -341,19 +342,32 @@ class Trainer:
                 record.update(self._evaluate(it))
             metrics.write(record)
             if cadence.save(it):
-                if why := self._unsafe_to_save(loss, health.in_a_row):
-                    self.log(
-                        f"iteration {it}: checkpoint withheld ({why}); the last complete "
-                        "checkpoint stays latest and nothing is pruned"
-                    )
-                else:
-                    self.log(f"saved checkpoint {self._save(it)}")
+                self._save_if_safe(it, loss, health.in_a_row)
             if cadence.stop(it):
                 self.log(f"train.exit_interval={cadence.exit_every}: stopping at iteration {it}")
                 break
+            if it < cadence.iters and self.exit_signal.received():
+                if not cadence.save(it):
+                    self._save_if_safe(it, loss, health.in_a_row)
+                self.logger.close()
+                metrics.close()
+                raise TrainingPreempted(
+                    f"{self.cfg.train.exit_signal} received: stopped at iteration {it} after "
+                    "saving; continue with --resume auto"
+                )
         self.logger.close()
         metrics.close()
         return losses
+
+    def _save_if_safe(self, it: int, loss: float, skipped_in_a_row: int) -> None:
+        """Save iteration ``it``, unless :meth:`_unsafe_to_save` says why not (one line)."""
+        if why := self._unsafe_to_save(loss, skipped_in_a_row):
+            self.log(
+                f"iteration {it}: checkpoint withheld ({why}); the last complete checkpoint "
+                "stays latest and nothing is pruned"
+            )
+        else:
+            self.log(f"saved checkpoint {self._save(it)}")
 
     def _unsafe_to_save(self, loss: float, skipped_in_a_row: int) -> str:
         """Why the state after this step must not become a checkpoint ("" when it may): the
@@ -479,6 +493,36 @@ class _Window:
 
 class TrainingStopped(RuntimeError):
     """The run cannot continue (e.g. too many non-finite steps); the message says why."""
+
+
+class TrainingPreempted(RuntimeError):
+    """``train.exit_signal`` arrived: every rank saved and stopped at the same iteration."""
+
+
+class ExitSignal:
+    """Notes ``signal_name`` (``train.exit_signal``) and says, collectively, whether any rank
+    got it, so every rank stops at the same iteration boundary (Megatron's exit signal
+    handler). Without a name it installs nothing and costs nothing."""
+
+    def __init__(self, signal_name: str, device: str) -> None:
+        import signal
+
+        self.device, self.seen = device, False
+        self.armed = bool(signal_name)
+        if self.armed:
+            signal.signal(getattr(signal, signal_name), self._note)
+
+    def _note(self, *_: Any) -> None:
+        self.seen = True
+
+    def received(self) -> bool:
+        """Whether any rank has received the signal (a one-element all-reduce when armed)."""
+        if not self.armed:
+            return False
+        flag = torch.tensor(float(self.seen), device=self.device)
+        if dist.get_world_size() > 1:
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return bool(flag.item())
 
 
 class _Health:
