@@ -83,6 +83,22 @@ def _truncate(prefix: str, tmp: Path, ext: str) -> str:
     return p
 
 
+def _edited_in_place(prefix: str, tmp: Path) -> list[str]:
+    """A copy whose ids were checked once (the marker is in its cache), then its first token
+    overwritten with 300 (beyond the 256-entry vocabulary), size and mtime kept."""
+    from tapered_megatron.data import IndexedDataset
+    from tapered_megatron.data.blended import check_vocab_cached
+
+    p, cache = _copy(prefix, tmp / "edited"), tmp / "cache"
+    check_vocab_cached(IndexedDataset(p), 256, cache)
+    st = os.stat(p + ".bin")
+    ds = IndexedDataset(p)
+    with open(p + ".bin", "r+b") as f:
+        f.write(np.array([300], dtype=ds.dtype).tobytes())
+    os.utime(p + ".bin", ns=(st.st_atime_ns, st.st_mtime_ns))
+    return ["--data.path", p, "--data.cache_dir", str(cache)]
+
+
 D32 = ("--model.d_model", "32")
 TP2_LAYOUT = {"tp": 2, "pp": 1, "dp": 1, "zero_stage": 1, "pipeline_unit": "none"}
 
@@ -132,6 +148,10 @@ CASES = {
     "tokenizer larger than vocab": (
         lambda c, t, k: ["--data.path", c, "--data.tokenizer_model", k],
         "set --model.vocab_size 400",
+    ),
+    "token id beyond the vocabulary, edited after a clean check": (
+        lambda c, t, k: _edited_in_place(c, t),
+        "token id 300 at token 0 is outside the vocabulary [0, 256)",
     ),
     "seq_len beyond data": (
         lambda c, t, k: ["--data.path", c, "--model.seq_len", "100000"],

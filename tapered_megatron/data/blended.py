@@ -109,11 +109,32 @@ class BlendedDataset:
         return self.datasets[int(self.dataset_index[i])][int(self.dataset_sample_index[i])]
 
 
-def _check_vocab_cached(ds: IndexedDataset, vocab_size: int, cache_dir: str | os.PathLike) -> None:
-    """Scan token ids once per (file, size, mtime, vocab); later runs read a marker."""
-    st = os.stat(ds._bin_file)
-    key = digest(os.path.realpath(ds._bin_file), f"{st.st_size}:{st.st_mtime_ns}:{vocab_size}")
-    marker = Path(cache_dir) / "vocab_checked" / key
+#: Token files up to this size are hashed whole for the vocabulary-check marker; larger ones
+#: by their index, size and 16 evenly spread 1 MiB pieces.
+WHOLE_HASH_BYTES = 64 << 20
+
+
+def content_key(ds: IndexedDataset) -> str:
+    """A key of a token file pair's content (not its name, size or mtime): an in-place edit
+    of the tokens makes a new key."""
+    idx, bin_file = Path(ds._idx_file), Path(ds._bin_file)
+    size = bin_file.stat().st_size
+    parts: list[bytes | str] = [idx.read_bytes(), str(size)]
+    with open(bin_file, "rb") as f:
+        if size <= WHOLE_HASH_BYTES:
+            parts.append(f.read())
+        else:
+            piece = 1 << 20
+            for k in range(16):
+                f.seek((size - piece) * k // 15)
+                parts.append(f.read(piece))
+    return digest(*parts)
+
+
+def check_vocab_cached(ds: IndexedDataset, vocab_size: int, cache_dir: str | os.PathLike) -> None:
+    """Scan token ids once per (content, vocabulary); later runs read a marker. Raises
+    :class:`IndexedDatasetError` naming the first id outside ``[0, vocab_size)``."""
+    marker = Path(cache_dir) / "vocab_checked" / digest(content_key(ds), str(vocab_size))
     if marker.exists():
         return
     ds.check_vocab(vocab_size)
@@ -149,7 +170,7 @@ def build_gpt_datasets(
     for _, prefix in pairs:
         ds = IndexedDataset(prefix)
         if vocab_size is not None:
-            _check_vocab_cached(ds, vocab_size, cache_dir)
+            check_vocab_cached(ds, vocab_size, cache_dir)
         indexed.append(ds)
     out = []
     for s, name in enumerate(SPLIT_NAMES):

@@ -70,8 +70,9 @@ def check_data(cfg: Config) -> None:
 
 
 def _check_prefix(cfg: Config, key: str, prefix: str, sampled: bool = True) -> None:
-    """One token-file pair of ``key``: readable, valid, and (when ``sampled``) holding at least
-    one sample of ``model.seq_len + 1`` tokens."""
+    """One token-file pair of ``key``: readable, valid, (when ``sampled``) holding at least
+    one sample of ``model.seq_len + 1`` tokens, and every token id below ``model.vocab_size``
+    (scanned once per content; a marker in ``data.cache_dir`` remembers it)."""
     from tapered_megatron.data import IndexedDataset, IndexedDatasetError
 
     try:
@@ -91,6 +92,15 @@ def _check_prefix(cfg: Config, key: str, prefix: str, sampled: bool = True) -> N
             f"{key}: {prefix} holds {ds.num_tokens} tokens, fewer than one sample of "
             f"model.seq_len + 1 = {need}; use more data or a smaller --model.seq_len"
         )
+    from tapered_megatron.data.blended import check_vocab_cached
+
+    try:
+        check_vocab_cached(ds, cfg.model.vocab_size, cfg.data.cache_dir)
+    except IndexedDatasetError as e:
+        raise ConfigError(
+            f"{key}: {e}; tokenize with a tokenizer of at most model.vocab_size = "
+            f"{cfg.model.vocab_size} entries or raise --model.vocab_size"
+        ) from None
 
 
 def check_tokenizer(cfg: Config) -> None:
