@@ -259,3 +259,23 @@ def test_scale_10b_tokens_index_under_a_minute():
     assert total > 9.9e9
     assert elapsed < 60
     assert peak < 2 * 2**30
+
+
+def test_paths_with_spaces_and_any_bytes_build_datasets(tmp_path):
+    """A prefix whose path holds spaces is one prefix, not a blend; a path with bytes that are
+    not UTF-8 builds and caches its index like any other."""
+    from tapered_megatron.data.blended import parse_blend
+
+    docs = [list(range(1, 40)) for _ in range(20)]
+    spaced = tmp_path / "my data" / "a b"
+    spaced.parent.mkdir()
+    write_indexed_dataset(str(spaced), docs)
+    assert parse_blend(str(spaced)) == [(1.0, str(spaced))]
+    assert parse_blend(f"{spaced}.bin") == [(1.0, str(spaced))]
+    odd = os.fsdecode(os.fsencode(str(tmp_path)) + b"/caf\xe9")
+    write_indexed_dataset(odd, docs)
+    for prefix in (str(spaced), odd):
+        train, _, _ = build_gpt_datasets(
+            prefix, "1,0,0", 8, 1, (10, 0, 0), tmp_path / "cache", vocab_size=64
+        )
+        assert len(train) >= 10 and train[0].shape == (9,)

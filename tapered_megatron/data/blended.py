@@ -18,7 +18,11 @@ SPLIT_NAMES = ("train", "valid", "test")
 
 
 def parse_blend(blend: str | list) -> list[tuple[float, str]]:
-    """``"prefix"`` or ``"w1 prefix1 w2 prefix2 ..."`` -> normalised ``[(weight, prefix), ...]``."""
+    """``"prefix"`` or ``"w1 prefix1 w2 prefix2 ..."`` -> normalised ``[(weight, prefix), ...]``.
+
+    A string naming an existing token file pair is one prefix, spaces in its path included."""
+    if isinstance(blend, str) and Path(normalise_prefix(blend.strip()) + ".idx").is_file():
+        return [(1.0, normalise_prefix(blend.strip()))]
     parts = blend.split() if isinstance(blend, str) else [str(p) for p in blend]
     if not parts:
         raise ValueError("data path is empty")

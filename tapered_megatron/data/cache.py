@@ -21,7 +21,7 @@ def digest(*parts: bytes | str | np.ndarray, length: int = 20) -> str:
         if isinstance(p, np.ndarray):
             p = np.ascontiguousarray(p).tobytes()
         elif isinstance(p, str):
-            p = p.encode()
+            p = p.encode("utf-8", "surrogateescape")  # paths may hold any bytes
         h.update(len(p).to_bytes(8, "little"))
         h.update(p)
     return h.hexdigest()
