@@ -127,8 +127,9 @@ def test_json_array_streams_object_by_object(tmp_path, docs, tok_model, monkeypa
         src.write_text(bad)
         with pytest.raises(InputError, match=rf"a\.json: {where}"):
             tokenize_files([str(src)], str(tmp_path / "o"), tok_model)
-    src.write_text("[]")
-    assert tokenize_files([str(src)], str(tmp_path / "o"), tok_model).documents["text"] == 0
+    src.write_text("[]")  # an empty array is an input without documents: said, not written
+    with pytest.raises(InputError, match=r"a\.json: no documents"):
+        tokenize_files([str(src)], str(tmp_path / "o"), tok_model)
 
 
 def test_chunks_restart_at_every_cursor(tmp_path, docs, monkeypatch):

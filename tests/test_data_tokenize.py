@@ -133,6 +133,16 @@ def test_invalid_utf8_and_missing_input(tmp_path, tok_model):
         tokenize_files([str(tmp_path / "none*.jsonl")], str(tmp_path / "o"), tok_model)
 
 
+@pytest.mark.parametrize("text", ["", "\n  \n\t\n", '{"text": ""}\n{"other": "x"}\n'])
+def test_an_input_without_documents_is_an_error_naming_it(tmp_path, tok_model, text):
+    src = tmp_path / "empty.jsonl"
+    src.write_text(text)
+    with pytest.raises(InputError, match=r"empty\.jsonl: no documents") as e:
+        tokenize_files([str(src)], str(tmp_path / "o"), tok_model, skip_bad_lines=True)
+    assert "\n" not in str(e.value)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["empty.jsonl"]
+
+
 def test_interrupt_leaves_no_output(tmp_path, tok_model, monkeypatch):
     from tapered_megatron.data import preprocess
 

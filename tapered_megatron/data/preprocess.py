@@ -418,6 +418,12 @@ def tokenize_files(
                 if since >= checkpoint_seconds or (step.last and since >= SOURCE_END_SECONDS):
                     outputs.checkpoint(step.after(), report.disk_done, summary)
                     last_checkpoint = time.monotonic()
+            if not max(summary.documents.values()):
+                names = ", ".join(str(s.path) for s in sources[:3])
+                raise InputError(
+                    f"{names}{' ...' if len(sources) > 3 else ''}: no documents (every record "
+                    f"is empty or lacks the keys {keys}); nothing written"
+                )
         except BaseException:
             report.close()
             outputs.discard(keep=resume)
