@@ -149,6 +149,14 @@ def checkpoint_bytes(cfg: Config, ds_config: dict[str, Any]) -> int:
     return int(count_model(cfg).params_total) * per_param
 
 
+def _size(n: int) -> str:
+    """``n`` bytes in the largest binary unit that keeps a digit before the point."""
+    for unit, shift in (("GiB", 30), ("MiB", 20), ("KiB", 10)):
+        if n >= 1 << shift:
+            return f"{n / (1 << shift):.1f} {unit}"
+    return f"{n} bytes"
+
+
 def check_save_dir(cfg: Config, ds_config: dict[str, Any]) -> None:
     """``train.save_dir`` is (or can be made) a writable directory with room for a checkpoint."""
     save = Path(cfg.train.save_dir)
@@ -167,9 +175,9 @@ def check_save_dir(cfg: Config, ds_config: dict[str, Any]) -> None:
     free = shutil.disk_usage(base).free
     if free < need:
         raise ConfigError(
-            f"train.save_dir: {free / 2**30:.1f} GiB free on {base}, the next checkpoint needs "
-            f"about {need / 2**30:.1f} GiB (parameters + optimizer state); free disk space or "
-            "pass a --train.save_dir on a larger disk"
+            f"train.save_dir: {_size(free)} free on {base}, the next checkpoint needs about "
+            f"{_size(need)} (parameters + optimizer state); free disk space or pass a "
+            "--train.save_dir on a larger disk"
         )
 
 
