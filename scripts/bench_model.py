@@ -38,6 +38,7 @@ import torch
 import torch.nn.functional as F
 from deepspeed.accelerator import get_accelerator
 
+from tapered_megatron.accelerator import matmul_peak
 from tapered_megatron.config import load_config
 from tapered_megatron.models import build_model, count_model
 from tapered_megatron.training.logger import device_product_name
@@ -63,34 +64,19 @@ def keep_freed_memory() -> bool:
     return bool(libc.mallopt(m_mmap_max, 0) and libc.mallopt(m_trim_threshold, 1 << 30))
 
 
-def matmul_peak(
-    threads: int, device: torch.device, dtype: torch.dtype, seconds: float = 1.0
-) -> tuple[float, float]:
+def peaks(threads: int, device: torch.device, dtype: torch.dtype) -> tuple[float, float]:
     """Best matmul FLOP/s of ``dtype`` over square and model-shaped products on ``device``:
-    (wall-clock, CPU-time).
+    (wall-clock, CPU-time), each shape timed over a third of a second of back-to-back products.
 
     The CPU-time rate is FLOPs per CPU-second of this process times ``threads``: what the
     threads deliver while they actually run, which other processes' load disturbs far less
     (on an accelerator it is the wall-clock rate).
     """
-    sync = get_accelerator().synchronize if device.type != "cpu" else lambda: None
     squares = (2048, 1024) if device.type == "cpu" else (8192, 4096)
-    best_wall = best_cpu = 0.0
-    for m, k, n in ((squares[0],) * 3, (squares[1],) * 3, (BATCH * SEQ, 256, 1376)):
-        a = torch.randn(m, k, device=device, dtype=dtype)
-        b = torch.randn(k, n, device=device, dtype=dtype)
-        torch.mm(a, b)
-        sync()
-        reps, t0, c0 = 0, time.perf_counter(), time.process_time()
-        while time.perf_counter() - t0 < seconds / 3:
-            torch.mm(a, b)
-            reps += 1
-        sync()
-        flop = 2 * m * k * n * reps
-        best_wall = max(best_wall, flop / (time.perf_counter() - t0))
-        cpu_s = time.process_time() - c0
-        best_cpu = max(best_cpu, flop * threads / cpu_s if device.type == "cpu" else best_wall)
-    return best_wall, best_cpu
+    shapes = ((squares[0],) * 3, (squares[1],) * 3, (BATCH * SEQ, 256, 1376))
+    clocks = (time.perf_counter, time.process_time)
+    wall, cpu = matmul_peak(shapes, device=device, dtype=dtype, seconds=1.0 / 3, clocks=clocks)
+    return wall, cpu * threads if device.type == "cpu" else wall
 
 
 def _best_time(fn, seconds: float) -> float:
@@ -259,7 +245,7 @@ def main(argv: list[str] | None = None) -> int:
     for name in variants:  # warm-up (and compilation)
         for _ in range(2):
             step(name)
-    peaks = [matmul_peak(a.threads, dev, dtype)]
+    peak_runs = [peaks(a.threads, dev, dtype)]
     load_before = os.getloadavg()[0]
     wall: dict[str, list[float]] = {k: [] for k in variants}
     cpu: dict[str, list[float]] = {k: [] for k in variants}
@@ -270,11 +256,11 @@ def main(argv: list[str] | None = None) -> int:
             step(name)
             wall[name].append(time.perf_counter() - t0)
             cpu[name].append(time.process_time() - c0)
-    peaks.append(matmul_peak(a.threads, dev, dtype))
+    peak_runs.append(peaks(a.threads, dev, dtype))
     floor = None
     if on_cpu and not a.no_floor and a.dtype == "fp32":  # times CPU fp32 kernels
         floor = kernel_floor(lambda: step("ours_uniform"), opts["ours_uniform"].step)
-    peak_wall, peak_cpu = max(p[0] for p in peaks), max(p[1] for p in peaks)
+    peak_wall, peak_cpu = max(p[0] for p in peak_runs), max(p[1] for p in peak_runs)
 
     tokens = BATCH * SEQ
     tps_wall = {k: tokens / statistics.median(v) for k, v in wall.items()}

@@ -40,7 +40,7 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from tapered_megatron.config import tp_problem
+from tapered_megatron.config import Config, tp_problem
 from tapered_megatron.pipeline import cost as costlib
 from tapered_megatron.pipeline.balance import analyse
 from tapered_megatron.pipeline.solver import InfeasibleError
@@ -84,20 +84,7 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def meta_param_count(cfg: Any) -> int | None:
-    """Parameters of ``build_model(cfg)`` built on the meta device (nothing allocated)."""
-    try:
-        import torch
-
-        from tapered_megatron.models import build_model
-    except ImportError:
-        return None
-    with torch.device("meta"):  # one process: full (un-sharded) modules, cfg's vocab padding
-        model = build_model(cfg)
-    return sum(p.numel() for p in model.parameters())
-
-
-def evaluate(cfg: Any, c: Candidate, dev: costlib.Device, cap: float) -> Candidate | str:
+def evaluate(cfg: Config, c: Candidate, dev: costlib.Device, cap: float) -> Candidate | str:
     """Predict one candidate; returns the filled candidate or the reason it is rejected.
 
     The stages come from :func:`tapered_megatron.pipeline.balance.analyse`, the call the
@@ -163,7 +150,7 @@ def evaluate(cfg: Any, c: Candidate, dev: costlib.Device, cap: float) -> Candida
     )
 
 
-def enumerate_candidates(cfg: Any, gpus: int, gpus_per_node: int) -> list[Candidate]:
+def enumerate_candidates(cfg: Config, gpus: int, gpus_per_node: int) -> list[Candidate]:
     """Every layout / ZeRO / micro-batch / checkpointing / unit combination to evaluate."""
     m, tr = cfg.model, cfg.train
     gbs = tr.global_batch_size or tr.micro_batch_size * gpus
@@ -187,7 +174,7 @@ def enumerate_candidates(cfg: Any, gpus: int, gpus_per_node: int) -> list[Candid
 
 
 def plan(
-    cfg: Any, gpus: int, dev: costlib.Device, cap: float
+    cfg: Config, gpus: int, dev: costlib.Device, cap: float
 ) -> tuple[list[Candidate], list[tuple[Candidate, str]]]:
     """Evaluate all candidates: (fitting ones ranked best first, rejected ones with reasons)."""
     ok, rejected = [], []
@@ -202,21 +189,21 @@ def plan(
 
 
 def reasoning(
-    cfg: Any,
+    cfg: Config,
     ranked: list[Candidate],
     rejected: list[tuple[Candidate, str]],
     dev: costlib.Device,
     gpus: int,
     nodes: int,
     cap_gib: float,
-    meta_params: int | None,
+    meta_params: int,
     counted: int,
     mem_fraction: float = 1.0,
 ) -> list[str]:
     """Plain-language account of the choice (printed, and returned in --json)."""
     lines = [
         f"model {cfg.name}: {counted / 1e9:.2f}B parameters by the counters"
-        + (f", {meta_params / 1e9:.2f}B built on the meta device" if meta_params else ""),
+        + f", {meta_params / 1e9:.2f}B built on the meta device",
         f"cluster: {gpus} x {dev.name} ({cap_gib:.0f} GiB, {mem_fraction:.0%} usable, "
         f"{dev.peak_flops / 1e12:.0f} TFLOP/s "
         f"{dev.precision}), {nodes} node(s) of {dev.gpus_per_node}; NVLink "
@@ -266,7 +253,7 @@ def reasoning(
     return lines
 
 
-def ds_config(cfg: Any, best: Candidate, dev: costlib.Device) -> dict[str, Any]:
+def ds_config(cfg: Config, best: Candidate, dev: costlib.Device) -> dict[str, Any]:
     """A DeepSpeed JSON for the best candidate (batch keys match train.*)."""
     out: dict[str, Any] = {
         "train_batch_size": best.micro_batch_size * best.grad_accum * best.dp,
@@ -300,7 +287,7 @@ def ds_config(cfg: Any, best: Candidate, dev: costlib.Device) -> dict[str, Any]:
     return out
 
 
-def overrides(cfg: Any, best: Candidate) -> list[str]:
+def overrides(cfg: Config, best: Candidate) -> list[str]:
     """The dotted config overrides that select the best candidate."""
     return [
         "--parallel.tp", str(best.tp),
@@ -340,6 +327,8 @@ def fill_slurm(
 def main(argv: list[str] | None = None) -> int:
     """CLI entry (see the module docstring)."""
     from tapered_megatron.config import load_config_or_exit
+    from tapered_megatron.models.counters import count_model
+    from tapered_megatron.models.language_model import meta_param_count
 
     ap = argparse.ArgumentParser(
         prog="python -m tapered_megatron.plan", description=__doc__.split("\n\n")[0]
@@ -377,7 +366,7 @@ def main(argv: list[str] | None = None) -> int:
         gpus_per_node=a.gpus // nodes,
     )
     ranked, rejected = plan(cfg, a.gpus, dev, a.mem_fraction * a.gpu_mem * costlib.GiB)
-    counted = costlib.model_params(cfg)
+    counted = count_model(cfg).params_total
     why = reasoning(
         cfg,
         ranked,

@@ -10,6 +10,8 @@ from dataclasses import replace
 import pytest
 
 from tapered_megatron.config import PRESET_DIR, load_config
+from tapered_megatron.models.counters import count_model
+from tapered_megatron.models.language_model import meta_param_count
 from tapered_megatron.pipeline import cost as costlib
 from tapered_megatron.pipeline.balance import partition
 from tapered_megatron.plan import (
@@ -18,7 +20,6 @@ from tapered_megatron.plan import (
     enumerate_candidates,
     evaluate,
     fill_slurm,
-    meta_param_count,
     overrides,
     plan,
 )
@@ -28,7 +29,7 @@ SCALED = sorted(p.stem for p in PRESET_DIR.glob("*.yaml") if p.stem.endswith(("_
 
 def test_meta_param_count_equals_counters() -> None:
     cfg = load_config("titans_7b")
-    assert meta_param_count(cfg) == costlib.model_params(cfg)
+    assert meta_param_count(cfg) == count_model(cfg).params_total
 
 
 def test_bytes_per_param_follow_zero_stages() -> None:

@@ -324,6 +324,13 @@ def build_model(cfg: Config, device: torch.device | str | None = None) -> Langua
         return LanguageModel(cfg)
 
 
+def meta_param_count(cfg: Config) -> int:
+    """Parameters of the model of ``cfg`` built on the meta device (one process: full, un-sharded
+    modules with ``cfg``'s vocabulary padding; nothing allocated), the built model's own count
+    that the planner and the summary print beside :func:`count_model`'s."""
+    return sum(p.numel() for p in build_model(cfg, device="meta").parameters())
+
+
 def allow_layer_recompiles(cfg: Config) -> None:
     """Raise ``torch._dynamo``'s per-function recompile limit so that ``torch.compile`` compiles
     every layer of ``cfg``'s model (call before compiling; ``train.compile``).

@@ -15,7 +15,7 @@ import sys
 
 from tapered_megatron.config import ConfigError, load_config
 from tapered_megatron.models.counters import count_model
-from tapered_megatron.models.language_model import build_model
+from tapered_megatron.models.language_model import meta_param_count
 from tapered_megatron.models.registry import ArchitectureError
 
 
@@ -38,7 +38,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cfg = load_config(a.config, rest)
         counts = count_model(cfg, a.dtype_bytes)
-        meta_params = sum(p.numel() for p in build_model(cfg, device="meta").parameters())
+        meta_params = meta_param_count(cfg)
     except (ConfigError, ArchitectureError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

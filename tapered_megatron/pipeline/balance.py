@@ -32,10 +32,13 @@ import json
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from tapered_megatron.pipeline import cost as costlib
 from tapered_megatron.pipeline.solver import InfeasibleError, Problem, bottleneck_ratio, solve
+
+if TYPE_CHECKING:
+    from tapered_megatron.config import Config
 
 METHODS = ("balancer", "uniform", "parameters", "megatron")
 ALIASES = {"balanced": "balancer"}
@@ -193,7 +196,7 @@ def balance_costs(
     return Balance(tuple(costs), pp, micro_batches, cap, overhead, out)
 
 
-def default_micro_batches(cfg: Any, pp: int, dp: int = 1) -> int:
+def default_micro_batches(cfg: Config, pp: int, dp: int = 1) -> int:
     """Micro-batches per step implied by ``train.global_batch_size`` (1 when it is 0)."""
     tr = cfg.train
     if tr.global_batch_size:
@@ -202,7 +205,7 @@ def default_micro_batches(cfg: Any, pp: int, dp: int = 1) -> int:
 
 
 def analyse(
-    cfg: Any,
+    cfg: Config,
     pp: int,
     micro_batches: int | None = None,
     *,
@@ -259,7 +262,7 @@ def analyse(
 
 
 def partition(
-    cfg: Any,
+    cfg: Config,
     pp: int,
     method: str = "balancer",
     micro_batches: int | None = None,

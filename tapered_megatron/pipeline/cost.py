@@ -55,7 +55,10 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from tapered_megatron.config import Config
 
 GiB = 1024**3
 
@@ -70,13 +73,27 @@ GPU_EFFICIENCY = {
 }
 
 
+# Dense (no sparsity) bf16 peak TFLOP/s per accelerator product (vendor data sheets), keyed by a
+# whole token of the product name (``accelerator.lookup``: A10 is not A10G, L40 is not L40S). The
+# GPU presets of DEVICES and the training logger's MFU read their peaks here.
+PEAK_TFLOPS: dict[str, float] = {
+    "H200": 989.0,
+    "H100": 989.0,
+    "A100": 312.0,
+    "A10": 125.0,
+    "A10G": 70.0,
+    "L40": 181.0,
+    "L40S": 362.0,
+}
+
+
 @dataclass(frozen=True)
 class Device:
     """One accelerator type and its links. Bandwidths are per GPU, one direction, bytes/s.
 
-    Defaults (public datasheets): H100 SXM bf16 dense 989 TFLOP/s, NVLink 4 450 GB/s per
-    direction, 400 Gb/s NDR InfiniBand per GPU (50 GB/s); A100 SXM bf16 312 TFLOP/s, NVLink 3
-    300 GB/s, 200 Gb/s HDR per GPU (25 GB/s); H200 = H100 compute with 141 GB. ``cpu`` is this
+    Defaults (public datasheets; peaks from :data:`PEAK_TFLOPS`): H100 SXM NVLink 4 450 GB/s per
+    direction, 400 Gb/s NDR InfiniBand per GPU (50 GB/s); A100 SXM NVLink 3 300 GB/s, 200 Gb/s
+    HDR per GPU (25 GB/s); H200 = H100 compute with 141 GB. ``cpu`` is this
     machine class: fp32, its peak measured by a matmul micro-benchmark (see profile.py).
     """
 
@@ -101,9 +118,9 @@ class Device:
 
 
 DEVICES: dict[str, Device] = {
-    "h100": Device("h100", 989e12, 80 * GiB, 450e9, 50e9),
-    "h200": Device("h200", 989e12, 141e9, 450e9, 50e9, mem_bw=4.8e12),
-    "a100": Device("a100", 312e12, 80 * GiB, 300e9, 25e9, mem_bw=2.0e12),
+    "h100": Device("h100", PEAK_TFLOPS["H100"] * 1e12, 80 * GiB, 450e9, 50e9),
+    "h200": Device("h200", PEAK_TFLOPS["H200"] * 1e12, 141e9, 450e9, 50e9, mem_bw=4.8e12),
+    "a100": Device("a100", PEAK_TFLOPS["A100"] * 1e12, 80 * GiB, 300e9, 25e9, mem_bw=2.0e12),
     "cpu": Device(
         "cpu",
         50e9,  # replaced by the measured value (profile.measure_cpu_peak)
@@ -268,15 +285,8 @@ def ring_all_reduce(nbytes: float, n: int, bw: float) -> float:
 TP_ALL_REDUCES = {"embedding": 1, "layer": 2, "mixer": 1, "mlp": 1, "head": 1}
 
 
-def model_params(cfg: Any) -> int:
-    """Total parameters by the counters."""
-    from tapered_megatron.models.counters import count_model
-
-    return count_model(cfg).params_total
-
-
 def unit_costs(
-    cfg: Any,
+    cfg: Config,
     shape: RunShape,
     device: Device,
     unit: str | None = None,
@@ -407,7 +417,7 @@ def zero3_gathered(params: Sequence[float], zero3: Zero3) -> float:
 
 
 def zero3_stage_bytes(
-    cfg: Any, costs: Sequence[UnitCost], shape: RunShape, device: Device
+    cfg: Config, costs: Sequence[UnitCost], shape: RunShape, device: Device
 ) -> float:
     """Per-rank bytes of a ZeRO-3 run (one pipeline stage: DeepSpeed runs ZeRO-3 without
     pipeline parallelism) besides ``static + act + max(peak)`` of its units, from how
@@ -450,7 +460,7 @@ def zero3_stage_bytes(
 
 
 def model_unit_costs(
-    cfg: Any, shape: RunShape, device: Device, unit: str = "layer", profiled: bool = False
+    cfg: Config, shape: RunShape, device: Device, unit: str = "layer", profiled: bool = False
 ) -> list[UnitCost]:
     """Unit costs of ``cfg`` for ``shape`` on ``device`` (analytic, or profiled here and cached)."""
     if not profiled:

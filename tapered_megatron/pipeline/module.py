@@ -19,10 +19,13 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch.distributed as dist
 from deepspeed.pipe import PipelineModule
+
+if TYPE_CHECKING:
+    from tapered_megatron.config import Config
 
 
 class BalancedPipelineModule(PipelineModule):
@@ -79,7 +82,7 @@ class BalancedPipelineModule(PipelineModule):
     @classmethod
     def from_config(
         cls,
-        cfg: Any,
+        cfg: Config,
         *,
         micro_batches: int | None = None,
         method: str | None = None,

@@ -20,9 +20,12 @@ import platform
 import statistics
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
+
+if TYPE_CHECKING:
+    from tapered_megatron.config import Config
 
 
 def cache_dir() -> Path:
@@ -58,6 +61,8 @@ def _cached(payload: dict[str, Any], compute: Any) -> Any:
 
 def measure_cpu_peak(n: int = 512, reps: int = 10) -> float:
     """Achieved fp32 matmul FLOP/s of one thread (``n x n`` squared, thread CPU time), cached."""
+    from tapered_megatron.accelerator import matmul_peak
+
     payload = {
         "what": "cpu_peak",
         "device": device_label(),
@@ -67,15 +72,9 @@ def measure_cpu_peak(n: int = 512, reps: int = 10) -> float:
     }
 
     def run() -> float:
-        a, b = torch.randn(n, n), torch.randn(n, n)
-        for _ in range(3):
-            a @ b
-        times = []
-        for _ in range(reps):
-            t0 = time.thread_time()
-            a @ b
-            times.append(time.thread_time() - t0)
-        return 2.0 * n**3 / min(times)
+        cpu = torch.device("cpu")
+        clocks = (time.thread_time,)
+        return matmul_peak([(n, n, n)], device=cpu, reps=reps, warmup=3, clocks=clocks)[0]
 
     return float(_cached(payload, run))
 
@@ -115,7 +114,7 @@ def _saved_bytes(module: torch.nn.Module, x: torch.Tensor, loss: Any) -> float:
 
 
 def measure_units(
-    cfg: Any, unit: str, micro_batch_size: int, checkpointing: bool, reps: int = 7
+    cfg: Config, unit: str, micro_batch_size: int, checkpointing: bool, reps: int = 7
 ) -> dict[str, list[float]]:
     """Per entry of the unit table, for one micro-batch: forward + backward seconds (``time``)
     and the activation bytes per token autograd keeps (``act_bytes``). Not cached.
@@ -159,7 +158,7 @@ def measure_units(
 
 
 def profile_units(
-    cfg: Any, unit: str, micro_batch_size: int, checkpointing: bool
+    cfg: Config, unit: str, micro_batch_size: int, checkpointing: bool
 ) -> dict[str, list[float]]:
     """Cached :func:`measure_units` (see the module docstring for the cache key)."""
     cfg1 = cfg.with_overrides(["--parallel.tp", "1", "--parallel.pp", "1"])

@@ -7,39 +7,28 @@ per-layer MLP widths of the taper plan are logged once as a figure (``model/widt
 
 MFU = achieved model FLOPs / peak FLOPs. Model FLOPs per token come from the model library's
 counters (forward; backward = 2x forward; activation recomputation not counted). The peak is
-``logging.peak_tflops`` per device when set, otherwise a table of known accelerators (dense bf16,
-looked up by the device's product name), otherwise a short matmul probe on the device measured
-once at start-up (fp32 on CPU, bf16 on an accelerator).
+``logging.peak_tflops`` per device when set, otherwise the table of known accelerators
+(``pipeline.cost.PEAK_TFLOPS``, dense bf16, looked up by the device's product name), otherwise a
+short matmul probe on the device measured once at start-up (fp32 on CPU, bf16 on an
+accelerator).
 """
 
 from __future__ import annotations
 
 import math
 import resource
-import time
 
 import torch
 from deepspeed.accelerator import get_accelerator
 
-from tapered_megatron.accelerator import lookup, on_cpu
+from tapered_megatron.accelerator import lookup, matmul_peak, on_cpu
 from tapered_megatron.accelerator import product_name as device_product_name
 from tapered_megatron.config import Config
+from tapered_megatron.pipeline.cost import PEAK_TFLOPS
 from tapered_megatron.training.alignment import LayerAlignment
 from tapered_megatron.training.alignment import figure as alignment_figure
 
 __all__ = ["TrainLogger", "device_product_name", "memory_gb", "peak_tflops", "probe_tflops"]
-
-# Dense (no sparsity) bf16 peak TFLOP/s per device (vendor data sheets), matched on a whole
-# token of the product name (accelerator.lookup): A10 is not A10G, L40 is not L40S.
-_PEAK_TFLOPS = {
-    "H200": 989.0,
-    "H100": 989.0,
-    "A100": 312.0,
-    "A10": 125.0,
-    "A10G": 70.0,
-    "L40": 181.0,
-    "L40S": 362.0,
-}
 
 
 def peak_tflops(configured: float) -> float:
@@ -47,29 +36,16 @@ def peak_tflops(configured: float) -> float:
     if configured > 0:
         return configured
     if not on_cpu():
-        known = lookup(device_product_name(), _PEAK_TFLOPS)
+        known = lookup(device_product_name(), PEAK_TFLOPS)
         if known is not None:
             return known
     return probe_tflops()
 
 
 def probe_tflops(n: int = 1024, reps: int = 5, dtype: torch.dtype | None = None) -> float:
-    """Best-case ``n x n`` matmul TFLOP/s on this rank's device, the fastest of ``reps``
+    """Best-case ``n x n`` matmul TFLOP/s on this rank's device, the fastest of ``reps`` + 1
     products; ``dtype`` defaults to fp32 on CPU and bf16 on an accelerator."""
-    acc = get_accelerator()
-    device = torch.device(acc.current_device_name())
-    if dtype is None:
-        dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
-    g = torch.Generator().manual_seed(0)  # leaves the global RNG stream untouched
-    a, b = (torch.randn(n, n, generator=g).to(device, dtype) for _ in range(2))
-    best = float("inf")
-    for _ in range(reps + 1):
-        acc.synchronize()
-        t = time.perf_counter()
-        a @ b
-        acc.synchronize()
-        best = min(best, time.perf_counter() - t)
-    return 2 * n**3 / max(best, 1e-9) / 1e12
+    return matmul_peak([(n, n, n)], dtype=dtype, reps=reps + 1, warmup=0)[0] / 1e12
 
 
 def memory_gb() -> float:
