@@ -19,13 +19,12 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import os
-import platform
 import statistics
 import sys
 import time
-from datetime import datetime, timezone
+
+from bench_common import emit, stamp
 
 from tapered_megatron.parallel.local_launch import run_workers
 
@@ -37,14 +36,6 @@ MODEL = [
 ]  # fmt: skip
 MICRO_BATCH = 2
 MICRO_BATCHES = 8
-
-
-def stamp() -> dict:
-    """Machine and date of a result."""
-    return {
-        "machine": f"{platform.node()} {platform.machine()} {os.cpu_count()} cpus",
-        "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-    }
 
 
 # --------------------------------------------------------------------------- predicted (1.3B)
@@ -67,7 +58,7 @@ def predict() -> list[dict]:
                     "parts": list(res.methods["balancer"].parts),
                 }
                 rows.append(row)
-                print(json.dumps(row), flush=True)
+                emit(row)
     return rows
 
 
@@ -252,7 +243,7 @@ def measure(steps: int) -> list[dict]:
         }  # fmt: skip
         by_key[(unit, method)] = row
         rows.append(row)
-        print(json.dumps(row), flush=True)
+        emit(row)
     ours = by_key[("layer", "balancer")]
     sub = by_key[("sublayer", "balancer")]
     summary = {
@@ -282,7 +273,7 @@ def measure(steps: int) -> list[dict]:
         "max_abs_err_analytic": max(abs(e) for r in rows for e in r["err_analytic"]),
         **stamp(),
     }  # fmt: skip
-    print(json.dumps(summary), flush=True)
+    emit(summary)
     return [*rows, summary]
 
 
@@ -368,7 +359,7 @@ def memory(steps: int) -> list[dict]:
             **stamp(),
         }  # fmt: skip
         rows.append(row)
-        print(json.dumps(row), flush=True)
+        emit(row)
     return rows
 
 

@@ -62,24 +62,22 @@ Usage::
 from __future__ import annotations
 
 import argparse
-import json
-import platform
+import functools
 import statistics
 import time
 from collections.abc import Callable
-from datetime import datetime, timezone
 
 import torch
 import torch.nn.functional as F
+from bench_common import LIBRARY_SHAPE, emit, interleaved, model_shape, stamp
 
 from tapered_megatron.config import Config, load_config
 from tapered_megatron.models import allow_layer_recompiles, build_model
 from tapered_megatron.models.counters import count_model
 
 LIB = [
-    "--model.d_model", "256", "--model.layers", "8", "--model.heads", "4", "--model.d_ff", "688",
-    "--model.vocab_size", "8192", "--model.seq_len", "256", "--model.titans.chunk_size", "16",
-    "--model.titans.window", "64", "--model.hope.periods", "0", "64", "16",
+    *LIBRARY_SHAPE, "--model.titans.chunk_size", "16", "--model.titans.window", "64",
+    "--model.hope.periods", "0", "64", "16",
 ]  # fmt: skip
 SHAPE_1024 = [
     "--model.d_model", "1024", "--model.heads", "16", "--model.d_ff", "3584",
@@ -208,28 +206,26 @@ def _peer_hope_teach(base: list[str]) -> tuple[torch.nn.Module, Callable, None]:
 CLOCKS = {"wall": time.perf_counter, "cpu": time.process_time}
 
 
-def _time(step: Callable, opt: torch.optim.Optimizer, ids, clock: Callable[[], float]) -> float:
-    t0 = clock()
+def _update(step: Callable, opt: torch.optim.Optimizer, ids) -> None:
     step(ids)
     opt.step()
     opt.zero_grad(set_to_none=True)
-    return clock() - t0
 
 
 def _measure(
     entries: dict, ids: torch.Tensor, rounds: int, status: dict, clock: Callable[[], float]
 ) -> dict[str, float]:
     opts = {k: torch.optim.AdamW(m.parameters(), lr=1e-4) for k, (m, *_) in entries.items()}
-    times: dict[str, list[float]] = {k: [] for k in entries}
     for k, (_, step, _) in list(entries.items()):  # warm-up; a peer failing here is reported
         try:
-            _time(step, opts[k], ids, clock)
+            _update(step, opts[k], ids)
         except Exception as e:
             status[k] = f"could not run: {type(e).__name__}: {e}"[:300]
-            del entries[k], times[k]
-    for _ in range(rounds):
-        for k, (_, step, _) in entries.items():
-            times[k].append(_time(step, opts[k], ids, clock))
+            del entries[k]
+    updates = {
+        k: functools.partial(_update, step, opts[k], ids) for k, (_, step, _) in entries.items()
+    }
+    times = interleaved(updates, rounds, clocks={"clock": clock})["clock"]
     tokens = ids.shape[0] * (ids.shape[1] - 1)
     return {k: round(tokens / statistics.median(v), 1) for k, v in times.items()}
 
@@ -279,9 +275,7 @@ def _shape(name: str, a: argparse.Namespace, status: dict) -> dict:
     ref_rate = ref * flops["transformer"] if ref else 0.0
     rate = {k: round(tok_s[k] * f / ref_rate, 3) for k, f in flops.items() if k in tok_s and ref}
     return {
-        "shape": {"d_model": cfg.model.d_model, "layers": cfg.model.layers,
-                  "heads": cfg.model.heads, "d_ff": cfg.model.d_ff,
-                  "vocab": cfg.model.vocab_size, "seq": cfg.model.seq_len, "batch": batch},
+        "shape": model_shape(cfg, batch),
         "tokens_per_s": tok_s,
         "over_transformer": {k: round(v / ref, 3) for k, v in tok_s.items()} if ref else {},
         "train_flops_per_token": {k: round(v) for k, v in flops.items()},
@@ -324,23 +318,20 @@ def main(argv: list[str] | None = None) -> int:
     results = {}
     for name in a.shapes:  # each shape's figures as soon as they exist
         results[name] = _shape(name, a, status)
-        print(json.dumps({"shape": name, **results[name]}), flush=True)
-    print(
-        json.dumps(
-            {
-                "bench": "memory_archs",
-                "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-                "machine": f"{platform.machine()} {platform.processor() or ''}".strip(),
-                "torch": torch.__version__,
-                "threads": a.threads,
-                "measure": "forward + backward + AdamW step, fp32, median of round-robin rounds",
-                "clock": a.clock,
-                "rounds": a.rounds,
-                "compile": a.compile,
-                "results": results,
-                "failures": status,
-            }
-        )
+        emit({"shape": name, **results[name]})
+    emit(
+        {
+            "bench": "memory_archs",
+            **stamp(),
+            "torch": torch.__version__,
+            "threads": a.threads,
+            "measure": "forward + backward + AdamW step, fp32, median of round-robin rounds",
+            "clock": a.clock,
+            "rounds": a.rounds,
+            "compile": a.compile,
+            "results": results,
+            "failures": status,
+        }
     )
     return 0
 

@@ -26,16 +26,14 @@ from __future__ import annotations
 
 import argparse
 import ctypes
-import datetime
 import functools
-import json
 import os
-import random
 import statistics
 import time
 
 import torch
 import torch.nn.functional as F
+from bench_common import LIBRARY_SHAPE, emit, interleaved, model_shape, stamp
 from deepspeed.accelerator import get_accelerator
 
 from tapered_megatron.accelerator import matmul_peak
@@ -43,10 +41,7 @@ from tapered_megatron.config import load_config
 from tapered_megatron.models import build_model, count_model
 from tapered_megatron.training.logger import device_product_name
 
-SHAPE = [
-    "--model.d_model", "256", "--model.layers", "8", "--model.heads", "4", "--model.d_ff", "688",
-    "--model.vocab_size", "8192", "--model.seq_len", "256", "--taper.multiple", "16",
-]  # fmt: skip
+SHAPE = [*LIBRARY_SHAPE, "--taper.multiple", "16"]
 BATCH, SEQ, VOCAB = 8, 256, 8192
 
 
@@ -247,15 +242,10 @@ def main(argv: list[str] | None = None) -> int:
             step(name)
     peak_runs = [peaks(a.threads, dev, dtype)]
     load_before = os.getloadavg()[0]
-    wall: dict[str, list[float]] = {k: [] for k in variants}
-    cpu: dict[str, list[float]] = {k: [] for k in variants}
-    order_rng = random.Random(0)
-    for _ in range(a.rounds):  # one step of each variant per round, in a fresh random order
-        for name in order_rng.sample(list(variants), len(variants)):
-            t0, c0 = time.perf_counter(), time.process_time()
-            step(name)
-            wall[name].append(time.perf_counter() - t0)
-            cpu[name].append(time.process_time() - c0)
+    clocks = {"wall": time.perf_counter, "cpu": time.process_time}
+    steps = {name: functools.partial(step, name) for name in variants}
+    times = interleaved(steps, a.rounds, clocks=clocks, order="shuffle")
+    wall, cpu = times["wall"], times["cpu"]
     peak_runs.append(peaks(a.threads, dev, dtype))
     floor = None
     if on_cpu and not a.no_floor and a.dtype == "fp32":  # times CPU fp32 kernels
@@ -280,19 +270,11 @@ def main(argv: list[str] | None = None) -> int:
     flops["ours_uniform_compiled"] = flops["hf_llama_compiled"] = flops["ours_uniform"]
     result = {
         "bench": "model_train_step",
-        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-        "machine": device_product_name() + (f", {a.threads} threads" if on_cpu else ""),
+        **stamp("" if on_cpu else device_product_name()),
+        "threads": a.threads,
         "torch": torch.__version__,
         "dtype": a.dtype,
-        "shape": {
-            "d_model": 256,
-            "layers": 8,
-            "heads": 4,
-            "d_ff": 688,
-            "vocab": VOCAB,
-            "seq": SEQ,
-            "batch": BATCH,
-        },
+        "shape": model_shape(cfg_u, BATCH),
         "load_avg_1min": [round(load_before, 2), round(os.getloadavg()[0], 2)],
         "matmul_peak_gflops": {"wall": round(peak_wall / 1e9, 1), "cpu": round(peak_cpu / 1e9, 1)},
         "tokens_per_s": {k: round(v, 1) for k, v in tps_cpu.items()},
@@ -325,7 +307,7 @@ def main(argv: list[str] | None = None) -> int:
             "ours_uniform_step_s": round(statistics.median(wall["ours_uniform"]), 4),
             "mfu_ceiling": round(tokens / floor_s * flops["ours_uniform"] / peak_wall, 3),
         }
-    print(json.dumps(result))
+    emit(result)
     return 0
 
 

@@ -9,19 +9,17 @@ after three warm-up steps on random tokens: forward + the fused LM-head loss, ba
 AdamW, with fp32 parameters and ``torch.autocast`` to ``--dtype`` (the usual mixed precision of a
 single-device run). Step time is the median wall time between device synchronisations. MFU uses
 the model FLOPs of ``count_model`` (no recomputation counted) against two peaks: the vendor's
-dense peak for a known accelerator (the training logger's table) and the best matmul rate of
+dense peak for a known accelerator (``pipeline.cost.PEAK_TFLOPS``) and the best matmul rate of
 ``--dtype`` measured on the same device in the same run. Prints one JSON line.
 """
 
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
 import statistics
-import time
 
 import torch
+from bench_common import emit, interleaved, stamp
 from deepspeed.accelerator import get_accelerator
 
 from tapered_megatron.config import load_config
@@ -54,13 +52,7 @@ def time_preset(preset: str, args: argparse.Namespace, device: torch.device) -> 
 
     for _ in range(3):
         step()
-    times = []
-    for _ in range(args.steps):
-        acc.synchronize()
-        t = time.perf_counter()
-        step()
-        acc.synchronize()
-        times.append(time.perf_counter() - t)
+    times = interleaved({"step": step}, args.steps, sync=acc.synchronize)["wall"]["step"]
     step_s = statistics.median(times)
     counts = count_model(cfg)
     return {
@@ -94,24 +86,22 @@ def main(argv: list[str] | None = None) -> int:
         flops = r["model_tflops"] * 1e12
         r["mfu_measured_peak"] = round(flops / measured, 3)
         r["mfu_datasheet"] = round(flops / datasheet, 3) if datasheet else None
-    print(
-        json.dumps(
-            {
-                "bench": "preset_train_step_mfu",
-                "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-                "device": device_product_name(),
-                "torch": torch.__version__,
-                "dtype": args.dtype,
-                "compile": args.compile,
-                "micro_batch": args.micro_batch,
-                "overrides": args.overrides,
-                "peak_tflops": {
-                    "datasheet": round(datasheet / 1e12, 1) if datasheet else None,
-                    "measured": round(measured / 1e12, 1),
-                },
-                "presets": results,
-            }
-        )
+    emit(
+        {
+            "bench": "preset_train_step_mfu",
+            **stamp(device_product_name() if device.type != "cpu" else ""),
+            "device": device_product_name(),
+            "torch": torch.__version__,
+            "dtype": args.dtype,
+            "compile": args.compile,
+            "micro_batch": args.micro_batch,
+            "overrides": args.overrides,
+            "peak_tflops": {
+                "datasheet": round(datasheet / 1e12, 1) if datasheet else None,
+                "measured": round(measured / 1e12, 1),
+            },
+            "presets": results,
+        }
     )
     return 0
 

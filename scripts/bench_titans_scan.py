@@ -16,14 +16,12 @@ Usage::
 from __future__ import annotations
 
 import argparse
-import json
-import platform
 import statistics
 import time
-from datetime import datetime, timezone
 
 import torch
 import torch.nn.functional as F
+from bench_common import emit, interleaved, stamp
 
 from tapered_megatron.models.titans import memory_scan
 
@@ -55,13 +53,9 @@ def measure(chunk: int, rounds: int, x: list[torch.Tensor]) -> dict:
     """Median CPU seconds per mode at ``chunk`` and the modes' largest relative gradient gap."""
     eager, comp = _step(x, chunk, False), _step(x, chunk, True)  # the compile happens here
     gap = max(((a - b).abs().max() / b.abs().max()).item() for a, b in zip(comp, eager))
-    times: dict[bool, list[float]] = {False: [], True: []}
-    for _ in range(rounds):
-        for mode in (False, True):
-            t0 = time.process_time()
-            _step(x, chunk, mode)
-            times[mode].append(time.process_time() - t0)
-    e, c = statistics.median(times[False]), statistics.median(times[True])
+    steps = {"eager": lambda: _step(x, chunk, False), "compiled": lambda: _step(x, chunk, True)}
+    times = interleaved(steps, rounds, clocks={"cpu": time.process_time})["cpu"]
+    e, c = statistics.median(times["eager"]), statistics.median(times["compiled"])
     return {
         "chunk": chunk,
         "eager_cpu_s": round(e, 4),
@@ -80,18 +74,15 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(a.threads)
     x = _inputs(torch.Generator().manual_seed(0))
     results = [measure(c, a.rounds, x) for c in a.chunks]
-    print(
-        json.dumps(
-            {
-                "bench": "titans_scan_compiled",
-                "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-                "machine": f"{platform.machine()} {platform.processor() or ''}".strip(),
-                "torch": torch.__version__,
-                "threads": a.threads,
-                "shape": {"batch": BATCH, "heads": HEADS, "seq": SEQ, "head_dim": HEAD_DIM},
-                "results": results,
-            }
-        )
+    emit(
+        {
+            "bench": "titans_scan_compiled",
+            **stamp(),
+            "torch": torch.__version__,
+            "threads": a.threads,
+            "shape": {"batch": BATCH, "heads": HEADS, "seq": SEQ, "head_dim": HEAD_DIM},
+            "results": results,
+        }
     )
     return 0
 

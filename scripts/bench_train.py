@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
 import subprocess
 import sys
@@ -29,7 +28,7 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+from bench_common import ROOT, emit, interleaved, stamp
 
 
 def _overhead(config: str, ds_config: str, overrides: list[str], rounds: int, steps: int) -> dict:
@@ -70,16 +69,10 @@ def _overhead(config: str, ds_config: str, overrides: list[str], rounds: int, st
     def engine_step() -> None:
         trainer._train_step(engine_batches, want_norm=False)
 
-    times: dict[str, list[float]] = {"engine": [], "bare": []}
     for fn in (bare_step, engine_step):  # warm-up, not timed
         fn()
-    sides = [("bare", bare_step), ("engine", engine_step)]
-    for r in range(rounds):
-        for name, fn in sides if r % 2 == 0 else sides[::-1]:  # alternate who goes first
-            for _ in range(steps):
-                t = time.perf_counter()
-                fn()
-                times[name].append(time.perf_counter() - t)
+    sides = {"bare": bare_step, "engine": engine_step}  # who goes first alternates
+    times = interleaved(sides, rounds, order="alternate", repeats=steps)["wall"]
     tokens = layout.global_batch_size * cfg.model.seq_len
     med = {k: statistics.median(v) for k, v in times.items()}
     import torch.distributed as dist
@@ -139,8 +132,7 @@ def main(argv: list[str] | None = None) -> int:
         "overrides": overrides,
         "model": f"{cfg.model.arch} L{cfg.model.layers} d{cfg.model.d_model} s{cfg.model.seq_len}",
         "micro_batch": cfg.train.micro_batch_size,
-        "machine": f"{platform.machine()} {os.cpu_count()} cpu",
-        "date": time.strftime("%Y-%m-%d", time.gmtime()),
+        **stamp(),
     }
     if not a.skip_launch:
         with tempfile.TemporaryDirectory() as tmp:
@@ -156,7 +148,7 @@ def main(argv: list[str] | None = None) -> int:
         )
     result["ds_config"] = Path(a.ds_config).name
     result.update(_overhead(a.config, a.ds_config, overrides, a.rounds, a.steps))
-    print(json.dumps(result))
+    emit(result)
     return 0
 
 
