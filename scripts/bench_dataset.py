@@ -10,25 +10,18 @@ line per measurement.
 from __future__ import annotations
 
 import argparse
-import json
-import platform
 import resource
 import subprocess
 import sys
 import tempfile
 import time
-from pathlib import Path
 
 import numpy as np
+from bench_common import emit, stamp
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-
-from tapered_megatron.data import build_gpt_datasets, prepare_sample_corpus  # noqa: E402
-from tapered_megatron.data.gpt_dataset import build_indices  # noqa: E402
-from tapered_megatron.data.indexed import HEADER, MAGIC  # noqa: E402
-
-STAMP = {"machine": platform.node(), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
+from tapered_megatron.data import build_gpt_datasets, prepare_sample_corpus
+from tapered_megatron.data.gpt_dataset import build_indices
+from tapered_megatron.data.indexed import HEADER, MAGIC
 
 
 def scale(tokens: float, seq_len: int, mean_doc: int) -> dict:
@@ -54,7 +47,7 @@ def scale(tokens: float, seq_len: int, mean_doc: int) -> dict:
         "peak_rss_mib": round(rss / 1024),
         "rss_growth_mib": round((rss - rss0) / 1024),
         "index_mib": round((doc_idx.nbytes + sample_idx.nbytes + shuffle_idx.nbytes) / 2**20),
-        **STAMP,
+        **stamp(),
     }
 
 
@@ -96,7 +89,7 @@ def scale_on_disk(tokens: float, seq_len: int, mean_doc: int) -> dict:
             "cached_reopen_s": round(reopen, 2),
             "peak_rss_mib": round(rss / 1024),
             "rss_growth_mib": round((rss - rss0) / 1024),
-            **STAMP,
+            **stamp(),
         }
 
 
@@ -123,7 +116,7 @@ def sample_corpus(seq_len: int, reads: int) -> list[dict]:
                 "samples": len(train),
                 "seq_len": seq_len,
                 "random_reads_per_s": round(rate),
-                **STAMP,
+                **stamp(),
             }
         )
     return out
@@ -139,13 +132,13 @@ def main() -> None:
     ap.add_argument("--disk-only", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.scale_only:
-        print(json.dumps(scale(args.tokens, args.seq_len, args.mean_doc)))
+        emit(scale(args.tokens, args.seq_len, args.mean_doc))
         return
     if args.disk_only:
-        print(json.dumps(scale_on_disk(args.tokens, args.seq_len, args.mean_doc)))
+        emit(scale_on_disk(args.tokens, args.seq_len, args.mean_doc))
         return
     for rec in sample_corpus(128, args.reads):
-        print(json.dumps(rec), flush=True)
+        emit(rec)
     # the scale run in a fresh process, so its peak RSS is its own
     for mode in ("--scale-only", "--disk-only"):
         cmd = [sys.executable, __file__, mode, "--tokens", str(args.tokens),

@@ -21,7 +21,6 @@ ours / Llama ratios.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import subprocess
 import sys
@@ -31,14 +30,12 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from bench_common import ROOT, emit, interleaved, stamp
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-from tapered_megatron.config import Config  # noqa: E402
-from tapered_megatron.eval.common import windows  # noqa: E402
-from tapered_megatron.eval.perplexity import perplexity_of  # noqa: E402
-from tapered_megatron.export.load import load_export  # noqa: E402
+from tapered_megatron.config import Config
+from tapered_megatron.eval.common import windows
+from tapered_megatron.eval.perplexity import perplexity_of
+from tapered_megatron.export.load import load_export
 
 
 def train_and_export(folder: Path, iters: int) -> Path:
@@ -91,13 +88,6 @@ def to_llama(cfg: Config, state: dict[str, torch.Tensor]):
     return llama
 
 
-def timed(fn) -> tuple[float, float, object]:
-    """(wall seconds, process CPU seconds, result) of one call."""
-    w, c = time.perf_counter(), time.process_time()
-    result = fn()
-    return time.perf_counter() - w, time.process_time() - c, result
-
-
 def main(argv: list[str] | None = None) -> int:
     """Run the comparison; print one JSON line."""
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -138,27 +128,24 @@ def main(argv: list[str] | None = None) -> int:
         same_tokens = (
             wrapped.generate(prompt, **gen).tolist() == llama.generate(prompt, **gen).tolist()
         )
-        keys = ("ppl_ours", "ppl_llama", "gen_ours", "gen_llama")
-        runs: dict[str, list[tuple[float, float]]] = {k: [] for k in keys}
         losses = {}
-        for _ in range(a.rounds):
-            for name, model in (("ours", ours), ("llama", llama_loss)):
-                w, c, r = timed(
-                    lambda m=model: perplexity_of(m, windows(stream, seq, a.batch_size))
-                )
-                runs[f"ppl_{name}"].append((w, c))
-                losses[name] = r.loss
-            for name, model in (("ours", wrapped), ("llama", llama)):
-                w, c, _ = timed(lambda m=model: m.generate(prompt, **gen))
-                runs[f"gen_{name}"].append((w, c))
+
+        def ppl(name: str, model) -> None:
+            losses[name] = perplexity_of(model, windows(stream, seq, a.batch_size)).loss
+
+        steps = {
+            "ppl_ours": lambda: ppl("ours", ours),
+            "ppl_llama": lambda: ppl("llama", llama_loss),
+            "gen_ours": lambda: wrapped.generate(prompt, **gen),
+            "gen_llama": lambda: llama.generate(prompt, **gen),
+        }
+        clocks = {"wall": time.perf_counter, "cpu": time.process_time}
+        times = interleaved(steps, a.rounds, clocks=clocks)
     n_ppl = stream.numel() - 1
     rate = {}
-    for key, vals in runs.items():
+    for key in steps:
         n = n_ppl if key.startswith("ppl") else a.new_tokens
-        rate[key] = {
-            "wall": n / statistics.median(w for w, _ in vals),
-            "cpu": n / statistics.median(c for _, c in vals),
-        }
+        rate[key] = {clock: n / statistics.median(times[clock][key]) for clock in clocks}
     result = {
         "bench": "eval",
         "model": str(out) if a.model else f"quickstart uniform, {a.train_iters} iterations",
@@ -176,11 +163,12 @@ def main(argv: list[str] | None = None) -> int:
         },
         "torch": torch.__version__,
         "threads": torch.get_num_threads(),
+        **stamp(),
     }
     import transformers
 
     result["transformers"] = transformers.__version__
-    print(json.dumps(result))
+    emit(result)
     return 0
 
 

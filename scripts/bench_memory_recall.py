@@ -42,14 +42,12 @@ Usage::
 from __future__ import annotations
 
 import argparse
-import json
-import platform
 import sys
 import time
-from datetime import datetime, timezone
 
 import torch
 import torch.nn.functional as F
+from bench_common import emit, stamp
 
 from tapered_megatron.config import load_config
 from tapered_megatron.models import build_model, lm_loss
@@ -216,20 +214,17 @@ def main(argv: list[str] | None = None) -> int:
         torch.manual_seed(a.seed)
         results[name] = train_and_eval(build(specs[name][0], a.window, seq, *specs[name][1:]), a)
         print(name, results[name], flush=True)
-    print(
-        json.dumps(
-            {
-                "bench": "memory_recall",
-                "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-                "machine": f"{platform.machine()} {platform.processor() or ''}".strip(),
-                "torch": torch.__version__,
-                "threads": a.threads,
-                "task": {"pairs": a.pairs, "gap": a.gap, "window": a.window, "seq": seq,
-                         "chance": round(1 / VALUES, 4)},
-                "train": {"steps": a.steps, "batch": a.batch, "lr": a.lr, "seed": a.seed},
-                "results": results,
-            }
-        )
+    emit(
+        {
+            "bench": "memory_recall",
+            **stamp(),
+            "torch": torch.__version__,
+            "threads": a.threads,
+            "task": {"pairs": a.pairs, "gap": a.gap, "window": a.window, "seq": seq,
+                     "chance": round(1 / VALUES, 4)},
+            "train": {"steps": a.steps, "batch": a.batch, "lr": a.lr, "seed": a.seed},
+            "results": results,
+        }
     )  # fmt: skip
     return 0
 

@@ -22,8 +22,8 @@ import tempfile
 from pathlib import Path
 
 import numpy as np
+from bench_common import ROOT, emit, stamp
 
-ROOT = Path(__file__).resolve().parents[1]
 WRAPPER = """
 import json, resource, runpy, sys
 sys.argv = ["pretrain/main.py", *sys.argv[1:]]
@@ -47,7 +47,6 @@ def _free_port() -> int:
 
 def corpus(folder: Path, vocab: int) -> str:
     """Random-token documents (the data does not matter for memory) as a Megatron dataset."""
-    sys.path.insert(0, str(ROOT))
     from tapered_megatron.data import write_indexed_dataset
 
     rng = np.random.default_rng(0)
@@ -112,23 +111,22 @@ def main(argv: list[str] | None = None) -> int:
     best = {k: [min(p[s] for p in v) for s in range(2)] for k, v in peaks.items()}
     logits = a.seq_len * a.vocab * 4  # one micro-batch of fp32 logits (CPU: fp32 training)
     drop = best["reference"][1] - best["current"][1]
-    print(
-        json.dumps(
-            {
-                "bench": "pipeline_memory",
-                "pp": 2,
-                "seq_len": a.seq_len,
-                "vocab": a.vocab,
-                "micro_batch_size": 1,
-                "micro_batches": 4,
-                "reference_tree": str(trees["reference"]),
-                "peak_bytes": best,
-                "all_runs": peaks,
-                "last_stage_drop_bytes": drop,
-                "logits_bytes": logits,
-                "drop_over_logits": round(drop / logits, 3),
-            }
-        )
+    emit(
+        {
+            "bench": "pipeline_memory",
+            **stamp(),
+            "pp": 2,
+            "seq_len": a.seq_len,
+            "vocab": a.vocab,
+            "micro_batch_size": 1,
+            "micro_batches": 4,
+            "reference_tree": str(trees["reference"]),
+            "peak_bytes": best,
+            "all_runs": peaks,
+            "last_stage_drop_bytes": drop,
+            "logits_bytes": logits,
+            "drop_over_logits": round(drop / logits, 3),
+        }
     )
     return 0
 

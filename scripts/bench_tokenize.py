@@ -37,7 +37,6 @@ import gzip
 import json
 import os
 import pickle
-import platform
 import random
 import resource
 import shutil
@@ -50,19 +49,17 @@ import time
 from pathlib import Path
 
 import numpy as np
+from bench_common import ROOT, emit, stamp
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-
-from tapered_megatron.data import (  # noqa: E402
+from tapered_megatron.data import (
     IndexedDatasetWriter,
     load_tokenizer,
     prepare_sample_corpus,
     train_sentencepiece,
 )
-from tapered_megatron.data.preprocess import iter_texts, paragraphs, parse_chunk  # noqa: E402
-from tapered_megatron.data.sample_corpus import sample_corpus_path  # noqa: E402
-from tapered_megatron.data.sources import expand_inputs, read_chunks  # noqa: E402
+from tapered_megatron.data.preprocess import iter_texts, paragraphs, parse_chunk
+from tapered_megatron.data.sample_corpus import sample_corpus_path
+from tapered_megatron.data.sources import expand_inputs, read_chunks
 
 
 def raw_encode(texts: list[str], model: str) -> tuple[float, float]:
@@ -84,14 +81,14 @@ def children_cpu() -> float:
 
 
 def tokenize_cmd(
-    inputs: list[Path], model: str, workers: int, out: Path, repo: Path = REPO
+    inputs: list[Path], model: str, workers: int, out: Path, repo: Path = ROOT
 ) -> list[str]:
     return [sys.executable, str(repo / "data_tools/tokenize.py"), "--input", *map(str, inputs),
             "--output-prefix", str(out), "--tokenizer-model", model, "--append-eod",
             "--workers", str(workers), "--no-progress", "--log-interval", "0"]  # fmt: skip
 
 
-def run_tokenize(cmd: list[str], repo: Path = REPO) -> tuple[float, float, dict]:
+def run_tokenize(cmd: list[str], repo: Path = ROOT) -> tuple[float, float, dict]:
     env = {**os.environ, "PYTHONPATH": str(repo)}
     t0, c0 = time.perf_counter(), children_cpu()
     r = subprocess.run(cmd, capture_output=True, text=True, check=True, env=env)
@@ -142,8 +139,7 @@ def common() -> dict:
     return {
         "loadavg_1m": round(os.getloadavg()[0], 2),
         "cpus": os.cpu_count(),
-        "machine": platform.node(),
-        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        **stamp(),
     }
 
 
@@ -164,16 +160,14 @@ def throughput(args, model: str, lines: list[bytes], tmp: Path) -> None:
     sample.write_bytes(b"".join(lines))
     large = tmp / "large.jsonl"
     write_large(lines, large, args.large_mb)
-    print(json.dumps({"bench": "tokenize_startup", "import_s": round(startup_seconds(), 3),
-                      **common()}), flush=True)  # fmt: skip
+    emit({"bench": "tokenize_startup", "import_s": round(startup_seconds(), 3), **common()})
     for name, path in (("sample", sample), ("large", large)):
         if name not in args.corpora:
             continue
         texts = [json.loads(line)["text"] for line in path.read_bytes().splitlines()]
         mb = path.stat().st_size / 1e6
         split = stages(path, model, tmp / "stages")
-        print(json.dumps({"bench": "tokenize_stages", "corpus": name, "mb": round(mb, 1),
-                          **split, **common()}), flush=True)  # fmt: skip
+        emit({"bench": "tokenize_stages", "corpus": name, "mb": round(mb, 1), **split, **common()})
         for workers in args.workers:
             raws, runs, base = [], [], []
             for _ in range(args.repeats):  # alternate, so all see the same spells of load
@@ -211,7 +205,7 @@ def throughput(args, model: str, lines: list[bytes], tmp: Path) -> None:
                 row["baseline_wall_s"] = round(base_wall, 2)
                 row["baseline_ratio"] = round(limit / base_wall, 3)
                 row["baseline_cpu_efficiency"] = round(raw_cpu / min(r[1] for r in base), 3)
-            print(json.dumps(row), flush=True)
+            emit(row)
 
 
 def write_synthetic(lines: list[bytes], folder: Path, gb: float) -> list[Path]:
@@ -322,7 +316,7 @@ def memory(args, model: str, lines: list[bytes], tmp: Path) -> None:
                 "bound_mib": 1024,
                 **common(),
             }
-            print(json.dumps(row), flush=True)
+            emit(row)
         finally:
             shutil.rmtree(folder, ignore_errors=True)
 
@@ -345,7 +339,7 @@ def main() -> None:
     ap.add_argument(
         "--baseline", type=Path, help="another checkout: its tokenize.py timed alongside"
     )
-    ap.add_argument("--cache-dir", default=str(REPO / ".cache/tapered_megatron"))
+    ap.add_argument("--cache-dir", default=str(ROOT / ".cache/tapered_megatron"))
     ap.add_argument("--tmp", default=None, help="folder for generated inputs (default: system)")
     args = ap.parse_args()
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # stopped: still clean up

@@ -42,11 +42,9 @@ import os
 import sys
 import threading
 import time
-from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from bench_common import ROOT, emit, stamp
 
 MiB = 2**20
 
@@ -297,6 +295,7 @@ def main(argv: list[str] | None = None) -> int:
     pred = planner_prediction(args.config, args.seq_len, args.ranks, args.overrides, args.zero)
     model_mib = pred["params"] * 4 / MiB  # fp32 weights
     summary: dict[str, Any] = {
+        **stamp(),
         "config": args.config,
         "ranks": args.ranks,
         "seq_len": args.seq_len,
@@ -310,7 +309,7 @@ def main(argv: list[str] | None = None) -> int:
     }
     for build in args.builds.split(","):
         res = run_build(args, build)
-        print(json.dumps(res), flush=True)
+        emit(res)
         if not res["fits"]:
             summary[build] = {"fits": False, "why": res["why"]}
             continue
@@ -342,7 +341,7 @@ def main(argv: list[str] | None = None) -> int:
             ]
             summary[build]["step_vs_planner"] = (worst["step_peak"] - foot) / pred["step"]
             summary[build]["loss"] = rk[0]["loss"]
-    print(json.dumps(summary), flush=True)
+    emit(summary)
     return 0
 
 
