@@ -19,12 +19,12 @@ with and without it. Prints one JSON line.
 from __future__ import annotations
 
 import argparse
-import json
 import time
 from dataclasses import replace
 
 import deepspeed
 import torch
+from bench_common import emit, stamp
 from deepspeed.accelerator import get_accelerator
 
 from tapered_megatron import parallel
@@ -95,6 +95,7 @@ def main(argv: list[str] | None = None) -> int:
     allocated = plan["stage_bytes"] - plan["overhead_bytes"]
     line = {
         "bench": "memory_vs_plan",
+        **stamp(device_product_name()),
         "device": device_product_name(),
         "arch": cfg.model.arch,
         "params": sum(p.numel() for p in model.parameters()),
@@ -118,7 +119,7 @@ def main(argv: list[str] | None = None) -> int:
         "device_preset": plan["device_preset"],
         "measured_over_predicted": round(measured / allocated, 3),
     }
-    print(json.dumps(line), flush=True)
+    emit(line)
     return 0
 
 

@@ -16,13 +16,14 @@ and the restricted step ran.
 from __future__ import annotations
 
 import argparse
-import json
 
 import torch
+from bench_common import emit, stamp
 from deepspeed.accelerator import get_accelerator
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.profiler import ProfilerActivity, profile
 
+from tapered_megatron.accelerator import product_name
 from tapered_megatron.config import load_config
 from tapered_megatron.models import build_model
 
@@ -91,6 +92,7 @@ def main(argv: list[str] | None = None) -> int:
     results = {p: check(p, args, device) for p in ("transformer_440m", "titans_440m")}
     line = {
         "bench": "sdpa_kernels",
+        **stamp(product_name() if device.type != "cpu" else ""),
         "device": device.type,
         "torch": torch.__version__,
         "dtype": args.dtype,
@@ -98,7 +100,7 @@ def main(argv: list[str] | None = None) -> int:
         "ok": all(r["ok"] for r in results.values()),
         "presets": results,
     }
-    print(json.dumps(line), flush=True)
+    emit(line)
     return 0 if line["ok"] else 1
 
 
