@@ -187,6 +187,33 @@ def test_mfu_peak_configured_or_probed_on_this_device():
     assert 1 / 3 < probed / independent < 3, (probed, independent)  # a shared, loaded machine
 
 
+def test_matmul_peak_counts_products_against_each_clock():
+    """One timing runs products until ``seconds`` pass on the first clock; each clock's rate is
+    the products' FLOPs over its own elapsed time; the global RNG stream is left alone."""
+    from tapered_megatron.accelerator import matmul_peak
+
+    ticks = {"fast": 0.0, "slow": 0.0}
+
+    def fast() -> float:  # advances 0.1 s per reading
+        ticks["fast"] += 0.1
+        return ticks["fast"]
+
+    def slow() -> float:  # advances 1 s per reading (read only at a timing's start and end)
+        ticks["slow"] += 1.0
+        return ticks["slow"]
+
+    torch.manual_seed(3)
+    before = torch.get_rng_state()
+    cpu = torch.device("cpu")
+    rates = matmul_peak(
+        [(4, 8, 2)], device=cpu, reps=1, warmup=0, seconds=0.25, clocks=(fast, slow)
+    )
+    # fast: start 0.1; after products 1, 2, 3 it reads 0.2, 0.3, 0.4 (0.3 >= 0.25: stop), then
+    # 0.5 at the end: 0.4 s. slow: 1 s. Three products of 2 * 4 * 8 * 2 FLOPs.
+    assert rates == pytest.approx([3 * 128 / 0.4, 3 * 128 / 1.0])
+    assert torch.equal(torch.get_rng_state(), before)
+
+
 def test_no_weight_decay_on_norms_gains_and_biases():
     from tapered_megatron.models import build_model
 
