@@ -95,7 +95,7 @@ def main(argv: list[str] | None = None) -> int:
     allocated = plan["stage_bytes"] - plan["overhead_bytes"]
     line = {
         "bench": "memory_vs_plan",
-        **stamp(device_product_name()),
+        **stamp("" if device.type == "cpu" else device_product_name()),
         "device": device_product_name(),
         "arch": cfg.model.arch,
         "params": sum(p.numel() for p in model.parameters()),
