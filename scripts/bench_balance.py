@@ -1,4 +1,4 @@
-"""Benchmarks of the pipeline balancer and the planner (issue 7). Each mode prints JSON lines.
+"""Benchmarks of the pipeline balancer and the planner. Each mode prints JSON lines.
 
     python scripts/bench_balance.py predict            # 1.3B presets, 4 archs, PP 4/8, all methods
     python scripts/bench_balance.py measure            # real PP=2 CPU runs (2 gloo processes)

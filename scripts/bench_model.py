@@ -3,7 +3,7 @@
     python scripts/bench_model.py [--rounds 10] [--threads 2] [--compile] [--no-floor]
     python scripts/bench_model.py --device accelerator --dtype bf16 --compile   # on a GPU
 
-Shapes (issue 3): d_model 256, 8 layers, 4 heads, SwiGLU width 688, vocab 8192, sequence 256,
+Shapes: d_model 256, 8 layers, 4 heads, SwiGLU width 688, vocab 8192, sequence 256,
 batch 8; fp32, one process, ``--threads`` threads; a step is forward + backward + AdamW (torch's
 fused kernel for every variant). Variants run interleaved, one step each per round in a shuffled
 order (no variant always follows the same one), so load from other processes on a shared

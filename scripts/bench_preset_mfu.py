@@ -1,4 +1,4 @@
-"""Training-step MFU of full presets on one device (issue 3's GPU check: 440M and 760M tapered).
+"""Training-step MFU of full presets on one device (the GPU check's: 440M and 760M tapered).
 
     python scripts/bench_preset_mfu.py [--presets transformer_440m transformer_760m]
         [--micro-batch 8] [--steps 10] [--dtype bf16] [--compile] [overrides...]

@@ -39,6 +39,7 @@ from deepspeed.utils import (
 
 from tapered_megatron import parallel
 from tapered_megatron.checkpoint_layout import UNIVERSAL, UNIVERSAL_META, has_universal
+from tapered_megatron.config import Config
 from tapered_megatron.models import canonical_parameters
 from tapered_megatron.parallel.layers import param_shape, shard, unshard
 from tapered_megatron.parallel.random import set_rng_state
@@ -136,7 +137,7 @@ def _step(opt: torch.optim.Optimizer) -> float:
 
 
 def save(
-    engine: Any, cfg: Any, layout: dict[str, Any], tag_dir: Path, client: dict[str, Any]
+    engine: Any, cfg: Config, layout: dict[str, Any], tag_dir: Path, client: dict[str, Any]
 ) -> None:
     """Write ``tag_dir/universal`` (collective: every rank calls it, before ``complete``)."""
     out = tag_dir / UNIVERSAL
@@ -209,7 +210,7 @@ def _load_scheduler(engine: Any, state: dict[str, Any] | None) -> None:
             g["lr"] = lr
 
 
-def load(engine: Any, cfg: Any, tag_dir: Path) -> dict[str, Any]:
+def load(engine: Any, cfg: Config, tag_dir: Path) -> dict[str, Any]:
     """Load ``tag_dir/universal`` into ``engine`` (any layout); return the client state."""
     src = tag_dir / UNIVERSAL
     if not has_universal(tag_dir):
