@@ -62,7 +62,7 @@ class Trainer:
         optim.skip_nonfinite_steps(self.engine)
         self.nan_iters = injected_nan_iterations()
         self.iteration, self.consumed = 0, 0
-        where = checkpoint.find_resume(cfg)
+        where = checkpoint.find_resume(cfg, note=self.log)
         if where is not None:
             for tag in layout_files.partial_tags(where[0], layout_files.iteration_of(where[1])):
                 self.log(
