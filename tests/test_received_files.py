@@ -1,5 +1,6 @@
 """Checkpoints received from elsewhere, in real ``pretrain/main.py`` processes: no code runs
-from a pickled file, and an unusable newest checkpoint gives way to the next older one.
+from a pickled file or a plugin a saved config names, and an unusable newest checkpoint gives
+way to the next older one.
 
 One tiny single-rank run saves ``global_step2`` and ``global_step4``; each case copies it and
 tampers with a file.
@@ -7,6 +8,7 @@ tampers with a file.
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import sys
@@ -14,6 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import yaml
 from launch_helpers import MAIN, common_args, job_env, popen_job
 
 from tapered_megatron.export.__main__ import main as export_main
@@ -92,3 +95,47 @@ def test_resume_falls_back_past_a_truncated_newest_checkpoint(name, corpus, trai
     assert len(notes) == 1 and f"global_step4/{name}" in notes[0], log[-3000:]
     assert f"resumed from {run_dir / 'ckpt' / 'global_step2'} at iteration 2" in log
     assert (run_dir / "ckpt" / "latest").read_text() == "global_step6"
+
+
+def test_a_plugin_named_by_a_saved_config_is_never_imported(corpus, trained, tmp_path, capsys):
+    """``model.plugins`` of a checkpoint's ``config.yaml`` or an export's ``config.json`` is
+    not imported by resume, export, generate, perplexity or ``from_pretrained``; each says in one
+    line how to pass it."""
+    import transformers
+
+    from tapered_megatron.eval.perplexity import main as perplexity_main
+    from tapered_megatron.generate import main as generate_main
+
+    marker = tmp_path / "imported"
+    plugin = tmp_path / "received_arch.py"
+    plugin.write_text(f"open({str(marker)!r}, 'w').close()\n")
+    out = tmp_path / "export"
+    assert export_main(["--checkpoint", str(trained / "ckpt"), "--out", str(out)]) == 0
+    run_dir = copy_run(trained, tmp_path / "run", ("global_step4",))
+    saved = run_dir / "ckpt" / "global_step4" / "config.yaml"
+    data = yaml.safe_load(saved.read_text())
+    data["model"].update(arch="received_arch", plugins=[str(plugin)])
+    saved.write_text(yaml.safe_dump(data, sort_keys=False))
+    raw = json.loads((out / "config.json").read_text())
+    raw["tapered_config"]["model"].update(arch="received_arch", plugins=[str(plugin)])
+    (out / "config.json").write_text(json.dumps(raw))
+    capsys.readouterr()
+
+    rc, log = run(corpus, run_dir, RESUME)
+    assert not marker.exists(), "resume imported the saved config's plugin"
+    err = [line for line in log.splitlines() if line.startswith("error: ")]
+    assert rc == 2 and len(err) == 1, log[-3000:]
+    assert f"pass --model.plugins {plugin}" in err[0], err[0]
+    ckpt = ["--checkpoint", str(run_dir / "ckpt")]
+    for tool, args in [
+        (export_main, [*ckpt, "--out", str(tmp_path / "x")]),
+        (generate_main, [*ckpt, "--prompt", "1 2 3", "--max-new-tokens", "2"]),
+        (perplexity_main, [*ckpt]),
+        (generate_main, ["--model", str(out), "--prompt", "1 2 3", "--max-new-tokens", "2"]),
+    ]:
+        assert tool(args) == 2, tool
+        lines = capsys.readouterr().err.strip().splitlines()
+        assert len(lines) == 1 and f"pass --plugins {plugin}" in lines[0], lines
+    with pytest.raises(ValueError, match=f"import {plugin} before from_pretrained"):
+        transformers.AutoModelForCausalLM.from_pretrained(out, trust_remote_code=True)
+    assert not marker.exists()

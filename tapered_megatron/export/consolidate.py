@@ -77,10 +77,13 @@ class CheckpointRef:
         return self.consumed_samples * self.cfg.model.seq_len
 
 
-def resolve_checkpoint(path: str | Path, tag: str | None = None) -> CheckpointRef:
+def resolve_checkpoint(
+    path: str | Path, tag: str | None = None, plugins: tuple[str, ...] = ()
+) -> CheckpointRef:
     """The checkpoint at ``path`` (a save dir, or one ``global_stepN`` dir) and ``tag`` (default:
     ``latest``). Fails with one line for a missing directory or tag, a partial checkpoint and a
-    file that does not load as plain data."""
+    file that does not load as plain data. ``plugins`` (``--plugins``) are imported, the saved
+    ``model.plugins`` never are."""
     p = Path(path)
     if not p.is_dir():
         raise ExportError(f"--checkpoint {p}: no such directory")
@@ -118,7 +121,7 @@ def resolve_checkpoint(path: str | Path, tag: str | None = None) -> CheckpointRe
             f"saving it); export a complete one with --tag ({', '.join(others) or 'none found'})"
         )
     try:
-        cfg = load_saved_config(tag_dir / CONFIG)
+        cfg = load_saved_config(tag_dir / CONFIG, plugins, "pass --plugins {}")
     except (ConfigError, FileNotFoundError) as e:
         raise ExportError(f"{tag_dir / CONFIG}: {e}") from None
     plan_file = tag_dir / TAPER_PLAN

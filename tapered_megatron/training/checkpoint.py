@@ -56,14 +56,15 @@ def layout_record(cfg: Config, layout: Any) -> dict[str, Any]:
     }
 
 
-def saved_global_batch(tag_dir: Path) -> int | None:
+def saved_global_batch(tag_dir: Path, plugins: tuple[str, ...] = ()) -> int | None:
     """The global batch (samples per optimizer step) a checkpoint was trained with: its
     ``train.global_batch_size``, or micro batch x its DP size where that was 0; ``None`` when
-    its files do not say (pre-flight reports unreadable checkpoints)."""
+    its files do not say (pre-flight reports unreadable checkpoints). ``plugins``: the run's own
+    ``model.plugins`` (the saved ones are never imported)."""
     from tapered_megatron.config import load_saved_config
 
     try:
-        tr = load_saved_config(tag_dir / "config.yaml").train
+        tr = load_saved_config(tag_dir / "config.yaml", plugins).train
     except (OSError, yaml.YAMLError, ConfigError):
         return None
     if tr.global_batch_size:
