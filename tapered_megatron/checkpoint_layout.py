@@ -78,14 +78,26 @@ def latest_tag(save_dir: Path) -> str | None:
     return f.read_text().strip() if f.is_file() else None
 
 
-def newest_complete(save_dir: Path) -> str | None:
-    """``latest`` if it names a complete checkpoint of ``save_dir``, else the newest complete
-    tag, else None (a ``latest`` naming anything but a tag here is not followed)."""
+def latest_problem(save_dir: Path) -> str | None:
+    """Why ``latest`` of ``save_dir`` is not followed (one line), or None when it names a
+    complete ``global_stepN`` of this directory or does not exist."""
     tag = latest_tag(save_dir)
-    if tag is not None and is_tag(tag) and is_complete(save_dir / tag):
-        return tag
-    done = complete_tags(save_dir)
-    return done[-1][1] if done else None
+    if tag is None or (is_tag(tag) and is_complete(save_dir / tag)):
+        return None
+    if not is_tag(tag):
+        return f"{save_dir / LATEST} names {tag!r}, not a plain global_stepN tag of this directory"
+    return f"{save_dir / LATEST} names {tag}, which is not a complete checkpoint here"
+
+
+def resume_candidates(save_dir: Path) -> list[str]:
+    """The complete tags to resume from, best first: the one ``latest`` names (when it is a
+    complete ``global_stepN`` of ``save_dir``; anything else is not followed), then every older
+    complete tag, newest first (without a usable ``latest``: all complete tags, newest first)."""
+    done = [tag for _, tag in reversed(complete_tags(save_dir))]
+    latest = latest_tag(save_dir)
+    if latest_problem(save_dir) is None and latest is not None:
+        return done[done.index(latest) :]
+    return done
 
 
 def saved_layout(tag_dir: Path) -> dict[str, Any] | None:

@@ -498,17 +498,47 @@ def load_config(name_or_path: str = "quickstart", overrides: list[str] | None = 
     return _build(_override(data, parse_overrides(list(overrides or []))))
 
 
-def config_from_dict(data: dict[str, Any]) -> Config:
+def config_from_dict(
+    data: dict[str, Any], plugins: tuple[str, ...] = (), fix: str = "pass --plugins {}"
+) -> Config:
     """A validated :class:`Config` from its ``to_dict()`` form (e.g. an export's
-    ``config.json``), through the same loader as presets."""
+    ``config.json``), through the same loader as presets; its ``model.plugins`` are never
+    imported (:func:`received_model`: ``plugins``, the caller's own, are)."""
+    model = received_model(dict(data.get("model") or {}), "config.json", plugins, fix)
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "config.yaml"
-        path.write_text(yaml.safe_dump(data, sort_keys=False))
+        path.write_text(yaml.safe_dump({**data, "model": model}, sort_keys=False))
         return load_config(str(path))
 
 
-def load_saved_config(path: str | Path) -> Config:
-    """The resolved config a checkpoint saved (``config.yaml``), validated like a preset.
+def received_model(
+    model: dict[str, Any], where: str, plugins: tuple[str, ...], fix: str
+) -> dict[str, Any]:
+    """The ``model`` section of a saved or received config with its ``plugins`` replaced by
+    ``plugins`` (the user's own flag), which are imported: a file's own list is never imported,
+    since importing runs its code. When the file's architecture is registered by none of them,
+    :class:`ConfigError` saying how to pass its plugins (``fix``, formatted with their names)."""
+    reg = _registry()
+    try:
+        reg.load_plugins(plugins)
+    except reg.ArchitectureError as e:
+        raise ConfigError(str(e)) from None
+    saved = " ".join(str(p) for p in model.get("plugins") or ())
+    arch = model.get("arch", ModelConfig.arch)
+    if saved and arch not in reg.ARCHITECTURES:
+        raise ConfigError(
+            f"{where}: model.arch {arch!r} comes from model.plugins {saved}, which is not "
+            f"imported from a saved file; if you trust that code, {fix.format(saved)}"
+        )
+    return {**model, "plugins": list(plugins)}
+
+
+def load_saved_config(
+    path: str | Path, plugins: tuple[str, ...] = (), fix: str = "pass --model.plugins {}"
+) -> Config:
+    """The resolved config a checkpoint saved (``config.yaml``), validated like a preset; its
+    ``model.plugins`` are never imported, ``plugins`` (the caller's own flag) are
+    (:func:`received_model`).
 
     Checkpoints written before the architecture records carried every architecture's settings;
     the settings owned by another architecture than the saved ``model.arch`` are dropped. Keys
@@ -520,10 +550,9 @@ def load_saved_config(path: str | Path) -> Config:
         if key in section:
             data[sec] = section
             data[new_sec] = {**(data.get(new_sec) or {}), new_key: section.pop(key)}
-    model = dict(data.get("model") or {})
+    model = received_model(dict(data.get("model") or {}), str(path), plugins, fix)
     reg = _registry()
     try:
-        reg.load_plugins(tuple(model.get("plugins") or ()))
         own = reg.resolve_architecture(model.get("arch", ModelConfig.arch)).option_names()
     except reg.ArchitectureError as e:
         raise ConfigError(f"{path}: {e}") from None

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 import torch.distributed as dist
 import yaml
 
@@ -253,7 +254,7 @@ def test_layout_change_needs_the_universal_copy(corpus, tmp_path):
     with pytest.raises(ConfigError, match="cannot resume under TP1 PP1 DP1 ZeRO-0 unit none"):
         preflight.check_resume(cfg, layout)
     (save / "global_step5" / "universal").mkdir()
-    (save / "global_step5" / "universal" / "meta.pt").write_bytes(b"")
+    torch.save({}, save / "global_step5" / "universal" / "meta.pt")
     preflight.check_resume(cfg, layout)  # a layout change is allowed with the copy
 
     old = _saved_checkpoint(tmp_path / "x", ["--data.path", corpus, "--parallel.tp", "2"], D32)

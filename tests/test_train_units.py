@@ -245,14 +245,14 @@ class FakeEngine:
         assert save_latest is False
         d = Path(save_dir) / tag
         d.mkdir(parents=True, exist_ok=True)
-        (d / "mp_rank_00_model_states.pt").write_text(json.dumps(client_state))
+        torch.save(client_state, d / "mp_rank_00_model_states.pt")
         if client_state["iteration"] == self.fail_at:
             raise RuntimeError("node died while writing")
 
     def load_checkpoint(self, load_dir, tag, **kw):
         self.loaded = tag
-        return str(Path(load_dir) / tag), json.loads(
-            (Path(load_dir) / tag / "mp_rank_00_model_states.pt").read_text()
+        return str(Path(load_dir) / tag), torch.load(
+            Path(load_dir) / tag / "mp_rank_00_model_states.pt", weights_only=True
         )
 
 
@@ -308,3 +308,24 @@ def yaml_load(path: Path) -> dict:
     import yaml
 
     return yaml.safe_load(path.read_text())
+
+
+def test_resume_passes_over_an_unusable_checkpoint_with_a_note(tmp_path):
+    cfg = _cfg(tmp_path)
+    for it in (10, 20):
+        checkpoint.save(FakeEngine(), cfg, it, it * 8)
+    resume = _cfg(tmp_path, "--train.resume", "auto")
+    (tmp_path / "global_step20" / "layout.json").write_text("{not json")
+    notes: list[str] = []
+    assert checkpoint.find_resume(resume, note=notes.append) == (tmp_path, "global_step10")
+    assert len(notes) == 1 and "global_step20/layout.json: unreadable" in notes[0], notes
+    # a `latest` outside the directory is not followed, and says so
+    (tmp_path / "latest").write_text("../elsewhere/global_step30")
+    notes.clear()
+    assert checkpoint.find_resume(resume, note=notes.append) == (tmp_path, "global_step10")
+    assert "not a plain global_stepN tag" in notes[0] and "ignored" in notes[0], notes
+    # nothing usable left: one line naming the newest's problem
+    f = tmp_path / "global_step10" / "mp_rank_00_model_states.pt"
+    f.write_bytes(f.read_bytes()[:64])
+    with pytest.raises(ConfigError, match=r"no usable checkpoint .*global_step20/layout\.json"):
+        checkpoint.find_resume(resume)

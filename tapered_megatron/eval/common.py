@@ -21,7 +21,13 @@ from typing import Any
 import numpy as np
 import torch
 
-from tapered_megatron.export.load import ExportError, LoadedModel, check_tokenizer, load_model
+from tapered_megatron.export.load import (
+    PLUGINS_HELP,
+    ExportError,
+    LoadedModel,
+    check_tokenizer,
+    load_model,
+)
 
 SPLITS = ("train", "valid", "test", "all")
 _TEXT_FILE = re.compile(r"\.(jsonl|json|txt)(\.gz)?$")
@@ -43,6 +49,7 @@ def add_model_args(ap: argparse.ArgumentParser) -> None:
         default="cuda" if torch.cuda.is_available() else "cpu",
         help="torch device (default: cuda if available, else cpu)",
     )
+    ap.add_argument("--plugins", nargs="+", default=[], help=PLUGINS_HELP)
 
 
 def add_data_args(ap: argparse.ArgumentParser) -> None:
@@ -78,7 +85,7 @@ def load_with_tokens(
 
 def load_from_args(a: argparse.Namespace) -> LoadedModel:
     """The model named by ``--model`` / ``--checkpoint``, on ``--device``, in eval mode."""
-    loaded = load_model(a.model, a.checkpoint, a.tag)
+    loaded = load_model(a.model, a.checkpoint, a.tag, tuple(a.plugins))
     if a.tokenizer_model:
         check_tokenizer(a.tokenizer_model, loaded.cfg)
         loaded.tokenizer_model = a.tokenizer_model

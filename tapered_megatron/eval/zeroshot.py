@@ -28,7 +28,8 @@ from pathlib import Path
 from typing import Any
 
 from tapered_megatron.eval.common import fail
-from tapered_megatron.export.load import ExportError
+from tapered_megatron.export.load import PLUGINS_HELP, ExportError
+from tapered_megatron.models import ArchitectureError, load_plugins
 from tapered_megatron.resources import resource
 
 TASKS_DIR = resource("tasks")
@@ -115,6 +116,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--include-path", default=str(TASKS_DIR), help="task definitions folder")
     ap.add_argument("--output", required=True, help="folder for zeroshot.json and zeroshot.md")
+    ap.add_argument("--plugins", nargs="+", default=[], help=PLUGINS_HELP)
     a = ap.parse_args(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
@@ -126,13 +128,19 @@ def main(argv: list[str] | None = None) -> int:
         out.mkdir(parents=True, exist_ok=True)
         if not os.access(out, os.W_OK):
             raise ExportError(f"--output {out}: not writable")
+        load_plugins(a.plugins)  # the harness's from_pretrained resolves model.arch in-process
         with tempfile.TemporaryDirectory() as tmp:
             model_dir = a.model
             if a.checkpoint:
                 from tapered_megatron.export.writer import export_checkpoint
 
                 model_dir = export_checkpoint(
-                    a.checkpoint, Path(tmp) / "model", a.tag, a.tokenizer_model, log=_stderr
+                    a.checkpoint,
+                    Path(tmp) / "model",
+                    a.tag,
+                    a.tokenizer_model,
+                    log=_stderr,
+                    plugins=tuple(a.plugins),
                 )
             elif not (Path(a.model) / "tokenizer.json").is_file():
                 raise ExportError(
@@ -140,7 +148,7 @@ def main(argv: list[str] | None = None) -> int:
                 )
             results = run_harness(model_dir, tasks, a.limit, batch, a.device, include)
         summary = summarise(results)
-    except (ExportError, OSError) as e:
+    except (ExportError, ArchitectureError, OSError) as e:
         return fail(e)
     source = a.model or a.checkpoint
     summary.update(model=str(source), limit=a.limit)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from tapered_megatron.export.load import ExportError
+from tapered_megatron.export.load import PLUGINS_HELP, ExportError
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -25,11 +25,14 @@ def main(argv: list[str] | None = None) -> int:
         "sample-corpus tokenizer)",
     )
     ap.add_argument("--overwrite", action="store_true", help="replace a non-empty --out")
+    ap.add_argument("--plugins", nargs="+", default=[], help=PLUGINS_HELP)
     a = ap.parse_args(argv)
     from tapered_megatron.export.writer import export_checkpoint
 
     try:
-        export_checkpoint(a.checkpoint, a.out, a.tag, a.tokenizer_model, a.overwrite)
+        export_checkpoint(
+            a.checkpoint, a.out, a.tag, a.tokenizer_model, a.overwrite, plugins=tuple(a.plugins)
+        )
     except ExportError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

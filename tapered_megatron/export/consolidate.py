@@ -36,6 +36,7 @@ from typing import Any
 
 import torch
 
+from tapered_megatron import safe_load
 from tapered_megatron.checkpoint_layout import (
     COMPLETE,
     CONFIG,
@@ -76,9 +77,13 @@ class CheckpointRef:
         return self.consumed_samples * self.cfg.model.seq_len
 
 
-def resolve_checkpoint(path: str | Path, tag: str | None = None) -> CheckpointRef:
+def resolve_checkpoint(
+    path: str | Path, tag: str | None = None, plugins: tuple[str, ...] = ()
+) -> CheckpointRef:
     """The checkpoint at ``path`` (a save dir, or one ``global_stepN`` dir) and ``tag`` (default:
-    ``latest``). Fails with one line for a missing directory or tag and a partial checkpoint."""
+    ``latest``). Fails with one line for a missing directory or tag, a partial checkpoint and a
+    file that does not load as plain data. ``plugins`` (``--plugins``) are imported, the saved
+    ``model.plugins`` never are."""
     p = Path(path)
     if not p.is_dir():
         raise ExportError(f"--checkpoint {p}: no such directory")
@@ -116,7 +121,7 @@ def resolve_checkpoint(path: str | Path, tag: str | None = None) -> CheckpointRe
             f"saving it); export a complete one with --tag ({', '.join(others) or 'none found'})"
         )
     try:
-        cfg = load_saved_config(tag_dir / CONFIG)
+        cfg = load_saved_config(tag_dir / CONFIG, plugins, "pass --plugins {}")
     except (ConfigError, FileNotFoundError) as e:
         raise ExportError(f"{tag_dir / CONFIG}: {e}") from None
     plan_file = tag_dir / TAPER_PLAN
@@ -127,14 +132,22 @@ def resolve_checkpoint(path: str | Path, tag: str | None = None) -> CheckpointRe
                 f"{plan_file}: widths {saved} differ from the plan of config.yaml here "
                 f"({list(cfg.taper_plan.widths)}); use the tapered_megatron version that trained it"
             )
+    try:  # DeepSpeed's zero_to_fp32 loads its files with its own torch.load: verified here
+        safe_load.verify_tag(tag_dir)
+    except safe_load.UnsafeFileError as e:
+        raise ExportError(f"{e}; export another --tag") from None
     marker = json.loads((tag_dir / COMPLETE).read_text() or "{}")
     iteration = int(marker.get("iteration", iteration_of(tag_dir.name)))
     return CheckpointRef(tag_dir, cfg, iteration, int(marker.get("consumed_samples", 0)))
 
 
 def _load(path: Path) -> dict[str, Any]:
-    """A DeepSpeed file, memory-mapped (optimizer tensors in it are never read)."""
-    return torch.load(path, map_location="cpu", weights_only=False, mmap=True)
+    """A checkpoint file as plain data (:mod:`tapered_megatron.safe_load`), memory-mapped
+    (optimizer tensors in it are never read)."""
+    try:
+        return safe_load.load(path, mmap=True)
+    except safe_load.UnsafeFileError as e:
+        raise ExportError(str(e)) from None
 
 
 def _zero_fp32(tag_dir: Path, tp_rank: int) -> dict[str, torch.Tensor]:
@@ -182,7 +195,7 @@ def _universal(tag_dir: Path, cfg: Config) -> dict[str, torch.Tensor]:
         f = tag_dir / UNIVERSAL / f"{name}.pt"
         if not f.is_file():
             raise ExportError(f"{f}: missing; is the checkpoint complete and from this version?")
-        w = torch.load(f, map_location="cpu", weights_only=True, mmap=True)["fp32"]
+        w = _load(f)["fp32"]
         if tuple(w.shape) != tuple(p.shape):
             raise ExportError(f"{f}: shape {tuple(w.shape)}, config.yaml gives {tuple(p.shape)}")
         out[name] = w.float().contiguous()

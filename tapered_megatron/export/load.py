@@ -23,6 +23,10 @@ from tapered_megatron.models import LanguageModel, build_model
 
 WEIGHTS = "model.safetensors"
 CONFIG = "config.json"
+PLUGINS_HELP = (
+    "model.plugins to import: modules or .py files defining the model's architecture (the ones a "
+    "checkpoint or export names are never imported: importing runs their code)"
+)
 TOKENIZER_MODEL = "tokenizer.model"
 
 
@@ -37,8 +41,11 @@ class LoadedModel:
     iteration: int | None = None  # training iteration (checkpoints and exports)
 
 
-def read_export_config(model_dir: str | Path) -> tuple[Config, dict[str, Any]]:
-    """The run config of an export directory and its raw ``config.json``."""
+def read_export_config(
+    model_dir: str | Path, plugins: tuple[str, ...] = ()
+) -> tuple[Config, dict[str, Any]]:
+    """The run config of an export directory and its raw ``config.json`` (its ``model.plugins``
+    never imported; ``plugins``, the caller's ``--plugins``, are)."""
     d = Path(model_dir)
     path = d / CONFIG
     if not path.is_file():
@@ -50,7 +57,7 @@ def read_export_config(model_dir: str | Path) -> tuple[Config, dict[str, Any]]:
     if "tapered_config" not in raw:
         raise ExportError(f"--model {d}: {CONFIG} is not a tapered-megatron export")
     try:
-        cfg = config_from_dict(raw["tapered_config"])
+        cfg = config_from_dict(raw["tapered_config"], plugins)
     except ConfigError as e:
         raise ExportError(f"recorded configuration is not valid here: {e}") from None
     if list(cfg.taper_plan.widths) != list(raw.get("taper_widths") or cfg.taper_plan.widths):
@@ -84,12 +91,13 @@ def _reset_rope(module: torch.nn.Module) -> None:
             m.cos, m.sin = rope_tables(m.head_dim, m.cos.shape[0], m.theta)
 
 
-def load_export(model_dir: str | Path) -> LoadedModel:
-    """Our module from an export directory (``config.json`` + ``model.safetensors``)."""
+def load_export(model_dir: str | Path, plugins: tuple[str, ...] = ()) -> LoadedModel:
+    """Our module from an export directory (``config.json`` + ``model.safetensors``);
+    ``plugins`` as for :func:`read_export_config`."""
     from safetensors.torch import load_file
 
     d = Path(model_dir)
-    cfg, raw = read_export_config(d)
+    cfg, raw = read_export_config(d, plugins)
     if not (d / WEIGHTS).is_file():
         raise ExportError(f"--model {d}: no {WEIGHTS}")
     module = module_from_state(cfg, load_file(str(d / WEIGHTS)))
@@ -103,15 +111,18 @@ def load_model(
     model: str | Path | None = None,
     checkpoint: str | Path | None = None,
     tag: str | None = None,
+    plugins: tuple[str, ...] = (),
 ) -> LoadedModel:
-    """An export directory (``model``) or a training checkpoint (``checkpoint`` [+ ``tag``])."""
+    """An export directory (``model``) or a training checkpoint (``checkpoint`` [+ ``tag``]);
+    ``plugins`` (``--plugins``) define an architecture from outside the package (the saved
+    configuration's own list is never imported)."""
     if (model is None) == (checkpoint is None):
         raise ExportError("give exactly one of --model OUT or --checkpoint DIR")
     if model is not None:
-        return load_export(model)
+        return load_export(model, plugins)
     from tapered_megatron.export.consolidate import consolidate, resolve_checkpoint
 
-    ref = resolve_checkpoint(checkpoint, tag)
+    ref = resolve_checkpoint(checkpoint, tag, plugins)
     module = module_from_state(ref.cfg, consolidate(ref))
     return LoadedModel(module, ref.cfg, run_tokenizer(ref.cfg), str(ref.tag_dir), ref.iteration)
 

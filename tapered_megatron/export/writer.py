@@ -265,10 +265,12 @@ def export_checkpoint(
     tokenizer_model: str | None = None,
     overwrite: bool = False,
     log: Callable[[str], None] = print,
+    plugins: tuple[str, ...] = (),
 ) -> Path:
     """Consolidate ``checkpoint`` (any layout) into the export directory ``out``. Input is
-    checked (checkpoint, tag, tokenizer, ``out``) before anything is read or written."""
-    ref = resolve_checkpoint(checkpoint, tag)
+    checked (checkpoint, tag, tokenizer, ``out``) before anything is read or written; ``plugins``
+    as for :func:`~tapered_megatron.export.consolidate.resolve_checkpoint`."""
+    ref = resolve_checkpoint(checkpoint, tag, plugins)
     tok = tokenizer_model or run_tokenizer(ref.cfg)
     if tok is not None:
         check_tokenizer(tok, ref.cfg)

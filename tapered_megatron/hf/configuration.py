@@ -73,7 +73,7 @@ class TaperedConfig(PreTrainedConfig):
         """The tapered-megatron config, checked to give the recorded widths and vocabulary."""
         from tapered_megatron.config import config_from_dict
 
-        cfg = config_from_dict(self.tapered_config or {})
+        cfg = config_from_dict(self.tapered_config or {}, fix="import {} before from_pretrained")
         widths = list(cfg.taper_plan.widths)
         if self.taper_widths and widths != list(self.taper_widths):
             raise ValueError(

@@ -143,10 +143,12 @@ def model_parallel_seed(seed: int) -> None:
 
 def get_rng_state() -> dict[str, Any]:
     """Every RNG state of this process for a checkpoint: python, numpy, torch (CPU), the
-    accelerator's where it has its own generator, and the tracker's streams."""
+    accelerator's where it has its own generator, and the tracker's streams; tensors and plain
+    types only (numpy's key as a list of ints), so it loads with ``weights_only=True``."""
+    name, key, pos, has_gauss, gauss = np.random.get_state()
     state = {
         "python": random.getstate(),
-        "numpy": np.random.get_state(),
+        "numpy": (name, key.tolist(), pos, has_gauss, gauss),
         "torch": torch.get_rng_state(),
         "tracker": _TRACKER.get_states(),
     }
@@ -160,7 +162,8 @@ def set_rng_state(state: dict[str, Any]) -> None:
     """Restore a state returned by :func:`get_rng_state`. One saved without an accelerator
     entry (on a CPU, or by an older version) leaves the accelerator's streams as seeded."""
     random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
+    name, key, pos, has_gauss, gauss = state["numpy"]
+    np.random.set_state((name, np.asarray(key, dtype=np.uint32), pos, has_gauss, gauss))
     default = {"cpu": state["torch"]}
     if "accelerator" in state:
         default["accelerator"] = state["accelerator"]

@@ -4,8 +4,10 @@ The directory layout (names, tags, completeness) is :mod:`tapered_megatron.check
 
 Consumed samples and the iteration travel in DeepSpeed's client state. ``--train.resume auto``
 picks the checkpoint named by ``latest`` if it is complete, else the newest complete one; a
-directory that lacks ``complete`` (a crash mid-save) is never loaded. Only the newest
-``train.keep_last`` complete checkpoints are kept.
+directory that lacks ``complete`` (a crash mid-save) is never loaded, and one whose files do not
+load as plain data or parse is passed over for the next older one. Every file is read with
+:mod:`tapered_megatron.safe_load` (DeepSpeed's are verified that way before its engine loads
+them). Only the newest ``train.keep_last`` complete checkpoints are kept.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ import torch
 import torch.distributed as dist
 import yaml
 
-from tapered_megatron import parallel
+from tapered_megatron import parallel, safe_load
 from tapered_megatron.checkpoint_layout import (
     COMPLETE,
     CONFIG,
@@ -32,12 +34,13 @@ from tapered_megatron.checkpoint_layout import (
     complete_tags,
     is_complete,
     is_tag,
-    newest_complete,
+    latest_problem,
+    resume_candidates,
     saved_layout,
     tag_of,
     tags,
 )
-from tapered_megatron.config import Config
+from tapered_megatron.config import Config, ConfigError
 from tapered_megatron.parallel.random import set_rng_state
 
 
@@ -53,14 +56,15 @@ def layout_record(cfg: Config, layout: Any) -> dict[str, Any]:
     }
 
 
-def saved_global_batch(tag_dir: Path) -> int | None:
+def saved_global_batch(tag_dir: Path, plugins: tuple[str, ...] = ()) -> int | None:
     """The global batch (samples per optimizer step) a checkpoint was trained with: its
     ``train.global_batch_size``, or micro batch x its DP size where that was 0; ``None`` when
-    its files do not say (pre-flight reports unreadable checkpoints)."""
-    from tapered_megatron.config import ConfigError, load_saved_config
+    its files do not say (pre-flight reports unreadable checkpoints). ``plugins``: the run's own
+    ``model.plugins`` (the saved ones are never imported)."""
+    from tapered_megatron.config import load_saved_config
 
     try:
-        tr = load_saved_config(tag_dir / "config.yaml").train
+        tr = load_saved_config(tag_dir / "config.yaml", plugins).train
     except (OSError, yaml.YAMLError, ConfigError):
         return None
     if tr.global_batch_size:
@@ -156,28 +160,73 @@ def prune(save_dir: Path, keep_last: int) -> None:
             shutil.rmtree(save_dir / tag, ignore_errors=True)
 
 
-def find_resume(cfg: Config) -> tuple[Path, str] | None:
+def checkpoint_problem(tag_dir: Path) -> str | None:
+    """What makes a complete checkpoint unusable (one line), or None: a ``.pt`` file that does
+    not load as plain data (:func:`tapered_megatron.safe_load.verify_tag`: truncated, overwritten,
+    or a pickle naming code), or a ``layout.json`` / ``taper_plan.json`` / ``config.yaml`` that
+    does not parse."""
+    try:
+        safe_load.verify_tag(tag_dir)
+    except safe_load.UnsafeFileError as e:
+        return str(e)
+    for name, parse in ((LAYOUT, json.loads), (TAPER_PLAN, json.loads), (CONFIG, yaml.safe_load)):
+        f = tag_dir / name
+        try:
+            if f.exists() and not isinstance(parse(f.read_text()), dict):
+                return f"{f}: not a mapping"
+        except (OSError, UnicodeDecodeError, ValueError, yaml.YAMLError) as e:
+            first = str(e).splitlines()[0] if str(e) else type(e).__name__
+            return f"{f}: unreadable ({first})"
+    return None
+
+
+def _quiet(line: str) -> None:
+    """The default ``note`` of :func:`find_resume`: say nothing."""
+
+
+def find_resume(cfg: Config, note: Callable[[str], None] = _quiet) -> tuple[Path, str] | None:
     """Where ``train.resume`` points: ``(load_dir, tag)`` or ``None`` for a fresh start.
 
-    ``auto``: ``latest`` in ``train.save_dir`` if complete, else the newest complete checkpoint,
-    else ``None``. A path may name a save directory or one ``global_stepN`` directory.
+    ``auto``: the first usable checkpoint of :func:`~tapered_megatron.checkpoint_layout.
+    resume_candidates` in ``train.save_dir`` (``latest`` if it names a complete tag there, then
+    older complete ones), else ``None``. A path may name a save directory (the same choice) or one
+    ``global_stepN`` directory. A candidate with a :func:`checkpoint_problem` is passed over with
+    a one-line ``note`` naming the problem, as is a ``latest`` that is not followed; when every
+    complete checkpoint has one, :class:`ConfigError`.
     """
     how = cfg.train.resume
     if not how:
         return None
-    if how == "auto":
-        save_dir = Path(cfg.train.save_dir)
-        tag = newest_complete(save_dir)
-        return (save_dir, tag) if tag else None
-    p = Path(how)
-    if is_tag(p.name):
+    if how != "auto" and is_tag(Path(how).name):
+        p = Path(how)
         if not is_complete(p):
             raise FileNotFoundError(f"train.resume: {p} is not a complete checkpoint")
+        why = checkpoint_problem(p)
+        if why is not None:
+            raise ConfigError(f"train.resume: {why}; resume from another checkpoint")
         return p.parent, p.name
-    tag = newest_complete(p)
-    if tag is None:
-        raise FileNotFoundError(f"train.resume: no complete checkpoint under {p}")
-    return p, tag
+    save_dir = Path(cfg.train.save_dir if how == "auto" else how)
+    candidates = resume_candidates(save_dir)
+    if how != "auto" and not candidates:
+        raise FileNotFoundError(f"train.resume: no complete checkpoint under {save_dir}")
+    why_latest = latest_problem(save_dir)
+    if why_latest is not None:
+        note(f"{why_latest}; ignored")
+    problems = []
+    for tag in candidates:
+        why = checkpoint_problem(save_dir / tag)
+        if why is None:
+            if problems:
+                more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
+                note(f"{problems[0]}{more}; resuming from the older {save_dir / tag}")
+            return save_dir, tag
+        problems.append(why)
+    if problems:
+        raise ConfigError(
+            f"train.resume: no usable checkpoint in {save_dir} (newest: {problems[0]}); "
+            "restore its files or start a new --train.save_dir"
+        )
+    return None
 
 
 def load(engine: Any, load_dir: Path, tag: str) -> dict[str, Any]:
@@ -189,7 +238,7 @@ def load(engine: Any, load_dir: Path, tag: str) -> dict[str, Any]:
         raise FileNotFoundError(f"DeepSpeed could not load {load_dir / tag}")
     rng_file = load_dir / tag / f"rng_rank{_rank():05d}.pt"
     if rng_file.exists():
-        set_rng_state(torch.load(rng_file, weights_only=False))
+        set_rng_state(safe_load.load(rng_file))
     else:
         print(
             f"rank {_rank()}: {rng_file} is missing: random streams start fresh (dropout masks "

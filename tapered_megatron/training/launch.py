@@ -344,9 +344,9 @@ def resumed_global_batch(cfg: Config, world_size: int) -> tuple[int | None, str]
         return None, ""
     try:
         where = checkpoint.find_resume(cfg)
-    except FileNotFoundError:
+    except (FileNotFoundError, ConfigError):
         return None, ""  # pre-flight names the problem
-    saved = checkpoint.saved_global_batch(where[0] / where[1]) if where else None
+    saved = checkpoint.saved_global_batch(where[0] / where[1], cfg.model.plugins) if where else None
     implied = cfg.train.micro_batch_size * world_size // tp_pp
     now = cfg.train.global_batch_size or implied
     if saved is None or saved == now:

@@ -213,7 +213,7 @@ def check_resume(cfg: Config, layout: Any = None) -> None:
         return
     saved_file = where[0] / where[1] / "config.yaml"
     try:
-        saved = load_saved_config(saved_file).to_dict()
+        saved = load_saved_config(saved_file, cfg.model.plugins).to_dict()
     except (OSError, yaml.YAMLError, ConfigError) as e:
         raise ConfigError(
             f"train.resume: cannot read {saved_file} ({e}); resume from another checkpoint"

@@ -37,7 +37,7 @@ from deepspeed.utils import (
     safe_set_full_optimizer_state,
 )
 
-from tapered_megatron import parallel
+from tapered_megatron import parallel, safe_load
 from tapered_megatron.checkpoint_layout import UNIVERSAL, UNIVERSAL_META, has_universal
 from tapered_megatron.config import Config
 from tapered_megatron.models import canonical_parameters
@@ -218,14 +218,14 @@ def load(engine: Any, cfg: Config, tag_dir: Path) -> dict[str, Any]:
             f"{tag_dir} has no {UNIVERSAL}/ copy (saved with train.universal_checkpoint false): it "
             "resumes only under the layout it was saved under (its layout.json)"
         )
-    meta = torch.load(src / UNIVERSAL_META, weights_only=False)
+    meta = safe_load.load(src / UNIVERSAL_META)
     opt = _link_optimizer_state(engine)
     masters = optim.fp32_masters(engine)
     for name, p in canonical_parameters(engine.module, cfg):
         f = src / f"{name}.pt"
         if not f.exists():
             raise FileNotFoundError(f"{f}: the checkpoint has no parameter {name}")
-        rec = torch.load(f, weights_only=True)
+        rec = safe_load.load(f)
         w, *moments = (_tp_piece(rec[k], p) for k in ("fp32", *MOMENTS))
         if _zero(p):
             for k, t in zip((None, *MOMENTS), (w, *moments)):
@@ -248,5 +248,5 @@ def load(engine: Any, cfg: Config, tag_dir: Path) -> dict[str, Any]:
     engine.global_samples = int(client["consumed_samples"])
     rng = tag_dir / f"rng_rank{dist.get_rank() % meta['world_size']:05d}.pt"
     if rng.exists():
-        set_rng_state(torch.load(rng, weights_only=False))
+        set_rng_state(safe_load.load(rng))
     return client

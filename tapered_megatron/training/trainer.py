@@ -63,7 +63,7 @@ class Trainer:
         self.nan_iters = injected_nan_iterations()
         self.exit_signal = ExitSignal(cfg.train.exit_signal, self.device)
         self.iteration, self.consumed = 0, 0
-        where = checkpoint.find_resume(cfg)
+        where = checkpoint.find_resume(cfg, note=self.log)
         if where is not None:
             for tag in layout_files.partial_tags(where[0], layout_files.iteration_of(where[1])):
                 self.log(

@@ -1,0 +1,141 @@
+"""Checkpoints received from elsewhere, in real ``pretrain/main.py`` processes: no code runs
+from a pickled file or a plugin a saved config names, and an unusable newest checkpoint gives
+way to the next older one.
+
+One tiny single-rank run saves ``global_step2`` and ``global_step4``; each case copies it and
+tampers with a file.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from launch_helpers import MAIN, common_args, job_env, popen_job
+
+from tapered_megatron.export.__main__ import main as export_main
+
+pytestmark = pytest.mark.distributed
+
+BASE = ["--train.save_interval", "2", "--eval.interval", "0"]
+FIRST = ["--train.iters", "4", *BASE]
+RESUME = ["--train.iters", "6", *BASE, "--resume", "auto"]
+
+
+class Payload:
+    """Pickles as a call of ``os.system`` that creates the file ``marker``."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self) -> tuple:
+        return (os.system, (f"touch {self.marker}",))
+
+
+def run(corpus: str, out: Path, extra: list[str], ds: str = "zero0.json") -> tuple[int, str]:
+    """One rank of ``pretrain/main.py``; its exit code and output."""
+    p = popen_job([sys.executable, "-u", MAIN, *common_args(corpus, out, ds, extra)], job_env())
+    log = p.communicate(timeout=400)[0]
+    return p.returncode, log
+
+
+@pytest.fixture(scope="module")
+def trained(corpus, tmp_path_factory) -> Path:
+    """A run directory whose ``ckpt`` holds complete ``global_step2`` and ``global_step4``."""
+    out = tmp_path_factory.mktemp("trained")
+    rc, log = run(corpus, out, FIRST)
+    assert rc == 0, log[-3000:]
+    return out
+
+
+def copy_run(trained: Path, to: Path, keep: tuple[str, ...]) -> Path:
+    """A copy of the trained run's checkpoints ``keep``; returns its run directory."""
+    for tag in keep:
+        shutil.copytree(trained / "ckpt" / tag, to / "ckpt" / tag)
+    (to / "ckpt" / "latest").write_text(keep[-1])
+    return to
+
+
+@pytest.mark.parametrize(
+    "name", ["mp_rank_00_model_states.pt", "rng_rank00000.pt", "universal/meta.pt"]
+)
+def test_a_pickle_naming_code_is_refused_and_never_runs(name, corpus, trained, tmp_path, capsys):
+    run_dir = copy_run(trained, tmp_path / "run", ("global_step4",))
+    marker = tmp_path / "marker"
+    torch.save(Payload(marker), run_dir / "ckpt" / "global_step4" / name)
+    # universal/meta.pt is read on a layout change: resume under ZeRO-1 instead of ZeRO-0
+    ds = "zero1.json" if name.startswith("universal") else "zero0.json"
+    rc, log = run(corpus, run_dir, RESUME, ds)
+    assert rc == 2, log[-3000:]
+    err = [line for line in log.splitlines() if line.startswith("error: ")]
+    assert len(err) == 1 and "Traceback" not in log, log[-3000:]
+    assert name in err[0] and "posix.system" in err[0], err[0]
+    assert not marker.exists()
+
+    assert export_main(["--checkpoint", str(run_dir / "ckpt"), "--out", str(tmp_path / "x")]) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and name in lines[0] and "refused" in lines[0], lines
+    assert not marker.exists() and not (tmp_path / "x").exists()
+
+
+@pytest.mark.parametrize("name", ["mp_rank_00_model_states.pt", "rng_rank00000.pt"])
+def test_resume_falls_back_past_a_truncated_newest_checkpoint(name, corpus, trained, tmp_path):
+    run_dir = copy_run(trained, tmp_path / "run", ("global_step2", "global_step4"))
+    f = run_dir / "ckpt" / "global_step4" / name
+    f.write_bytes(f.read_bytes()[: f.stat().st_size // 2])
+    rc, log = run(corpus, run_dir, RESUME)
+    assert rc == 0, log[-3000:]
+    notes = [line for line in log.splitlines() if "resuming from the older" in line]
+    assert len(notes) == 1 and f"global_step4/{name}" in notes[0], log[-3000:]
+    assert f"resumed from {run_dir / 'ckpt' / 'global_step2'} at iteration 2" in log
+    assert (run_dir / "ckpt" / "latest").read_text() == "global_step6"
+
+
+def test_a_plugin_named_by_a_saved_config_is_never_imported(corpus, trained, tmp_path, capsys):
+    """``model.plugins`` of a checkpoint's ``config.yaml`` or an export's ``config.json`` is
+    not imported by resume, export, generate, perplexity or ``from_pretrained``; each says in one
+    line how to pass it."""
+    import transformers
+
+    from tapered_megatron.eval.perplexity import main as perplexity_main
+    from tapered_megatron.generate import main as generate_main
+
+    marker = tmp_path / "imported"
+    plugin = tmp_path / "received_arch.py"
+    plugin.write_text(f"open({str(marker)!r}, 'w').close()\n")
+    out = tmp_path / "export"
+    assert export_main(["--checkpoint", str(trained / "ckpt"), "--out", str(out)]) == 0
+    run_dir = copy_run(trained, tmp_path / "run", ("global_step4",))
+    saved = run_dir / "ckpt" / "global_step4" / "config.yaml"
+    data = yaml.safe_load(saved.read_text())
+    data["model"].update(arch="received_arch", plugins=[str(plugin)])
+    saved.write_text(yaml.safe_dump(data, sort_keys=False))
+    raw = json.loads((out / "config.json").read_text())
+    raw["tapered_config"]["model"].update(arch="received_arch", plugins=[str(plugin)])
+    (out / "config.json").write_text(json.dumps(raw))
+    capsys.readouterr()
+
+    rc, log = run(corpus, run_dir, RESUME)
+    assert not marker.exists(), "resume imported the saved config's plugin"
+    err = [line for line in log.splitlines() if line.startswith("error: ")]
+    assert rc == 2 and len(err) == 1, log[-3000:]
+    assert f"pass --model.plugins {plugin}" in err[0], err[0]
+    ckpt = ["--checkpoint", str(run_dir / "ckpt")]
+    for tool, args in [
+        (export_main, [*ckpt, "--out", str(tmp_path / "x")]),
+        (generate_main, [*ckpt, "--prompt", "1 2 3", "--max-new-tokens", "2"]),
+        (perplexity_main, [*ckpt]),
+        (generate_main, ["--model", str(out), "--prompt", "1 2 3", "--max-new-tokens", "2"]),
+    ]:
+        assert tool(args) == 2, tool
+        lines = capsys.readouterr().err.strip().splitlines()
+        assert len(lines) == 1 and f"pass --plugins {plugin}" in lines[0], lines
+    with pytest.raises(ValueError, match=f"import {plugin} before from_pretrained"):
+        transformers.AutoModelForCausalLM.from_pretrained(out, trust_remote_code=True)
+    assert not marker.exists()
