@@ -15,6 +15,7 @@ import zipfile
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
 from deepspeed.runtime.zero.config import ZeroStageEnum
@@ -24,6 +25,10 @@ from deepspeed.utils.tensor_fragment import fragment_address
 # the bf16 optimizer: the stage, the loss scaler, the fragment map of each parameter; fp16's
 # dynamic loss scaler). Its model-states files hold plain types only.
 ALLOWED: list[Any] = [LossScaler, DynamicLossScaler, ZeroStageEnum, fragment_address]
+# numpy arrays (RNG files written before they held numpy's state as ints): the array's own
+# reconstructor and its dtype; an object array's items still go through the same restricted
+# unpickler, so nothing else becomes loadable.
+ALLOWED += [np._core.multiarray._reconstruct, np.ndarray, np.dtype, np.dtypes.UInt32DType]
 
 _GLOBAL = re.compile(r"GLOBAL ([\w.]+)")
 

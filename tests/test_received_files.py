@@ -139,3 +139,22 @@ def test_a_plugin_named_by_a_saved_config_is_never_imported(corpus, trained, tmp
     with pytest.raises(ValueError, match=f"import {plugin} before from_pretrained"):
         transformers.AutoModelForCausalLM.from_pretrained(out, trust_remote_code=True)
     assert not marker.exists()
+
+
+def test_an_rng_file_holding_numpy_arrays_still_loads(tmp_path):
+    """RNG files written before numpy's state was stored as ints hold a numpy array: they load
+    and restore the same streams."""
+    import random
+
+    import numpy as np
+    import torch
+
+    from tapered_megatron import safe_load
+    from tapered_megatron.parallel.random import get_rng_state, set_rng_state
+
+    state = get_rng_state()
+    state["numpy"] = np.random.get_state()  # the old format: a tuple with a uint32 array
+    torch.save(state, tmp_path / "rng_rank00000.pt")
+    want = (random.random(), np.random.rand(), torch.rand(1).item())
+    set_rng_state(safe_load.load(tmp_path / "rng_rank00000.pt"))
+    assert (random.random(), np.random.rand(), torch.rand(1).item()) == want
