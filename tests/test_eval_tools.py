@@ -179,8 +179,10 @@ def _own_scores(model, tok: str, limit: int) -> dict[str, dict[str, float]]:
 
 @pytest.fixture(scope="module")
 def harness(export, tmp_path_factory):
-    """The real ``lm_eval`` command line on the export, both local tasks, 8 items each."""
-    pytest.importorskip("lm_eval")
+    """The real ``lm_eval`` command line on the export, both local tasks, 8 items each (the
+    dev extra installs it: a missing one is a failure, not a skip)."""
+    import lm_eval  # noqa: F401
+
     out, _ = export
     res = tmp_path_factory.mktemp("lm_eval")
     _run("-m", "lm_eval", "--model", "hf", "--model_args",

@@ -11,10 +11,10 @@ import torch
 from tiny_export import ARCHS, VOCAB, tiny_export, tiny_tokenizer
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
-transformers = pytest.importorskip("transformers")
+import transformers  # the dev extra installs it: missing is a failure, not a skip
 
-from tapered_megatron.data.sample_corpus import sample_corpus_docs  # noqa: E402
-from tapered_megatron.hf.tokenization import EDGE_CASES  # noqa: E402
+from tapered_megatron.data.sample_corpus import sample_corpus_docs
+from tapered_megatron.hf.tokenization import EDGE_CASES
 
 
 @pytest.fixture(scope="module")
