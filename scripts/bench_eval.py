@@ -32,10 +32,10 @@ import torch
 import torch.nn.functional as F
 from bench_common import ROOT, emit, interleaved, stamp
 
-from tapered_megatron.config import Config
 from tapered_megatron.eval.common import windows
 from tapered_megatron.eval.perplexity import perplexity_of
 from tapered_megatron.export.load import load_export
+from tapered_megatron.hf.llama import to_llama
 
 
 def train_and_export(folder: Path, iters: int) -> Path:
@@ -48,44 +48,6 @@ def train_and_export(folder: Path, iters: int) -> Path:
     from tapered_megatron.export.writer import export_checkpoint
 
     return export_checkpoint(save, folder / "export", log=lambda m: print(m, file=sys.stderr))
-
-
-def to_llama(cfg: Config, state: dict[str, torch.Tensor]):
-    """A ``LlamaForCausalLM`` holding the weights of a uniform-taper transformer export."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    m = cfg.model
-    if m.arch != "transformer" or len(set(cfg.taper_plan.widths)) != 1:
-        raise SystemExit("the Llama comparison needs a uniform-taper transformer")
-    hd, heads, v = m.head_dim, m.heads, m.vocab_size
-    conf = LlamaConfig(
-        vocab_size=v, hidden_size=m.d_model, intermediate_size=cfg.taper_plan.widths[0],
-        num_hidden_layers=m.layers, num_attention_heads=heads, num_key_value_heads=heads,
-        max_position_embeddings=m.seq_len, rms_norm_eps=m.norm_eps,
-        rope_parameters={"rope_type": "default", "rope_theta": m.rope_theta},
-        tie_word_embeddings=False, attention_bias=False, mlp_bias=False,
-    )  # fmt: skip
-    rotate_half = torch.cat([torch.arange(0, hd, 2), torch.arange(1, hd, 2)])
-    out = {
-        "model.embed_tokens.weight": state["embedding.embed.weight"][:v],
-        "model.norm.weight": state["head.norm.weight"],
-        "lm_head.weight": state["head.proj.weight"][:v],
-    }
-    for i in range(m.layers):
-        p, q = f"layers.{i}.", f"model.layers.{i}."
-        qkv = state[p + "mixer.qkv.weight"].view(heads, 3, hd, m.d_model)
-        out[q + "self_attn.q_proj.weight"] = qkv[:, 0, rotate_half].reshape(-1, m.d_model)
-        out[q + "self_attn.k_proj.weight"] = qkv[:, 1, rotate_half].reshape(-1, m.d_model)
-        out[q + "self_attn.v_proj.weight"] = qkv[:, 2].reshape(-1, m.d_model)
-        out[q + "self_attn.o_proj.weight"] = state[p + "mixer.out.weight"]
-        gate, up = state[p + "mlp.w13.weight"].chunk(2, dim=0)
-        out[q + "mlp.gate_proj.weight"], out[q + "mlp.up_proj.weight"] = gate, up
-        out[q + "mlp.down_proj.weight"] = state[p + "mlp.w2.weight"]
-        out[q + "input_layernorm.weight"] = state[p + "mixer_norm.weight"]
-        out[q + "post_attention_layernorm.weight"] = state[p + "mlp_norm.weight"]
-    llama = LlamaForCausalLM(conf).eval()
-    llama.load_state_dict({k: t.contiguous() for k, t in out.items()}, strict=True)
-    return llama
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -112,7 +74,10 @@ def main(argv: list[str] | None = None) -> int:
         loaded = load_export(out)
         state = load_file(str(out / "model.safetensors"))
     cfg, ours = loaded.cfg, loaded.module
-    llama = to_llama(cfg, state)
+    try:
+        llama = to_llama(cfg, state)
+    except ValueError as e:
+        raise SystemExit(f"error: {e}") from None
     prefix = prepare_sample_corpus(cfg.data.cache_dir, cfg.model.vocab_size)[1]
     stream = torch.as_tensor(IndexedDataset(prefix).tokens(0, a.tokens + 1).astype("int64"))
     seq, v = cfg.model.seq_len, cfg.model.vocab_size

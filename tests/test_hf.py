@@ -8,13 +8,14 @@ import os
 import pytest
 import sentencepiece as spm
 import torch
-from tiny_export import ARCHS, VOCAB, tiny_export, tiny_tokenizer
+from tiny_export import ARCHS, VOCAB, tiny_config, tiny_export, tiny_tokenizer
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import transformers  # the dev extra installs it: missing is a failure, not a skip
 
 from tapered_megatron.data.sample_corpus import sample_corpus_docs
 from tapered_megatron.hf.tokenization import EDGE_CASES
+from tapered_megatron.models import build_model
 
 
 @pytest.fixture(scope="module")
@@ -132,3 +133,20 @@ def test_padding(exports):
         left = right.flip(1)
         with pytest.raises(ValueError, match="left padding"):
             hf(ids, attention_mask=left)
+
+
+def test_uniform_transformer_equals_llama_for_causal_lm(tmp_path):
+    """A uniform-taper transformer is Llama: the same weights in ``LlamaForCausalLM`` give our
+    logits (fp32, within 1e-5); a tapered model is refused."""
+    from tapered_megatron.hf.llama import to_llama
+
+    cfg = tiny_config("transformer", None, "--taper.schedule", "uniform")
+    ours = build_model(cfg).eval()
+    llama = to_llama(cfg, dict(ours.state_dict()))
+    ids = _ids(3)
+    with torch.no_grad():
+        want = ours(ids)[..., :VOCAB]
+        got = llama(ids).logits
+    assert (got - want).abs().max().item() <= 1e-5
+    with pytest.raises(ValueError, match="uniform-taper transformer"):
+        to_llama(tiny_config("transformer", None), dict(ours.state_dict()))
