@@ -95,10 +95,11 @@ def test_kv_cache_steps_equal_full_forward(arch, exports):
     assert (torch.cat(parts, dim=1) - full).abs().max().item() <= 1e-5
 
 
-@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("arch", ["transformer", "gated_attention"])  # those with a KV cache
 def test_greedy_generate_with_and_without_cache(arch, exports):
     out, _ = exports[arch]
     hf = transformers.AutoModelForCausalLM.from_pretrained(out, trust_remote_code=True)
+    assert hf.supports_kv_cache  # else both calls would take the same path
     prompt = _ids(2, (1, 12))
     kw = {"max_new_tokens": 24, "min_new_tokens": 24, "do_sample": False}
     with torch.no_grad():
@@ -106,6 +107,23 @@ def test_greedy_generate_with_and_without_cache(arch, exports):
         plain = hf.generate(prompt, use_cache=False, **kw)
     assert cached.shape == (1, 36)
     assert cached.tolist() == plain.tolist()
+
+
+@pytest.mark.parametrize("arch", ["titans", "hope_attention"])
+def test_memory_architectures_generate_without_a_cache(arch, exports):
+    """Titans and Hope keep no key/value cache: ``use_cache`` is ignored and greedy generation
+    equals the argmax of full forwards, token by token."""
+    out, ours = exports[arch]
+    hf = transformers.AutoModelForCausalLM.from_pretrained(out, trust_remote_code=True)
+    assert not hf.supports_kv_cache
+    prompt = _ids(2, (1, 12))
+    with torch.no_grad():
+        got = hf.generate(prompt, max_new_tokens=6, min_new_tokens=6, do_sample=False)
+        want = prompt
+        for _ in range(6):
+            nxt = ours(want)[:, -1, :VOCAB].argmax(-1, keepdim=True)
+            want = torch.cat([want, nxt], dim=1)
+    assert got.tolist() == want.tolist()
 
 
 def test_auto_tokenizer_and_pipeline(exports, tok):
