@@ -12,11 +12,14 @@ Layout of ``train.save_dir``::
         complete               written by rank 0 after every rank finished writing
     latest                     "global_step100", replaced atomically after ``complete``
 
-A tag without ``complete`` (a save cut short) is never loaded or exported.
+A tag without ``complete`` (a save cut short) is never loaded or exported. ``complete`` also
+holds the checkpoint's manifest: the size and sha256 of every other file of the tag
+(:func:`manifest_problem` checks them).
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import re
 from pathlib import Path
@@ -116,3 +119,53 @@ def describe_layout(rec: dict[str, Any]) -> str:
 def has_universal(tag_dir: Path) -> bool:
     """Whether a checkpoint holds the layout-free copy (``train.universal_checkpoint``)."""
     return (tag_dir / UNIVERSAL / UNIVERSAL_META).exists()
+
+
+def tag_files(tag_dir: Path) -> list[str]:
+    """Every file of a tag but ``complete``, as sorted paths relative to it (the manifest's
+    keys)."""
+    return sorted(
+        str(f.relative_to(tag_dir))
+        for f in tag_dir.rglob("*")
+        if f.is_file() and f.name != COMPLETE
+    )
+
+
+def file_digest(path: Path, chunk: int = 8 << 20) -> list[Any]:
+    """``[size, sha256 hex]`` of one file, read in chunks."""
+    h, size = hashlib.sha256(), 0
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            h.update(block)
+            size += len(block)
+    return [size, h.hexdigest()]
+
+
+def manifest(tag_dir: Path) -> dict[str, list[Any]] | None:
+    """The manifest ``complete`` records (``None`` for a checkpoint saved without one)."""
+    try:
+        files = json.loads((tag_dir / COMPLETE).read_text() or "{}").get("files")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return files if isinstance(files, dict) else None
+
+
+def manifest_problem(
+    tag_dir: Path, names: list[str] | None = None, hashes: bool = True
+) -> str | None:
+    """What in ``tag_dir`` differs from its manifest (one line), or None: a listed file missing
+    or of another size, or (``hashes``) of another sha256; ``names`` limits the check to those
+    files. A checkpoint without a manifest has nothing to check."""
+    files = manifest(tag_dir)
+    if files is None:
+        return None
+    for name in files if names is None else names:
+        size, sha = files[name]
+        f = tag_dir / name
+        if not f.is_file():
+            return f"{f}: missing (the checkpoint's manifest lists it)"
+        if f.stat().st_size != size:
+            return f"{f}: {f.stat().st_size} bytes, the manifest records {size}"
+        if hashes and file_digest(f)[1] != sha:
+            return f"{f}: sha256 differs from the manifest's (the file changed after saving)"
+    return None

@@ -122,3 +122,13 @@ def assert_close(a: list[float], b: list[float], rtol: float = RTOL) -> None:
     """Equal lengths and every value within ``rtol``."""
     assert len(a) == len(b), (a, b)
     np.testing.assert_allclose(a, b, rtol=rtol, atol=0)
+
+
+def reseal(tag_dir: Path) -> None:
+    """Rewrite the manifest in a checkpoint's ``complete`` for its files as they are now (a
+    checkpoint whose sender or saver wrote these files consistently)."""
+    from tapered_megatron.checkpoint_layout import COMPLETE, file_digest, tag_files
+
+    marker = json.loads((tag_dir / COMPLETE).read_text())
+    marker["files"] = {n: file_digest(tag_dir / n) for n in tag_files(tag_dir)}
+    (tag_dir / COMPLETE).write_text(json.dumps(marker))

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from launch_helpers import MAIN, common_args, job_env, metrics, popen_job
+from launch_helpers import MAIN, common_args, job_env, metrics, popen_job, reseal
 
 from tapered_megatron.parallel.host import free_port
 from tapered_megatron.training.heartbeat import Heartbeat, period_for
@@ -83,6 +83,7 @@ def _bump_consumed(tag_dir: Path, by: int) -> None:
     state = torch.load(f, weights_only=False)
     state["consumed_samples"] += by
     torch.save(state, f)
+    reseal(tag_dir)  # as if saved so
 
 
 @pytest.mark.slow
@@ -178,6 +179,7 @@ def test_resume_restores_the_rng_dropout_bitwise(corpus, tmp_path):
     rng_files = sorted((bare / "ckpt" / "global_step4").glob("rng_rank*.pt"))
     assert [f.name for f in rng_files] == ["rng_rank00000.pt"]
     rng_files[0].unlink()
+    reseal(bare / "ckpt" / "global_step4")  # as saved without RNG files
     runs = [start(corpus, out, [*drop, "--resume", "auto"]) for out in (cut, bare)]
     for procs, out in zip(runs, (cut, bare)):
         rc, log = finish(procs, out)

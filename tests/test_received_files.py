@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from launch_helpers import MAIN, common_args, job_env, popen_job
+from launch_helpers import MAIN, common_args, job_env, popen_job, reseal
 
 from tapered_megatron.export.__main__ import main as export_main
 
@@ -97,6 +97,35 @@ def test_resume_falls_back_past_a_truncated_newest_checkpoint(name, corpus, trai
     assert (run_dir / "ckpt" / "latest").read_text() == "global_step6"
 
 
+@pytest.mark.parametrize(
+    "name", ["mp_rank_00_model_states.pt", "rng_rank00000.pt", "universal/head.proj.weight.pt"]
+)
+def test_overwritten_bytes_fall_back_on_resume_and_stop_export(
+    name,
+    corpus,
+    trained,
+    tmp_path,
+    capsys,
+):
+    """256 bytes overwritten inside a file of the newest checkpoint (same size, still loads):
+    its sha256 no longer matches the manifest in ``complete``, so resume passes over it to the
+    older checkpoint with a note and export refuses it in one line."""
+    run_dir = copy_run(trained, tmp_path / "run", ("global_step2", "global_step4"))
+    f = run_dir / "ckpt" / "global_step4" / name
+    data = bytearray(f.read_bytes())
+    mid = len(data) // 2
+    data[mid : mid + 256] = bytes(255 - b for b in data[mid : mid + 256])
+    f.write_bytes(bytes(data))
+    assert export_main(["--checkpoint", str(run_dir / "ckpt"), "--out", str(tmp_path / "x")]) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and name in lines[0] and "sha256" in lines[0], lines
+    rc, log = run(corpus, run_dir, RESUME)
+    assert rc == 0, log[-3000:]
+    notes = [line for line in log.splitlines() if "resuming from the older" in line]
+    assert len(notes) == 1 and f"global_step4/{name}" in notes[0] and "sha256" in notes[0], log
+    assert f"resumed from {run_dir / 'ckpt' / 'global_step2'} at iteration 2" in log
+
+
 def test_a_plugin_named_by_a_saved_config_is_never_imported(corpus, trained, tmp_path, capsys):
     """``model.plugins`` of a checkpoint's ``config.yaml`` or an export's ``config.json`` is
     not imported by resume, export, generate, perplexity or ``from_pretrained``; each says in one
@@ -116,6 +145,7 @@ def test_a_plugin_named_by_a_saved_config_is_never_imported(corpus, trained, tmp
     data = yaml.safe_load(saved.read_text())
     data["model"].update(arch="received_arch", plugins=[str(plugin)])
     saved.write_text(yaml.safe_dump(data, sort_keys=False))
+    reseal(saved.parent)  # a sender writes a consistent manifest for what it sends
     raw = json.loads((out / "config.json").read_text())
     raw["tapered_config"]["model"].update(arch="received_arch", plugins=[str(plugin)])
     (out / "config.json").write_text(json.dumps(raw))

@@ -48,6 +48,7 @@ from tapered_megatron.checkpoint_layout import (
     is_tag,
     iteration_of,
     latest_tag,
+    manifest_problem,
 )
 from tapered_megatron.config import Config, ConfigError, load_saved_config
 from tapered_megatron.export.errors import ExportError
@@ -136,6 +137,9 @@ def resolve_checkpoint(
         safe_load.verify_tag(tag_dir)
     except safe_load.UnsafeFileError as e:
         raise ExportError(f"{e}; export another --tag") from None
+    why = manifest_problem(tag_dir)  # every file against the sha256 ``complete`` records
+    if why is not None:
+        raise ExportError(f"{why}; export another --tag")
     marker = json.loads((tag_dir / COMPLETE).read_text() or "{}")
     iteration = int(marker.get("iteration", iteration_of(tag_dir.name)))
     return CheckpointRef(tag_dir, cfg, iteration, int(marker.get("consumed_samples", 0)))

@@ -32,11 +32,15 @@ from tapered_megatron.checkpoint_layout import (
     LAYOUT,
     TAPER_PLAN,
     complete_tags,
+    file_digest,
     is_complete,
     is_tag,
     latest_problem,
+    manifest,
+    manifest_problem,
     resume_candidates,
     saved_layout,
+    tag_files,
     tag_of,
     tags,
 )
@@ -122,22 +126,53 @@ def save(
     torch.save(parallel.get_rng_state(), tag_dir / f"rng_rank{_rank():05d}.pt")
     if also is not None:
         also(tag_dir, client)
-    _barrier()
     if _rank() == 0:
         (tag_dir / CONFIG).write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
         (tag_dir / TAPER_PLAN).write_text(json.dumps(cfg.taper_plan.to_dict(), indent=1))
         if layout is not None:
             (tag_dir / LAYOUT).write_text(json.dumps(layout) + "\n")
+    _barrier()
+    files = _digests(tag_dir)
+    if _rank() == 0:
         crash_point("complete")
-        _write_atomic(
-            tag_dir / COMPLETE,
-            json.dumps({"iteration": iteration, "consumed_samples": consumed_samples}) + "\n",
-        )
+        marker = {"iteration": iteration, "consumed_samples": consumed_samples, "files": files}
+        _write_atomic(tag_dir / COMPLETE, json.dumps(marker) + "\n")
         crash_point("latest")
         _write_atomic(save_dir / LATEST, tag)
         prune(save_dir, cfg.train.keep_last)
     _barrier()
     return tag_dir
+
+
+def _world() -> int:
+    return dist.get_world_size() if dist.is_initialized() else 1
+
+
+def _digests(tag_dir: Path) -> dict[str, list[Any]]:
+    """The manifest of a fully written tag: every rank hashes its share of the files (every
+    ``world``-th of the sorted list; the save directory is shared, as ``complete`` and
+    ``latest`` already need) and rank 0 gets them all (collective)."""
+    names = tag_files(tag_dir)
+    mine = {n: file_digest(tag_dir / n) for n in names[_rank() :: _world()]}
+    if _world() == 1:
+        return mine
+    parts: list[Any] = [None] * _world()
+    dist.all_gather_object(parts, mine)
+    return {n: d for part in parts for n, d in sorted(part.items())}
+
+
+def hash_problem(tag_dir: Path) -> str | None:
+    """:func:`~tapered_megatron.checkpoint_layout.manifest_problem` with the hashing shared by
+    the ranks (collective: every rank gets the same answer)."""
+    files = manifest(tag_dir)
+    if files is None:
+        return None
+    why = manifest_problem(tag_dir, sorted(files)[_rank() :: _world()])
+    if _world() == 1:
+        return why
+    found: list[Any] = [None] * _world()
+    dist.all_gather_object(found, why)
+    return next((w for w in found if w), None)
 
 
 def crash_point(name: str) -> None:
@@ -169,6 +204,9 @@ def checkpoint_problem(tag_dir: Path) -> str | None:
         safe_load.verify_tag(tag_dir)
     except safe_load.UnsafeFileError as e:
         return str(e)
+    why = manifest_problem(tag_dir, hashes=False)  # sizes only: cheap on every rank
+    if why is not None:
+        return why
     for name, parse in ((LAYOUT, json.loads), (TAPER_PLAN, json.loads), (CONFIG, yaml.safe_load)):
         f = tag_dir / name
         try:
@@ -184,7 +222,9 @@ def _quiet(line: str) -> None:
     """The default ``note`` of :func:`find_resume`: say nothing."""
 
 
-def find_resume(cfg: Config, note: Callable[[str], None] = _quiet) -> tuple[Path, str] | None:
+def find_resume(
+    cfg: Config, note: Callable[[str], None] = _quiet, known: dict[str, str] | None = None
+) -> tuple[Path, str] | None:
     """Where ``train.resume`` points: ``(load_dir, tag)`` or ``None`` for a fresh start.
 
     ``auto``: the first usable checkpoint of :func:`~tapered_megatron.checkpoint_layout.
@@ -192,8 +232,10 @@ def find_resume(cfg: Config, note: Callable[[str], None] = _quiet) -> tuple[Path
     older complete ones), else ``None``. A path may name a save directory (the same choice) or one
     ``global_stepN`` directory. A candidate with a :func:`checkpoint_problem` is passed over with
     a one-line ``note`` naming the problem, as is a ``latest`` that is not followed; when every
-    complete checkpoint has one, :class:`ConfigError`.
+    complete checkpoint has one, :class:`ConfigError`. ``known`` maps tags to problems found
+    already (the trainer's shared sha256 check, :func:`hash_problem`).
     """
+    known = known or {}
     how = cfg.train.resume
     if not how:
         return None
@@ -201,7 +243,7 @@ def find_resume(cfg: Config, note: Callable[[str], None] = _quiet) -> tuple[Path
         p = Path(how)
         if not is_complete(p):
             raise FileNotFoundError(f"train.resume: {p} is not a complete checkpoint")
-        why = checkpoint_problem(p)
+        why = known.get(p.name) or checkpoint_problem(p)
         if why is not None:
             raise ConfigError(f"train.resume: {why}; resume from another checkpoint")
         return p.parent, p.name
@@ -214,7 +256,7 @@ def find_resume(cfg: Config, note: Callable[[str], None] = _quiet) -> tuple[Path
         note(f"{why_latest}; ignored")
     problems = []
     for tag in candidates:
-        why = checkpoint_problem(save_dir / tag)
+        why = known.get(tag) or checkpoint_problem(save_dir / tag)
         if why is None:
             if problems:
                 more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""

@@ -31,7 +31,7 @@ from torch import nn
 
 from tapered_megatron import checkpoint_layout as layout_files
 from tapered_megatron import parallel
-from tapered_megatron.config import Config
+from tapered_megatron.config import Config, ConfigError
 from tapered_megatron.models import allow_layer_recompiles, build_model, count_model, lm_loss
 from tapered_megatron.pipeline.clock import StageClock
 from tapered_megatron.training import checkpoint, optim, reshard
@@ -63,7 +63,7 @@ class Trainer:
         self.nan_iters = injected_nan_iterations()
         self.exit_signal = ExitSignal(cfg.train.exit_signal, self.device)
         self.iteration, self.consumed = 0, 0
-        where = checkpoint.find_resume(cfg, note=self.log)
+        where = self._verified_resume()
         if where is not None:
             for tag in layout_files.partial_tags(where[0], layout_files.iteration_of(where[1])):
                 self.log(
@@ -81,6 +81,21 @@ class Trainer:
         )
 
     # ----------------------------------------------------------------- set-up
+    def _verified_resume(self) -> tuple[Path, str] | None:
+        """:func:`checkpoint.find_resume`, each candidate also checked against its manifest's
+        sha256 (the ranks share the hashing); a checkpoint whose files changed after saving is
+        passed over like any unusable one, with the one-line note."""
+        known: dict[str, str] = {}
+        try:
+            while (where := checkpoint.find_resume(self.cfg, known=known)) is not None:
+                why = checkpoint.hash_problem(where[0] / where[1])
+                if why is None:
+                    break
+                known[where[1]] = why
+            return checkpoint.find_resume(self.cfg, note=self.log, known=known)
+        except ConfigError as e:
+            raise TrainingStopped(str(e)) from None
+
     def log(self, msg: str) -> None:
         """Print on rank 0."""
         if self.rank == 0:
