@@ -12,6 +12,7 @@ them). Only the newest ``train.keep_last`` complete checkpoints are kept.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import shutil
@@ -198,8 +199,29 @@ def prune(save_dir: Path, keep_last: int) -> None:
 def checkpoint_problem(tag_dir: Path) -> str | None:
     """What makes a complete checkpoint unusable (one line), or None: a ``.pt`` file that does
     not load as plain data (:func:`tapered_megatron.safe_load.verify_tag`: truncated, overwritten,
-    or a pickle naming code), or a ``layout.json`` / ``taper_plan.json`` / ``config.yaml`` that
-    does not parse."""
+    or a pickle naming code), a file whose size differs from the manifest, or a ``layout.json`` /
+    ``taper_plan.json`` / ``config.yaml`` that does not parse.
+
+    One process asks up to three times (the global-batch check and pre-flight before the process
+    group, the trainer after it); the answer is kept per tag and file sizes and mtimes, so each
+    tag's files are read once unless they change."""
+    try:
+        stamp = tuple((n, *_stat(tag_dir / n)) for n in (*tag_files(tag_dir), COMPLETE))
+    except OSError:  # a file went away while listing: check without the memory
+        return _checked_problem.__wrapped__(str(tag_dir), ())
+    return _checked_problem(str(tag_dir), stamp)
+
+
+def _stat(path: Path) -> tuple[int, int]:
+    st = path.stat()
+    return st.st_size, st.st_mtime_ns
+
+
+@functools.lru_cache(maxsize=64)
+def _checked_problem(tag: str, _stamp: tuple) -> str | None:
+    """:func:`checkpoint_problem` of the tag directory ``tag`` (``_stamp``: its files' names,
+    sizes and mtimes, the key that makes a changed tag be checked again)."""
+    tag_dir = Path(tag)
     try:
         safe_load.verify_tag(tag_dir)
     except safe_load.UnsafeFileError as e:

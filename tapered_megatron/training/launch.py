@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import dataclasses
 import json
 import os
 from dataclasses import dataclass
@@ -232,6 +233,7 @@ def check_sections(ds: dict[str, Any]) -> None:
     """Type-check the ds_config's sections and DeepSpeed's optimizer / scheduler types, so a
     typo is one line before any process group starts instead of a traceback inside
     ``deepspeed.initialize``."""
+    import torch
     from deepspeed.runtime import config as ds_cfg
     from deepspeed.runtime.lr_schedules import VALID_LR_SCHEDULES
 
@@ -241,17 +243,15 @@ def check_sections(ds: dict[str, Any]) -> None:
                 f'ds_config "{key}": {json.dumps(ds[key])} is not a JSON object; write e.g. '
                 f'"{key}": {example}'
             )
-    import torch
-
-    name = ds.get("optimizer", {}).get("type") if "optimizer" in ds else None
-    ours = isinstance(name, str) and name.lower() in ds_cfg.DEEPSPEED_OPTIMIZERS
-    if "optimizer" in ds and not (ours or (isinstance(name, str) and hasattr(torch.optim, name))):
-        raise ConfigError(
-            f"ds_config optimizer.type={name!r} is neither one of DeepSpeed's "
-            f"({', '.join(ds_cfg.DEEPSPEED_OPTIMIZERS)}) nor a torch.optim class; fix it or "
-            "remove the optimizer section (our AdamW is used then)"
-        )
-    name = ds.get("scheduler", {}).get("type") if "scheduler" in ds else None
+    if "optimizer" in ds:
+        name = str(ds["optimizer"].get("type"))
+        if name.lower() not in ds_cfg.DEEPSPEED_OPTIMIZERS and not hasattr(torch.optim, name):
+            raise ConfigError(
+                f"ds_config optimizer.type={ds['optimizer'].get('type')!r} is neither one of "
+                f"DeepSpeed's ({', '.join(ds_cfg.DEEPSPEED_OPTIMIZERS)}) nor a torch.optim "
+                "class; fix it or remove the optimizer section (our AdamW is used then)"
+            )
+    name = ds.get("scheduler", {}).get("type")
     if "scheduler" in ds and name not in VALID_LR_SCHEDULES:
         raise ConfigError(
             f"ds_config scheduler.type={name!r} is not one DeepSpeed knows "
@@ -307,9 +307,7 @@ def setup(argv: list[str] | None = None) -> tuple[argparse.Namespace, Config, di
     world = env_world_size()
     kept, note = resumed_global_batch(cfg, world)
     if kept:
-        key = "--train.global_batch_size"
-        rest = [a for i, a in enumerate(overrides) if not _names(overrides, i, key)]
-        cfg = load_config(args.config, [*rest, key, str(kept)])
+        cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, global_batch_size=kept))
     try:
         ds, layout = resolve(cfg, load_ds_config(args.ds_config), world)
     except ConfigError as e:
@@ -320,11 +318,6 @@ def setup(argv: list[str] | None = None) -> tuple[argparse.Namespace, Config, di
     if note and env_rank() == 0:
         print(note, flush=True)
     return args, cfg, ds, layout
-
-
-def _names(argv: list[str], i: int, key: str) -> bool:
-    """Whether ``argv[i]`` is option ``key`` (``--key V`` or ``--key=V``) or the value after it."""
-    return argv[i].split("=")[0] == key or (i > 0 and argv[i - 1] == key)
 
 
 def resumed_global_batch(cfg: Config, world_size: int) -> tuple[int | None, str]:

@@ -87,14 +87,18 @@ class Trainer:
         passed over like any unusable one, with the one-line note."""
         known: dict[str, str] = {}
         try:
-            while (where := checkpoint.find_resume(self.cfg, known=known)) is not None:
-                why = checkpoint.hash_problem(where[0] / where[1])
+            while True:
+                notes: list[str] = []  # only the final choice's notes are printed
+                where = checkpoint.find_resume(self.cfg, note=notes.append, known=known)
+                why = checkpoint.hash_problem(where[0] / where[1]) if where else None
                 if why is None:
                     break
                 known[where[1]] = why
-            return checkpoint.find_resume(self.cfg, note=self.log, known=known)
         except ConfigError as e:
             raise TrainingStopped(str(e)) from None
+        for line in notes:
+            self.log(line)
+        return where
 
     def log(self, msg: str) -> None:
         """Print on rank 0."""
@@ -246,14 +250,14 @@ class Trainer:
             return loss, grad_norm(eng) if want_norm else None
         total = torch.zeros((), dtype=torch.float64, device=self.device)
         norm = None
-        scale = unscaled_by(eng)  # the step's loss scale, read before the step may change it
+        scale = loss_scale_to_apply(eng)  # read before the step may change it
         before_step = want_norm and not computes_grad_norm(eng)
         for k in range(self.layout.grad_accum):
             x, y = next(batches)
             loss = eng(x, y)  # the model's loss: LM head fused into the cross-entropy
             if k == 0 and it in self.nan_iters and self.rank == 0:
                 loss = loss * float("nan")
-            eng.backward(fp16_scaled(eng, loss))
+            eng.backward(loss if scale == 1.0 else loss * scale)
             if before_step and k == self.layout.grad_accum - 1:
                 norm = grad_norm(eng)
             eng.step()
@@ -656,23 +660,16 @@ def injected_nan_iterations() -> frozenset[int]:
     return frozenset(out)
 
 
-def fp16_scaled(engine: Any, loss: torch.Tensor) -> torch.Tensor:
-    """``loss`` as ``engine.backward`` must receive it: times the dynamic loss scale for fp16
-    without ZeRO.
+def loss_scale_to_apply(engine: Any) -> float:
+    """The factor the trainer multiplies the loss by before ``engine.backward`` (and divides
+    the reported gradient norm by): fp16's current dynamic loss scale without ZeRO, else 1.
 
     DeepSpeed's ``engine.backward`` applies the loss scale only for ZeRO optimizers, while its
     fp16 optimizers without ZeRO (``FP16_Optimizer``, ``FP16_UnfusedOptimizer``) still divide
-    the gradients by the scale and grow it after every window without overflow: the updates
-    would shrink by the scale and overflows would never be seen. Other precisions and ZeRO
-    stages get ``loss`` unchanged.
+    the gradients by the scale, grow it after every window without overflow and report the
+    norm of the scaled gradients: unscaled, the updates would shrink by the scale and
+    overflows would never be seen.
     """
-    scale = unscaled_by(engine)
-    return loss if scale == 1.0 else loss * scale
-
-
-def unscaled_by(engine: Any) -> float:
-    """The loss scale DeepSpeed leaves in its reported gradient norm: fp16's current scale
-    without ZeRO (whose fp16 optimizers report the norm of the scaled gradients), else 1."""
     if engine.fp16_enabled() and not isinstance(engine.optimizer, ZeROOptimizer):
         return float(engine.optimizer.loss_scale)
     return 1.0
