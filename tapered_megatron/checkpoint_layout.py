@@ -141,6 +141,12 @@ def file_digest(path: Path, chunk: int = 8 << 20) -> list[Any]:
     return [size, h.hexdigest()]
 
 
+def digests(tag_dir: Path, names: list[str] | None = None) -> dict[str, list[Any]]:
+    """``{name: [size, sha256]}`` of ``names`` (default: every file of the tag but ``complete``),
+    the manifest ``complete`` records."""
+    return {n: file_digest(tag_dir / n) for n in (tag_files(tag_dir) if names is None else names)}
+
+
 def manifest(tag_dir: Path) -> dict[str, list[Any]] | None:
     """The manifest ``complete`` records (``None`` for a checkpoint saved without one)."""
     try:

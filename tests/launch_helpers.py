@@ -73,8 +73,17 @@ def check_ranks(procs: list[subprocess.Popen], out: Path, timeout: float) -> Non
     assert not bad, f"ranks {bad} failed:\n{logs[bad[0]][-4000:]}"
 
 
-def launch_ranks(n: int, corpus: str, out: Path, ds: str, extra: list[str], timeout=240) -> None:
-    """Start ``n`` ranks the way DeepSpeed's launcher does (RANK/LOCAL_RANK/WORLD_SIZE env).
+def launch_ranks(
+    n: int,
+    corpus: str,
+    out: Path,
+    ds: str,
+    extra: list[str],
+    timeout: float = 240,
+    wrapper: tuple[str, ...] = (),
+) -> None:
+    """Start ``n`` ranks the way DeepSpeed's launcher does (RANK/LOCAL_RANK/WORLD_SIZE env);
+    ``wrapper``: a script that runs ``pretrain/main.py`` (e.g. ``fp16_on_cpu.py``).
 
     Afterwards no shared-memory file of DeepSpeed's CPU all-reduce may be left in ``/dev/shm``.
     """
@@ -86,6 +95,7 @@ def launch_ranks(n: int, corpus: str, out: Path, ds: str, extra: list[str], time
         cmd = [
             sys.executable,
             "-u",
+            *wrapper,
             MAIN,
             f"--local_rank={r}",
             *common_args(corpus, out, ds, extra),
@@ -127,8 +137,8 @@ def assert_close(a: list[float], b: list[float], rtol: float = RTOL) -> None:
 def reseal(tag_dir: Path) -> None:
     """Rewrite the manifest in a checkpoint's ``complete`` for its files as they are now (a
     checkpoint whose sender or saver wrote these files consistently)."""
-    from tapered_megatron.checkpoint_layout import COMPLETE, file_digest, tag_files
+    from tapered_megatron.checkpoint_layout import COMPLETE, digests
 
     marker = json.loads((tag_dir / COMPLETE).read_text())
-    marker["files"] = {n: file_digest(tag_dir / n) for n in tag_files(tag_dir)}
+    marker["files"] = digests(tag_dir)
     (tag_dir / COMPLETE).write_text(json.dumps(marker))

@@ -33,7 +33,7 @@ from tapered_megatron.checkpoint_layout import (
     LAYOUT,
     TAPER_PLAN,
     complete_tags,
-    file_digest,
+    digests,
     is_complete,
     is_tag,
     latest_problem,
@@ -153,8 +153,7 @@ def _digests(tag_dir: Path) -> dict[str, list[Any]]:
     """The manifest of a fully written tag: every rank hashes its share of the files (every
     ``world``-th of the sorted list; the save directory is shared, as ``complete`` and
     ``latest`` already need) and rank 0 gets them all (collective)."""
-    names = tag_files(tag_dir)
-    mine = {n: file_digest(tag_dir / n) for n in names[_rank() :: _world()]}
+    mine = digests(tag_dir, tag_files(tag_dir)[_rank() :: _world()])
     if _world() == 1:
         return mine
     parts: list[Any] = [None] * _world()
