@@ -65,13 +65,11 @@ class WindowAttention(Attention):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, s, _ = x.shape
-        hd = self.head_dim
-        y = self.qkv(x).view(b, s, self.heads, self.per_head)
-        q, g, k, v = y.split((hd, self.gate_dim, hd, hd), dim=-1)
+        q, g, k, v = self.project(x)
         q, k, v = (t.transpose(1, 2) for t in (self.rope(q), self.rope(k), v))
         mask = window_mask(s, self.window, x.device)
-        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask).transpose(1, 2)
-        return self.out(self.gate(o, g).reshape(b, s, self.heads * hd))
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=self.grouped)
+        return self.out(self.gate(o.transpose(1, 2), g).reshape(b, s, self.heads * self.head_dim))
 
 
 def make_batch(batch: int, pairs: int, gap: int, gen: torch.Generator):

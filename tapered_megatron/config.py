@@ -65,6 +65,8 @@ class ModelConfig:
     d_model: int = at_least(1, 256)
     layers: int = at_least(1, 8)
     heads: int = at_least(1, 4)
+    # key/value heads of every attention (grouped-query attention); must divide heads; 0: heads
+    kv_heads: int = at_least(0, 0)
     d_ff: int = at_least(1, 688)
     vocab_size: int = at_least(1, 8192)
     seq_len: int = at_least(1, 256)
@@ -75,6 +77,10 @@ class ModelConfig:
     dropout: float = at_least(0, 0.0)  # on each block's mixer and MLP output (training only); < 1
     plugins: tuple[str, ...] = ()
     options: Any = field(default=None, metadata={"derived": True})
+
+    def __post_init__(self) -> None:
+        if self.kv_heads == 0:  # the default: one key/value head per query head
+            object.__setattr__(self, "kv_heads", self.heads)
 
     @property
     def head_dim(self) -> int:
@@ -580,7 +586,8 @@ def tp_problem(cfg: Config, tp: int) -> str | None:
 
     The model's shape is a function of the model config alone (widths are multiples of
     ``taper.multiple``, the vocabulary is padded to ``model.make_vocab_size_divisible_by``), so
-    a TP size must divide those and the heads; it never changes the model.
+    a TP size must divide those and the heads, and divide or be a multiple of the key/value
+    heads (split over TP ranks, or replicated); it never changes the model.
     """
     m = cfg.model
     for key, value in (
@@ -593,6 +600,12 @@ def tp_problem(cfg: Config, tp: int) -> str | None:
                 f"parallel.tp ({tp}) must divide {key} ({value}); use a parallel.tp that "
                 f"divides it or set --{key} to a multiple of {tp}"
             )
+    if m.kv_heads % tp and tp % m.kv_heads:
+        return (
+            f"parallel.tp ({tp}) and model.kv_heads ({m.kv_heads}): key/value heads are split "
+            "over TP ranks when parallel.tp divides them and replicated when they divide "
+            "parallel.tp; use a parallel.tp that divides or is a multiple of model.kv_heads"
+        )
     return None
 
 
@@ -610,6 +623,11 @@ def validate(cfg: Config) -> None:
     _require(
         m.d_model % m.heads == 0,
         f"model.d_model ({m.d_model}) must be divisible by model.heads ({m.heads})",
+    )
+    _require(
+        m.heads % m.kv_heads == 0,
+        f"model.kv_heads ({m.kv_heads}) must divide model.heads ({m.heads}); use a divisor "
+        f"of {m.heads} (1 for multi-query attention, {m.heads} or 0 for one per query head)",
     )
     _require(m.dropout < 1, f"model.dropout ({m.dropout}) must be below 1 (0 turns it off)")
     _require(m.head_dim % 2 == 0, f"model.d_model/model.heads = {m.head_dim} must be even for RoPE")

@@ -168,3 +168,54 @@ def test_uniform_transformer_equals_llama_for_causal_lm(tmp_path):
     assert (got - want).abs().max().item() <= 1e-5
     with pytest.raises(ValueError, match="uniform-taper transformer"):
         to_llama(tiny_config("transformer", None), dict(ours.state_dict()))
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_grouped_query_export_loads_and_generates_with_a_cache(arch, tok, tmp_path):
+    """``model.kv_heads`` 2 of 4 heads: the export loads (``num_key_value_heads`` 2), its logits
+    equal ours, and the attention-only architectures cache 2 key/value heads per layer, the
+    cached steps and greedy generation equal the uncached ones."""
+    out, ours = tiny_export(tmp_path / arch, arch, tok, "--model.kv_heads", "2")
+    hf = transformers.AutoModelForCausalLM.from_pretrained(out, trust_remote_code=True).eval()
+    assert hf.config.num_key_value_heads == 2 and hf.config.num_attention_heads == 4
+    ids = _ids(4)
+    with torch.no_grad():
+        want = ours(ids)[..., :VOCAB]
+        assert (hf(ids).logits - want).abs().max().item() <= 1e-5
+        if not hf.supports_kv_cache:
+            return
+        step = hf(ids[:, :25], use_cache=True)
+        last = hf(ids[:, 25:], cache=step.cache, use_cache=True)
+        cached = torch.cat((step.logits, last.logits), dim=1)
+        assert (cached - want).abs().max().item() <= 1e-5
+        assert last.cache.layers[0].keys.shape[1] == 2  # [b, kv_heads, s, head_dim]
+        prompt, kw = ids[:1, :12], {"max_new_tokens": 16, "min_new_tokens": 16, "do_sample": False}
+        assert hf.generate(prompt, use_cache=True, **kw).tolist() == (
+            hf.generate(prompt, use_cache=False, **kw).tolist()
+        )
+
+
+@pytest.mark.parametrize("kv", [2, 1])
+def test_grouped_query_transformer_equals_llama_for_causal_lm(kv, tok, tmp_path):
+    """A uniform-taper transformer with ``kv`` key/value heads is Llama with
+    ``num_key_value_heads = kv``: the exported weights give our logits in ``LlamaForCausalLM``
+    (within 1e-5), and its cached greedy generation equals ours."""
+    from safetensors.torch import load_file
+
+    from tapered_megatron.hf.llama import to_llama
+
+    out, ours = tiny_export(
+        tmp_path / "export", "transformer", tok, "--taper.schedule", "uniform",
+        "--model.kv_heads", str(kv),
+    )  # fmt: skip
+    cfg = ours.cfg
+    llama = to_llama(cfg, load_file(str(out / "model.safetensors")))
+    assert llama.config.num_key_value_heads == kv
+    ids = _ids(5)
+    with torch.no_grad():
+        want = ours(ids)[..., :VOCAB]
+        assert (llama(ids).logits - want).abs().max().item() <= 1e-5
+        hf = transformers.AutoModelForCausalLM.from_pretrained(out, trust_remote_code=True)
+        prompt, kw = ids[:1, :12], {"max_new_tokens": 16, "min_new_tokens": 16, "do_sample": False}
+        got = llama.generate(prompt, use_cache=True, **kw)
+        assert got.tolist() == hf.generate(prompt, use_cache=True, **kw).tolist()

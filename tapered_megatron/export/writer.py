@@ -180,7 +180,9 @@ samples x {m.seq_len}) |
 
 `model.safetensors`, fp32, unsharded. Names: `embedding.embed.weight` [padded vocab, d_model];
 per layer `layers.N.mixer_norm.weight`, `layers.N.mixer.*` (attention: `qkv.weight`, fused
-head-major `[q | gate | k | v]` per head, and `out.weight`), `layers.N.mlp_norm.weight`,
+head-major `[q | gate | k | v]` per head, or with fewer key/value heads (grouped-query)
+`q.weight` `[q | gate]` per head and `kv.weight` `[k | v]` per key/value head; and
+`out.weight`), `layers.N.mlp_norm.weight`,
 `layers.N.mlp.*` (SwiGLU: `w13.weight` = `[W1; W3]`, `w2.weight`); `head.norm.weight`,
 `head.proj.weight` [padded vocab, d_model].
 

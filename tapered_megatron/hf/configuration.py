@@ -6,7 +6,9 @@
 ``vocab_size`` (the tokenizer's vocabulary, ``model.vocab_size``; logits are returned over it),
 ``padded_vocab_size`` (rows of the embedding and LM-head weights as trained, padded Megatron
 style; the extra rows are kept in ``model.safetensors`` and never produce logits),
-``hidden_size``, ``num_hidden_layers``, ``num_attention_heads``, ``intermediate_size`` (the
+``hidden_size``, ``num_hidden_layers``, ``num_attention_heads``, ``num_key_value_heads``
+(``model.kv_heads``: fewer than the attention heads under grouped-query attention),
+``intermediate_size`` (the
 uniform baseline ``d_ff`` the taper redistributes) and ``max_position_embeddings`` (the
 training sequence length).
 """
@@ -35,6 +37,7 @@ class TaperedConfig(PreTrainedConfig):
     hidden_size: int = 0
     num_hidden_layers: int = 0
     num_attention_heads: int = 0
+    num_key_value_heads: int = 0
     intermediate_size: int = 0
     max_position_embeddings: int = 0
     tie_word_embeddings: bool = False
@@ -49,6 +52,8 @@ class TaperedConfig(PreTrainedConfig):
         self.hidden_size = int(model.get("d_model", self.hidden_size))
         self.num_hidden_layers = int(model.get("layers", self.num_hidden_layers))
         self.num_attention_heads = int(model.get("heads", self.num_attention_heads))
+        kv = int(model.get("kv_heads", 0) or self.num_key_value_heads)
+        self.num_key_value_heads = kv or self.num_attention_heads
         self.intermediate_size = int(model.get("d_ff", self.intermediate_size))
         self.max_position_embeddings = int(model.get("seq_len", self.max_position_embeddings))
         super().__post_init__(**kwargs)

@@ -26,10 +26,10 @@ def to_llama(cfg: Config, state: dict[str, torch.Tensor]) -> LlamaForCausalLM:
             f"only a uniform-taper transformer has Llama's shapes ({m.arch}, widths "
             f"{sorted(set(cfg.taper_plan.widths))}); use --taper.schedule uniform"
         )
-    hd, heads, v = m.head_dim, m.heads, m.vocab_size
+    hd, heads, kv, v = m.head_dim, m.heads, m.kv_heads, m.vocab_size
     conf = LlamaConfig(
         vocab_size=v, hidden_size=m.d_model, intermediate_size=cfg.taper_plan.widths[0],
-        num_hidden_layers=m.layers, num_attention_heads=heads, num_key_value_heads=heads,
+        num_hidden_layers=m.layers, num_attention_heads=heads, num_key_value_heads=kv,
         max_position_embeddings=m.seq_len, rms_norm_eps=m.norm_eps,
         rope_parameters={"rope_type": "default", "rope_theta": m.rope_theta},
         tie_word_embeddings=False, attention_bias=False, mlp_bias=False,
@@ -42,10 +42,15 @@ def to_llama(cfg: Config, state: dict[str, torch.Tensor]) -> LlamaForCausalLM:
     }
     for i in range(m.layers):
         p, q = f"layers.{i}.", f"model.layers.{i}."
-        qkv = state[p + "mixer.qkv.weight"].view(heads, 3, hd, m.d_model)
-        out[q + "self_attn.q_proj.weight"] = qkv[:, 0, rotate_half].reshape(-1, m.d_model)
-        out[q + "self_attn.k_proj.weight"] = qkv[:, 1, rotate_half].reshape(-1, m.d_model)
-        out[q + "self_attn.v_proj.weight"] = qkv[:, 2].reshape(-1, m.d_model)
+        if kv == heads:  # fused head-major [q | k | v]
+            qkv = state[p + "mixer.qkv.weight"].view(heads, 3, hd, m.d_model)
+            wq, wk, wv = qkv.unbind(1)
+        else:  # [q] per query head, [k | v] per key/value head
+            wq = state[p + "mixer.q.weight"].view(heads, hd, m.d_model)
+            wk, wv = state[p + "mixer.kv.weight"].view(kv, 2, hd, m.d_model).unbind(1)
+        out[q + "self_attn.q_proj.weight"] = wq[:, rotate_half].reshape(-1, m.d_model)
+        out[q + "self_attn.k_proj.weight"] = wk[:, rotate_half].reshape(-1, m.d_model)
+        out[q + "self_attn.v_proj.weight"] = wv.reshape(-1, m.d_model)
         out[q + "self_attn.o_proj.weight"] = state[p + "mixer.out.weight"]
         gate, up = state[p + "mlp.w13.weight"].chunk(2, dim=0)
         out[q + "mlp.gate_proj.weight"], out[q + "mlp.up_proj.weight"] = gate, up

@@ -6,8 +6,9 @@ parameter names are the exported names (``embedding.embed.weight``,
 its uncached forward is exactly our module's. Logits are returned over the real vocabulary
 (``config.vocab_size``); the padding rows of the LM head never produce a logit.
 
-Generation: ``transformer`` and ``gated_attention`` keep a key/value cache (a ``DynamicCache``)
-and run one new token per step; ``titans`` and ``hope_attention`` update memories inside the
+Generation: ``transformer`` and ``gated_attention`` keep a key/value cache (a ``DynamicCache``,
+``model.kv_heads`` heads per layer: grouped-query attention shrinks it) and run one new token
+per step; ``titans`` and ``hope_attention`` update memories inside the
 sequence, so they recompute the whole prefix each step (correct, slower). Padding: a causal
 model is unaffected by padding on the right, which is all batched scoring needs; left padding
 (batched generation of prompts of unequal length) is rejected with a message.
@@ -52,18 +53,22 @@ def _cached_attention(
     """``attn(x)`` for new positions ``x`` after the ones already in ``cache`` (updated);
     ``rot`` are the RoPE factors of the new positions."""
     b, s, _ = x.shape
-    hd, start = attn.head_dim, cache.get_seq_length(layer)
-    y = attn.qkv(x).view(b, s, attn.heads, attn.per_head)
-    q, g, k, v = y.split((hd, attn.gate_dim, hd, hd), dim=-1)
+    start = cache.get_seq_length(layer)
+    q, g, k, v = attn.project(x)
     q, k = _rotate(q, rot), _rotate(k, rot)
-    k, v = cache.update(k.transpose(1, 2), v.transpose(1, 2), layer)
+    k, v = cache.update(k.transpose(1, 2), v.transpose(1, 2), layer)  # kv_heads heads
     mask = None
     if s > 1 and start > 0:  # a chunk after a prefix: causal within the chunk, sees the prefix
         mask = torch.ones(s, start + s, dtype=torch.bool, device=x.device).tril(start)
     o = F.scaled_dot_product_attention(
-        q.transpose(1, 2), k, v, attn_mask=mask, is_causal=mask is None and s > 1
+        q.transpose(1, 2),
+        k,
+        v,
+        attn_mask=mask,
+        is_causal=mask is None and s > 1,
+        enable_gqa=attn.grouped,
     ).transpose(1, 2)
-    return attn.out(attn.gate(o, g).reshape(b, s, attn.heads * hd))
+    return attn.out(attn.gate(o, g).reshape(b, s, attn.heads * attn.head_dim))
 
 
 class TaperedForCausalLM(PreTrainedModel, GenerationMixin):

@@ -2,7 +2,11 @@
 
 Both use one fused column-parallel projection whose full weight is laid out head-major: for each
 head ``[q (head_dim) | gate (g) | k (head_dim) | v (head_dim)]`` (g = 0 without a gate), so a TP
-rank holds whole heads and the same full weight splits correctly at any TP size. RoPE is applied
+rank holds whole heads and the same full weight splits correctly at any TP size. With
+grouped-query attention (``model.kv_heads`` below ``model.heads``) the projection is two: ``q``
+(``[q | gate]`` per query head, split over TP) and ``kv`` (``[k | v]`` per key/value head, split
+over TP when the TP size divides ``kv_heads``, else replicated, each rank computing the head its
+query heads read); both enter the TP region once. RoPE is applied
 to q and k; attention is ``F.scaled_dot_product_attention(..., is_causal=True)`` (flash / fused
 kernels where the backend has them); the output projection is row-parallel.
 """
@@ -22,6 +26,7 @@ from tapered_megatron.models.mlp import SwiGLU
 from tapered_megatron.parallel import (
     ColumnParallelLinear,
     RowParallelLinear,
+    column_input,
     get_tensor_model_parallel_world_size,
 )
 
@@ -30,18 +35,33 @@ if TYPE_CHECKING:
 
 
 class Attention(TokenMixer):
-    """Llama-style multi-head causal self-attention with RoPE, no biases (Transformer++)."""
+    """Llama-style causal self-attention with RoPE, no biases (Transformer++); grouped-query
+    attention when ``model.kv_heads`` is below ``model.heads`` (query head ``i`` reads key/value
+    head ``i // (heads / kv_heads)``)."""
 
     def __init__(self, cfg: Config, layer: int) -> None:
         super().__init__(cfg, layer)
         m = cfg.model
-        self.heads = m.heads // get_tensor_model_parallel_world_size()  # local heads
-        self.head_dim = m.head_dim
-        self.gate_dim = self.gate_channels(cfg)
-        self.per_head = 3 * m.head_dim + self.gate_dim
-        self.qkv = ColumnParallelLinear(
-            m.d_model, m.heads * self.per_head, std=m.init_std, out_blocks=(m.heads, self.per_head)
-        )
+        tp = get_tensor_model_parallel_world_size()
+        self.heads = m.heads // tp  # local query heads
+        self.kv_heads = max(m.kv_heads // tp, 1)  # local key/value heads (replicated below tp)
+        self.grouped = m.kv_heads != m.heads
+        self.head_dim = hd = m.head_dim
+        self.gate_dim = g = self.gate_channels(cfg)
+        if self.grouped:  # [q | gate] per query head, [k | v] per key/value head
+            self.q = ColumnParallelLinear(
+                m.d_model, m.heads * (hd + g), std=m.init_std, out_blocks=(m.heads, hd + g),
+                shared_input=True,
+            )  # fmt: skip
+            self.kv = ColumnParallelLinear(
+                m.d_model, m.kv_heads * 2 * hd, std=m.init_std, out_blocks=(m.kv_heads, 2 * hd),
+                replicate=True, shared_input=True,
+            )  # fmt: skip
+        else:  # one fused head-major [q | gate | k | v] projection
+            self.qkv = ColumnParallelLinear(
+                m.d_model, m.heads * (3 * hd + g), std=m.init_std,
+                out_blocks=(m.heads, 3 * hd + g),
+            )  # fmt: skip
         self.out = RowParallelLinear(
             m.heads * m.head_dim, m.d_model, std=m.init_std / math.sqrt(2 * m.layers)
         )
@@ -52,17 +72,34 @@ class Attention(TokenMixer):
         """Gate values per head (0: no gate)."""
         return 0
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def project(
+        self, x: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """This rank's q, gate ``[b, s, heads, .]`` and k, v ``[b, s, kv_heads, head_dim]`` of
+        ``x`` (before RoPE)."""
         b, s, _ = x.shape
         hd = self.head_dim
-        y = self.qkv(x).view(b, s, self.heads, self.per_head)
-        q, g, k, v = y.split((hd, self.gate_dim, hd, hd), dim=-1)
+        if not self.grouped:
+            y = self.qkv(x).view(b, s, self.heads, -1)
+            return y.split((hd, self.gate_dim, hd, hd), dim=-1)
+        x = column_input(x)
+        q, g = self.q(x).view(b, s, self.heads, -1).split((hd, self.gate_dim), dim=-1)
+        k, v = self.kv(x).view(b, s, self.kv_heads, 2 * hd).split((hd, hd), dim=-1)
+        return q, g, k, v
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, _ = x.shape
+        q, g, k, v = self.project(x)
         q, k = self.rope(q), self.rope(k)
         o = F.scaled_dot_product_attention(
-            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True
+            q.transpose(1, 2),
+            k.transpose(1, 2),
+            v.transpose(1, 2),
+            is_causal=True,
+            enable_gqa=self.grouped,
         ).transpose(1, 2)
         o = self.gate(o, g)
-        return self.out(o.reshape(b, s, self.heads * hd))
+        return self.out(o.reshape(b, s, self.heads * self.head_dim))
 
     def gate(self, o: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
         """Hook applied to the attention output ``[b, s, heads, head_dim]`` (identity here)."""
@@ -72,13 +109,19 @@ class Attention(TokenMixer):
     def counts(cls, cfg: Config, layer: int, dtype_bytes: int = 2) -> Counts:
         m = cfg.model
         d, h, g = m.d_model, m.heads, cls.gate_channels(cfg)
-        params = d * h * (3 * m.head_dim + g) + d * d
-        # scores q.k and the weighted sum of v over the mean causal context (s + 1) / 2
+        kv = 2 * m.kv_heads * m.head_dim  # key and value channels
+        kv_params = d * kv
+        params = d * h * (m.head_dim + g) + kv_params + d * d
+        # scores q.k and the weighted sum of v over the mean causal context (s + 1) / 2, for
+        # every query head (grouped-query attention shares k and v, not these products)
         attn_flops = 2 * 2 * d * (m.seq_len + 1) / 2
-        # kept: input (d), q k v after RoPE (3d), attention output (d), its log-sum-exp (h),
-        # the out-projection input (d); a gate adds sigmoid(g) (h g) and the gated output (d)
-        elems = 6 * d + h + (h * g + d if g else 0)
-        return Counts(params, 2.0 * params + attn_flops, float(elems * dtype_bytes))
+        # kept: input (d), q (d) and k v (kv) after RoPE, attention output (d), its
+        # log-sum-exp (h), the out-projection input (d); a gate adds sigmoid(g) (h g) and the
+        # gated output (d)
+        elems = 4 * d + kv + h + (h * g + d if g else 0)
+        return Counts(
+            params, 2.0 * params + attn_flops, float(elems * dtype_bytes), kv_params=kv_params
+        )
 
 
 @dataclass(frozen=True)

@@ -75,17 +75,21 @@ class Counts:
         params: parameter count.
         flops: forward FLOPs per token (backward is counted as 2x forward by the aggregator).
         act_bytes: bytes per token kept for backward (no activation checkpointing).
+        kv_params: the part of ``params`` split over the key/value heads (every TP rank holds
+            all of them when the TP size exceeds ``model.kv_heads``).
     """
 
     params: int
     flops: float
     act_bytes: float
+    kv_params: int = 0
 
     def __add__(self, other: Counts) -> Counts:
         return Counts(
             self.params + other.params,
             self.flops + other.flops,
             self.act_bytes + other.act_bytes,
+            self.kv_params + other.kv_params,
         )
 
 

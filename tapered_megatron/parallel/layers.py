@@ -12,7 +12,8 @@ Parameters without those attributes (norm gains) keep their constructor value. U
 ``deepspeed.zero.Init`` (ZeRO-3 built partitioned) each rank writes only its own ZeRO partition
 of the full tensor, so no rank ever holds the whole model.
 
-Layers: :class:`ColumnParallelLinear` (output features split; input replicated),
+Layers: :class:`ColumnParallelLinear` (output features split, or replicated where a split axis
+of key/value heads is smaller than the TP size; input replicated),
 :class:`RowParallelLinear` (input features split; partial outputs summed), and
 :class:`VocabParallelEmbedding` (vocabulary rows split). No biases (as in the paper, arXiv
 2606.23670).
@@ -48,15 +49,25 @@ class TPLayout:
 
     The full tensor (``full_shape``) is viewed as ``view_shape`` and chunked along ``view_dim``;
     each piece is reshaped to ``full_shape`` with axis ``full_dim`` divided by the TP size.
+    With ``replicate`` a split axis smaller than the TP size (a divisor of it, e.g. the key/value
+    heads of grouped-query attention) is not split: every rank holds the whole tensor.
     """
 
     full_shape: tuple[int, ...]
     view_shape: tuple[int, ...]
     view_dim: int
     full_dim: int
+    replicate: bool = False
+
+    def replicated(self, tp: int) -> bool:
+        """Whether every rank of a TP group of ``tp`` holds the whole tensor."""
+        n = self.view_shape[self.view_dim]
+        return self.replicate and n < tp and tp % n == 0
 
     def local_shape(self, tp: int) -> tuple[int, ...]:
         """Shape of one rank's shard."""
+        if self.replicated(tp):
+            return self.full_shape
         if self.view_shape[self.view_dim] % tp:
             raise ValueError(
                 f"axis {self.view_dim} of {self.view_shape} is not divisible by the TP size {tp}"
@@ -67,15 +78,19 @@ class TPLayout:
 
 
 def row_layout(
-    full_shape: Sequence[int], blocks: Sequence[int] | None = None, dim: int = 0
+    full_shape: Sequence[int],
+    blocks: Sequence[int] | None = None,
+    dim: int = 0,
+    replicate: bool = False,
 ) -> TPLayout:
     """Split the first (output) dimension; ``blocks`` factorises it (e.g. ``(2, d_ff)``) and
-    ``dim`` picks the factor to split, so fused weights split per block."""
+    ``dim`` picks the factor to split, so fused weights split per block; ``replicate``: see
+    :class:`TPLayout`."""
     full = tuple(full_shape)
     blocks = tuple(blocks) if blocks else (full[0],)
     if math.prod(blocks) != full[0]:
         raise ValueError(f"blocks {blocks} do not factorise dimension {full[0]}")
-    return TPLayout(full, (*blocks, *full[1:]), dim, 0)
+    return TPLayout(full, (*blocks, *full[1:]), dim, 0, replicate)
 
 
 def col_layout(full_shape: Sequence[int]) -> TPLayout:
@@ -85,7 +100,9 @@ def col_layout(full_shape: Sequence[int]) -> TPLayout:
 
 
 def shard(full: torch.Tensor, layout: TPLayout, rank: int, tp: int) -> torch.Tensor:
-    """This rank's piece of a full tensor."""
+    """This rank's piece of a full tensor (the whole tensor where the layout replicates)."""
+    if layout.replicated(tp):
+        return full.reshape(layout.full_shape).contiguous()
     piece = full.reshape(layout.view_shape).chunk(tp, dim=layout.view_dim)[rank]
     return piece.reshape(layout.local_shape(tp)).contiguous()
 
@@ -93,6 +110,8 @@ def shard(full: torch.Tensor, layout: TPLayout, rank: int, tp: int) -> torch.Ten
 def unshard(pieces: Sequence[torch.Tensor], layout: TPLayout) -> torch.Tensor:
     """The full tensor from every rank's piece (rank order)."""
     tp = len(pieces)
+    if layout.replicated(tp):
+        return pieces[0].reshape(layout.full_shape)
     view = list(layout.view_shape)
     view[layout.view_dim] //= tp
     parts = [p.reshape(view) for p in pieces]
@@ -101,10 +120,11 @@ def unshard(pieces: Sequence[torch.Tensor], layout: TPLayout) -> torch.Tensor:
 
 def _mark(param: nn.Parameter, layout: TPLayout, std: float) -> nn.Parameter:
     """Attach the split layout and init std; ``tensor_model_parallel`` / ``partition_dim`` are
-    the Megatron attribute names DeepSpeed reads (e.g. so grad norms count replicas once)."""
+    the Megatron attribute names DeepSpeed reads (e.g. so grad norms count replicas once: a
+    replicated tensor is not model-parallel)."""
     param.tp_layout = layout
     param.init_std = std
-    param.tensor_model_parallel = True
+    param.tensor_model_parallel = not layout.replicated(get_tensor_model_parallel_world_size())
     param.partition_dim = layout.full_dim
     return param
 
@@ -185,6 +205,12 @@ def _write_zero3_partition(p: nn.Parameter, local: torch.Tensor) -> None:
     part.narrow(0, 0, piece.numel()).copy_(piece.to(part.dtype))
 
 
+def column_input(x: torch.Tensor) -> torch.Tensor:
+    """``x`` entering the TP region of column-parallel layers: identity forward, the gradient
+    all-reduced over TP backward. Several layers on one input (``shared_input``) enter once."""
+    return copy_to_tp_region(x)
+
+
 class ColumnParallelLinear(nn.Module):
     """``y = x W^T``, W's output features split over TP ranks (input replicated).
 
@@ -194,6 +220,12 @@ class ColumnParallelLinear(nn.Module):
         out_blocks: factorisation of ``out_features`` whose axis ``split_dim`` is split, so a
             fused weight splits per block (``(2, d_ff)`` for gate+up, ``(heads, per_head)``).
         gather_output: all-gather the output (else each rank returns its slice).
+        replicate: the split axis (heads) may be smaller than the TP size, a divisor of it
+            (the key/value heads of grouped-query attention): every rank then holds the whole
+            weight and computes only block ``rank // (tp / blocks)`` of it, the one the other
+            heads of its rank need; the gradient is summed over TP, so the copies stay equal.
+        shared_input: ``x`` has entered the TP region already (:func:`column_input`, once
+            for several layers on the same input: one gradient all-reduce for all of them).
     """
 
     def __init__(
@@ -205,22 +237,38 @@ class ColumnParallelLinear(nn.Module):
         out_blocks: Sequence[int] | None = None,
         split_dim: int = 0,
         gather_output: bool = False,
+        replicate: bool = False,
+        shared_input: bool = False,
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
     ) -> None:
         super().__init__()
         tp = get_tensor_model_parallel_world_size()
-        layout = row_layout((out_features, in_features), out_blocks, split_dim)
+        layout = row_layout((out_features, in_features), out_blocks, split_dim, replicate)
         self.in_features, self.out_features, self.gather_output = (
             in_features,
             out_features,
             gather_output,
         )
+        self.shared_input = shared_input
+        self.pick: int | None = None  # the block this rank computes of a replicated weight
+        if layout.replicated(tp):
+            blocks = layout.view_shape[layout.view_dim]
+            self.pick = get_tensor_model_parallel_rank() // (tp // blocks)
         w = torch.empty(layout.local_shape(tp), device=device, dtype=dtype)
         self.weight = _mark(nn.Parameter(w), layout, std)
 
+    def local_weight(self) -> torch.Tensor:
+        """The rows this rank multiplies by: its shard, or its block of a replicated weight
+        (whose gradient is then all-reduced over TP)."""
+        if self.pick is None:
+            return self.weight
+        layout: TPLayout = self.weight.tp_layout
+        w = copy_to_tp_region(self.weight).reshape(layout.view_shape)
+        return w.narrow(layout.view_dim, self.pick, 1).reshape(-1, self.in_features)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.linear(copy_to_tp_region(x), self.weight)
+        y = F.linear(x if self.shared_input else column_input(x), self.local_weight())
         return gather_from_tp_region(y) if self.gather_output else y
 
     def extra_repr(self) -> str:

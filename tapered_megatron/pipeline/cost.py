@@ -27,6 +27,8 @@ Memory of stage ``j`` under 1F1B with ``M`` micro-batches (stage ``j`` of ``P`` 
     mem_j = overhead + sum(params) / tp * bytes_per_param(precision, zero, dp, pipeline)
             + min(P - j, M) * sum(saved activations of one micro-batch) + max(transient)
 
+* parameters per rank: the unit's count / tp, except the key/value projections when the TP size
+  exceeds ``model.kv_heads`` (grouped-query attention): every rank holds those whole.
 * bytes per parameter (ZeRO paper accounting, K = 12 for Adam's fp32 master + m + v):
   bf16 = 2 (weights) + 2 (grads) + 12 (optimizer), with gradients accumulated in fp32 as the
   shipped and planned ds_configs ask from ZeRO-1 up (``data_types.grad_accum_dtype``):
@@ -59,6 +61,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from tapered_megatron.config import Config
+    from tapered_megatron.models.base import Counts
 
 GiB = 1024**3
 
@@ -245,6 +248,7 @@ class UnitCost:
     flops_fwd: float  # forward FLOPs per token (full, un-sharded)
     time: float  # forward + backward (+ recompute) of one micro-batch, TP communication included
     tp_comm: float  # the part of ``time`` spent in tensor-parallel all-reduces
+    local_params: float  # held by one TP rank (key/value heads replicated below the TP size)
     static: float  # weights + grads + optimizer state
     act: float  # saved activations of one micro-batch in flight
     peak: float  # transient working set (checkpointed recompute)
@@ -285,6 +289,13 @@ def ring_all_reduce(nbytes: float, n: int, bw: float) -> float:
 TP_ALL_REDUCES = {"embedding": 1, "layer": 2, "mixer": 1, "mlp": 1, "head": 1}
 
 
+def tp_local_params(c: Counts, cfg: Config, tp: int) -> float:
+    """Parameters of a unit with counts ``c`` on one of ``tp`` TP ranks: its shard, and every
+    key/value projection whole where ``tp`` exceeds ``model.kv_heads`` (replicated)."""
+    kv = c.kv_params if tp > cfg.model.kv_heads else c.kv_params / tp
+    return (c.params - c.kv_params) / tp + kv
+
+
 def unit_costs(
     cfg: Config,
     shape: RunShape,
@@ -318,6 +329,7 @@ def unit_costs(
     out = []
     for i, (u, f) in enumerate(zip(table, first_units, strict=True)):
         c = u.counts(elem)
+        local = tp_local_params(c, cfg, shape.tp)
         act_bytes = c.act_bytes if measured_act is None else float(measured_act[i])
         input_bytes = u.input_bytes(elem)
         eff = device.efficiency[u.kind]
@@ -353,7 +365,7 @@ def unit_costs(
             # Under ZeRO-3 autograd makes the unit's full gradient before DeepSpeed copies it
             # into the reduce bucket (the head's fp32 one is already in ``act``); its gathered
             # weights are counted for the stage (zero3_stage_bytes).
-            peak += c.params / shape.tp * elem
+            peak += local * elem
         out.append(
             UnitCost(
                 name=u.name,
@@ -363,7 +375,8 @@ def unit_costs(
                 flops_fwd=float(c.flops),
                 time=t + comm,
                 tp_comm=comm,
-                static=c.params / shape.tp * bpp,
+                local_params=local,
+                static=local * bpp,
                 act=act,
                 peak=peak,
             )
@@ -444,7 +457,7 @@ def zero3_stage_bytes(
     dtype: fp32 in the shipped and planned configs) is :func:`bytes_per_param`'s.
     """
     elem = activation_scale(shape.precision)
-    params = [c.params / shape.tp for c in costs]
+    params = [c.local_params for c in costs]
     total = sum(params)
     z = shape.zero3
     bucket = min(z.reduce_bucket_size, total) if device.lazy_pages else z.reduce_bucket_size

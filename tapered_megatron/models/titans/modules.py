@@ -41,6 +41,7 @@ from tapered_megatron.models.titans.scan import MemoryState, _state_dtype, memor
 from tapered_megatron.parallel import (
     ColumnParallelLinear,
     RowParallelLinear,
+    column_input,
     copy_to_tp_region,
     get_tensor_model_parallel_world_size,
 )
@@ -258,15 +259,25 @@ class TitansMixer(TokenMixer):
         self.variant, self.window, self.eps = t.variant, t.window, m.norm_eps
         tp = get_tensor_model_parallel_world_size()
         self.local_heads, self.head_dim = m.heads // tp, dm.head_dim
+        self.local_kv = max(m.kv_heads // tp, 1)  # key/value heads (replicated below tp)
+        self.grouped = m.kv_heads != m.heads
         inner = m.heads * dm.head_dim
         self.memory = NeuralMemory(cfg)
         self.mem_norm = _per_head((inner,))
         nn.init.ones_(self.mem_norm)
         self.persistent = None
-        if t.variant != "lmm":
+        if t.variant != "lmm" and self.grouped:  # [q] and [k | v] of the kv_heads heads
+            self.attn_q = ColumnParallelLinear(dm.d, inner, std=std, shared_input=True)
+            self.attn_kv = ColumnParallelLinear(
+                dm.d, 2 * m.kv_heads * dm.head_dim, std=std,
+                out_blocks=(2, m.kv_heads, dm.head_dim), split_dim=1, replicate=True,
+                shared_input=True,
+            )  # fmt: skip
+        elif t.variant != "lmm":
             self.attn_qkv = ColumnParallelLinear(
                 dm.d, 3 * inner, std=std, out_blocks=(3, inner), split_dim=1
             )
+        if t.variant != "lmm":
             self.rope = RotaryEmbedding(dm.head_dim, m.seq_len, m.rope_theta)
             if t.persistent_tokens:
                 self.persistent = _per_head((m.heads, 2, t.persistent_tokens, dm.head_dim), std=std)
@@ -304,6 +315,7 @@ class TitansMixer(TokenMixer):
         # the b x b score rows per layer, and M, S at each chunk boundary (2P per b tokens)
         mem_elems = h * (3 * hidden + 3 * dm.head_dim + b * dm.depth + b + 2 * mem_p / b)
         elems = d + 9 * inner + 6 * h + mem_elems + 2 * inner
+        kv_params = 0  # key/value projections of the attention
         if t.variant != "lmm":
             n_p = t.persistent_tokens
             if t.variant == "mac":  # persistent + memory tokens and the segment, causal in both
@@ -311,9 +323,12 @@ class TitansMixer(TokenMixer):
                 ctx = n_p + sum(2 * c * (c + 1) / 2 for c in seg) / s
             else:
                 ctx = n_p + sum(min(i + 1, t.window) for i in range(s)) / s
-            params += 3 * d * inner + 2 * n_p * inner
-            flops += 2.0 * 3 * d * inner + 2 * 2 * inner * ctx
-            elems += 5 * inner + h  # q k v after RoPE, attention output, log-sum-exp
+            kv_params = 2 * d * m.kv_heads * dm.head_dim
+            params += d * inner + kv_params + 2 * n_p * inner
+            flops += 2.0 * (d * inner + kv_params) + 2 * 2 * inner * ctx
+            # q k v after RoPE (k, v repeated to every query head), attention output, its
+            # log-sum-exp
+            elems += 5 * inner + h
         if t.variant in ("mag", "mac"):
             params += inner
             elems += 2 * inner  # normalised attention output, sigmoid gate
@@ -326,16 +341,29 @@ class TitansMixer(TokenMixer):
             # projections of the memory tokens, W_y
             params += 2 * inner * d
             retrieve = d * inner + inner * t.conv_size + h * mem_p
-            flops += 2.0 * (retrieve + inner * d + 2 * d * inner + inner * d)
+            flops += 2.0 * (retrieve + inner * d + kv_params + inner * d)
             elems += 2 * inner + h * hidden + 3 * d + 2 * inner  # query, read, tokens, k/v, y
         params += inner * d  # output projection
         flops += 2.0 * inner * d
-        return Counts(int(params), float(flops), float(elems * dtype_bytes))
+        return Counts(int(params), float(flops), float(elems * dtype_bytes), kv_params=kv_params)
 
     def _qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """This rank's q, k, v ``[B, S, H, D]`` (k and v repeated to every query head)."""
         bsz, seq, _ = x.shape
-        qkv = self.attn_qkv(x).view(bsz, seq, 3, self.local_heads, self.head_dim)
-        return qkv.unbind(2)
+        if not self.grouped:
+            qkv = self.attn_qkv(x).view(bsz, seq, 3, self.local_heads, self.head_dim)
+            return qkv.unbind(2)
+        x = column_input(x)
+        q = self.attn_q(x).view(bsz, seq, self.local_heads, self.head_dim)
+        return (q, *self._repeat_kv(self.attn_kv(x)))
+
+    def _repeat_kv(self, kv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """k, v ``[B, S, H, D]`` from this rank's ``[k | v]`` projection output (each key/value
+        head repeated for the query heads of its group)."""
+        bsz, seq, _ = kv.shape
+        k, v = kv.view(bsz, seq, 2, -1, self.head_dim).unbind(2)
+        group = self.local_heads // k.shape[2]
+        return k.repeat_interleave(group, dim=2), v.repeat_interleave(group, dim=2)
 
     def _attention(self, x: torch.Tensor) -> torch.Tensor:
         """Sliding-window attention of ``x`` (MAG, MAL), persistent tokens in front."""
@@ -346,10 +374,9 @@ class TitansMixer(TokenMixer):
         """Memory as context, segment by segment (module doc); returns the attention output and
         the memory read-out, both [B, S, H, D]."""
         bsz, seq, _ = x.shape
-        h, hd, n = self.local_heads, self.head_dim, self.local_heads * self.head_dim
+        n = self.local_heads * self.head_dim
         queries = self.memory.queries(x)
         aq, ak, av = self._qkv(x)
-        kv_weight = self.attn_qkv.weight[n:]  # this rank's k and v rows
         state, tail = None, None
         attn, read = [], []
         for start in range(0, seq, self.window):
@@ -359,7 +386,7 @@ class TitansMixer(TokenMixer):
                 state = self.memory.initial_state(x.dtype)
             hm = mlp_read(state.weights, queries[:, :, start:end]).transpose(1, 2)
             tokens = self.mem_tokens(_head_rms_norm(hm, None, self.eps).reshape(bsz, c, n))
-            mk, mv = F.linear(copy_to_tp_region(tokens), kv_weight).view(bsz, c, 2, h, hd).unbind(2)
+            mk, mv = self._memory_kv(tokens)
             tril = torch.ones(c, c, dtype=torch.bool, device=x.device).tril()
             a = _attend(
                 self.rope(aq[:, start:end]),
@@ -373,6 +400,15 @@ class TitansMixer(TokenMixer):
             attn.append(a)
             read.append(r)
         return torch.cat(attn, dim=1), torch.cat(read, dim=1)
+
+    def _memory_kv(self, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """k, v ``[B, c, H, D]`` of MAC's memory tokens: the attention's own k/v projection."""
+        bsz, c, _ = tokens.shape
+        if self.grouped:
+            return self._repeat_kv(self.attn_kv(column_input(tokens)))
+        n = self.local_heads * self.head_dim
+        kv = F.linear(copy_to_tp_region(tokens), self.attn_qkv.weight[n:])  # its k and v rows
+        return kv.view(bsz, c, 2, self.local_heads, self.head_dim).unbind(2)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         bsz, seq, _ = x.shape
