@@ -1,16 +1,23 @@
-"""Grouped-query attention (``--model.kv_heads``): the config's checks, and every architecture at
+"""Grouped-query attention (``--model.kv_heads``): the config's checks; every architecture at
 TP 2 and 4 with key/value heads split (TP divides them) and replicated (they divide TP) equal to
-the single-process model (logits and every gradient, in real processes)."""
+the single-process model (logits and every gradient, in real processes); training through
+``pretrain/main.py`` at TP 2 equal to one process, and a checkpoint saved with the heads split
+resumed with them replicated."""
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
 from arch_args import for_arch
+from launch_helpers import assert_close, launch_ranks, metrics
+from safetensors.torch import load_file
 
 from tapered_megatron.config import ConfigError, load_config
-from tapered_megatron.models import ARCHITECTURES, build_model, lm_loss
+from tapered_megatron.export.__main__ import main as export_main
+from tapered_megatron.models import ARCHITECTURES, build_model, lm_loss, resolve_architecture
 from tapered_megatron.parallel import (
     col_layout,
     get_tensor_model_parallel_group,
@@ -18,6 +25,7 @@ from tapered_megatron.parallel import (
     unshard,
 )
 from tapered_megatron.parallel.local_launch import run_workers
+from tapered_megatron.pipeline.cost import tp_local_params
 
 SHAPE = [
     "--model.d_model", "32", "--model.layers", "2", "--model.heads", "8", "--model.d_ff", "176",
@@ -55,6 +63,14 @@ def _run(cfg) -> dict[str, torch.Tensor]:
     out = {"logits": full(logits, vocab), "loss": loss.detach()}
     for name, p in model.named_parameters():
         out["g:" + name] = full(p.grad, getattr(p, "tp_layout", None))
+    # one rank's mixer parameters, built and as the cost model counts them
+    mixer = resolve_architecture(cfg.model.arch).mixer
+    out["mixer_params"] = torch.tensor(
+        [
+            [sum(p.numel() for p in block.mixer.parameters()) for block in model.layers],
+            [tp_local_params(mixer.counts(cfg, i), cfg, tp) for i in range(cfg.model.layers)],
+        ]
+    )
     return out
 
 
@@ -74,6 +90,13 @@ def _check_tp(tp: int, archs: tuple[str, ...]) -> None:
         for kv in KV_HEADS:
             ref = _run(_cfg(arch, kv))
             case = got[f"{arch}:{kv}"]
+            built, counted = case.pop("mixer_params").tolist()
+            whole = ref.pop("mixer_params")[0].tolist()
+            assert built == counted, (arch, kv)
+            if kv >= tp:
+                assert counted == [w / tp for w in whole], (arch, kv)
+            else:  # every rank holds all kv_heads key/value heads
+                assert all(c > w / tp for c, w in zip(counted, whole, strict=True)), (arch, kv)
             assert case.keys() == ref.keys()
             assert ("g:layers.0.mixer.qkv.weight" in ref) == (kv == 8 and arch != "titans")
             for key, want in ref.items():
@@ -121,3 +144,83 @@ def test_bad_kv_heads_is_one_line(overrides, words):
         load_config("quickstart", overrides)
     msg = str(e.value)
     assert words in msg and "\n" not in msg, msg
+
+
+# ------------------------------------------------------------------ training in real ranks
+TRAIN = ["--model.heads", "8", "--train.iters", "4", "--eval.interval", "0"]
+T = 600  # seconds per launch (the shared CI box can be slow to start 4 ranks)
+_single: dict[int, Path] = {}
+
+
+@pytest.fixture(scope="module")
+def single(corpus, tmp_path_factory):
+    """The single-process ZeRO-0 run with ``kv`` key/value heads (one per module and kv)."""
+
+    def get(kv: int) -> Path:
+        if kv not in _single:
+            out = tmp_path_factory.mktemp(f"single-kv{kv}")
+            launch_ranks(1, corpus, out, "zero0.json", [*TRAIN, "--model.kv_heads", str(kv)], T)
+            _single[kv] = out
+        return _single[kv]
+
+    return get
+
+
+@pytest.mark.distributed
+def test_trained_tp2_with_replicated_kv_head_equals_single_process(corpus, single, tmp_path):
+    """pretrain/main.py at TP 2 with one key/value head (replicated on both ranks): every
+    iteration's loss and gradient norm equal the single-process run's."""
+    ref = metrics(single(1))
+    launch_ranks(2, corpus, tmp_path, "zero1.json", [*TRAIN, "--model.kv_heads", "1",
+                                                     "--parallel.tp", "2"], T)  # fmt: skip
+    got = metrics(tmp_path)
+    assert [r["iteration"] for r in got] == [1, 2, 3, 4]
+    assert_close([r["loss"] for r in got], [r["loss"] for r in ref], rtol=1e-5)
+    assert_close([r["grad_norm"] for r in got], [r["grad_norm"] for r in ref], rtol=1e-5)
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_resume_from_split_to_replicated_kv_heads(corpus, single, tmp_path):
+    """kv_heads 2: saved at TP 2 (one head per rank), resumed at TP 4 (both heads on every
+    rank) through the universal checkpoint; iterations 3-4 and the exported weights equal the
+    uninterrupted single-process run."""
+    ref = single(2)
+    kv = ["--model.kv_heads", "2"]
+    launch_ranks(2, corpus, tmp_path, "zero1.json",
+                 [*TRAIN, *kv, "--parallel.tp", "2", "--train.exit_interval", "2"], T)  # fmt: skip
+    assert (tmp_path / "ckpt" / "global_step2" / "universal" / "meta.pt").exists()
+    launch_ranks(4, corpus, tmp_path, "zero1.json",
+                 [*TRAIN, *kv, "--parallel.tp", "4", "--resume", "auto"], T)  # fmt: skip
+    got, want = metrics(tmp_path), metrics(ref)
+    assert [r["iteration"] for r in got] == [1, 2, 3, 4]
+    assert_close([r["loss"] for r in got], [r["loss"] for r in want], rtol=1e-5)
+    assert "layout change: checkpoint" in (tmp_path / "log.txt").read_text()
+    assert export_main(["--checkpoint", str(tmp_path / "ckpt"), "--out", str(tmp_path / "x")]) == 0
+    assert export_main(["--checkpoint", str(ref / "ckpt"), "--out", str(tmp_path / "y")]) == 0
+    a, b = (load_file(str(tmp_path / d / "model.safetensors")) for d in ("x", "y"))
+    assert sorted(a) == sorted(b) and "layers.0.mixer.kv.weight" in a
+    for name in a:
+        assert (a[name] - b[name]).abs().max().item() <= 1e-5, name
+
+
+def test_cost_model_counts_the_smaller_or_replicated_kv_projection():
+    """The 7B transformer (32 heads, d 4096) at TP 8: 8 key/value heads (one per rank) shrink
+    each mixer's parameters, model state, activations and FLOPs by the key/value projection's
+    share; 4 (replicated) leave every rank the whole, 4-head projection."""
+    from tapered_megatron.pipeline.cost import RunShape, get_device, unit_costs
+
+    shape, dev = RunShape(tp=8, seq_len=4096), get_device("h100")
+    cost = {}
+    for kv in (32, 8, 4):
+        cfg = load_config("transformer_7b", ["--model.kv_heads", str(kv)])
+        cost[kv] = next(u for u in unit_costs(cfg, shape, dev, "sublayer") if u.kind == "mixer")
+    d, hd, tok = 4096, 128, shape.tokens
+    per_head = 2 * hd * d  # key/value projection parameters per key/value head
+    full = cost[32]
+    assert full.params - cost[8].params == 24 * per_head
+    assert full.local_params - cost[8].local_params == 24 * per_head / 8
+    assert cost[4].local_params == (full.params - 32 * per_head) / 8 + 4 * per_head
+    assert cost[4].static / cost[4].local_params == full.static / full.local_params
+    assert full.flops_fwd - cost[8].flops_fwd == 2 * 24 * per_head
+    assert full.act - cost[8].act == pytest.approx(2 * 24 * hd * 2 * tok / 8)  # bf16 k and v
