@@ -170,7 +170,12 @@ def test_uniform_transformer_equals_llama_for_causal_lm(tmp_path):
         to_llama(tiny_config("transformer", None), dict(ours.state_dict()))
 
 
-@pytest.mark.parametrize("arch", ARCHS)
+GQA_DEFAULT = ("transformer", "titans")  # the attention with a cache, repeated k/v without
+
+
+@pytest.mark.parametrize(
+    "arch", [a if a in GQA_DEFAULT else pytest.param(a, marks=pytest.mark.slow) for a in ARCHS]
+)
 def test_grouped_query_export_loads_and_generates_with_a_cache(arch, tok, tmp_path):
     """``model.kv_heads`` 2 of 4 heads: the export loads (``num_key_value_heads`` 2), its logits
     equal ours, and the attention-only architectures cache 2 key/value heads per layer, the
@@ -195,7 +200,7 @@ def test_grouped_query_export_loads_and_generates_with_a_cache(arch, tok, tmp_pa
         )
 
 
-@pytest.mark.parametrize("kv", [2, 1])
+@pytest.mark.parametrize("kv", [2, pytest.param(1, marks=pytest.mark.slow)])
 def test_grouped_query_transformer_equals_llama_for_causal_lm(kv, tok, tmp_path):
     """A uniform-taper transformer with ``kv`` key/value heads is Llama with
     ``num_key_value_heads = kv``: the exported weights give our logits in ``LlamaForCausalLM``

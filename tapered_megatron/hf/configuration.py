@@ -52,8 +52,8 @@ class TaperedConfig(PreTrainedConfig):
         self.hidden_size = int(model.get("d_model", self.hidden_size))
         self.num_hidden_layers = int(model.get("layers", self.num_hidden_layers))
         self.num_attention_heads = int(model.get("heads", self.num_attention_heads))
-        kv = int(model.get("kv_heads", 0) or self.num_key_value_heads)
-        self.num_key_value_heads = kv or self.num_attention_heads
+        kv = int(model.get("kv_heads", self.num_key_value_heads))
+        self.num_key_value_heads = kv or self.num_attention_heads  # 0: one per attention head
         self.intermediate_size = int(model.get("d_ff", self.intermediate_size))
         self.max_position_embeddings = int(model.get("seq_len", self.max_position_embeddings))
         super().__post_init__(**kwargs)

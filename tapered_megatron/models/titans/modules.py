@@ -259,7 +259,6 @@ class TitansMixer(TokenMixer):
         self.variant, self.window, self.eps = t.variant, t.window, m.norm_eps
         tp = get_tensor_model_parallel_world_size()
         self.local_heads, self.head_dim = m.heads // tp, dm.head_dim
-        self.local_kv = max(m.kv_heads // tp, 1)  # key/value heads (replicated below tp)
         self.grouped = m.kv_heads != m.heads
         inner = m.heads * dm.head_dim
         self.memory = NeuralMemory(cfg)
