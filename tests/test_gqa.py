@@ -6,13 +6,14 @@ resumed with them replicated."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
 from arch_args import for_arch
-from launch_helpers import assert_close, launch_ranks, metrics
+from launch_helpers import ROOT, assert_close, launch_ranks, metrics
 from safetensors.torch import load_file
 
 from tapered_megatron.config import ConfigError, load_config
@@ -166,13 +167,30 @@ def single(corpus, tmp_path_factory):
     return get
 
 
+# case: (ranks, ds_config, layout arguments, kv_heads)
+LAYOUTS = {
+    "tp2-kv1": (2, "zero1.json", ["--parallel.tp", "2"], 1),
+    "tp2-dp2-zero3-kv1": (4, "zero3", ["--parallel.tp", "2"], 1),
+    "tp2-pp2-kv2": (4, "pipeline.json", ["--parallel.tp", "2", "--parallel.pp", "2"], 2),
+}
+
+
 @pytest.mark.distributed
-def test_trained_tp2_with_replicated_kv_head_equals_single_process(corpus, single, tmp_path):
-    """pretrain/main.py at TP 2 with one key/value head (replicated on both ranks): every
-    iteration's loss and gradient norm equal the single-process run's."""
-    ref = metrics(single(1))
-    launch_ranks(2, corpus, tmp_path, "zero1.json", [*TRAIN, "--model.kv_heads", "1",
-                                                     "--parallel.tp", "2"], T)  # fmt: skip
+@pytest.mark.parametrize(
+    "case", [c if c == "tp2-kv1" else pytest.param(c, marks=pytest.mark.slow) for c in LAYOUTS]
+)
+def test_trained_layout_equals_single_process(case, corpus, single, tmp_path):
+    """pretrain/main.py at TP 2 with key/value heads replicated (one head; also under ZeRO-3
+    over DP 2) and split (two heads, under PP 2): every iteration's loss and gradient norm equal
+    the single-process run's."""
+    n, ds, layout, kv = LAYOUTS[case]
+    if ds == "zero3":  # partition every parameter, however small
+        cfg = json.loads((ROOT / "ds_configs" / "zero3.json").read_text())
+        cfg["zero_optimization"]["stage3_param_persistence_threshold"] = 0
+        ds = str(tmp_path / "zero3_all.json")
+        Path(ds).write_text(json.dumps(cfg))
+    ref = metrics(single(kv))
+    launch_ranks(n, corpus, tmp_path, ds, [*TRAIN, "--model.kv_heads", str(kv), *layout], T)
     got = metrics(tmp_path)
     assert [r["iteration"] for r in got] == [1, 2, 3, 4]
     assert_close([r["loss"] for r in got], [r["loss"] for r in ref], rtol=1e-5)
