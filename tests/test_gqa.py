@@ -106,16 +106,11 @@ def _check_tp(tp: int, archs: tuple[str, ...]) -> None:
                 )
 
 
+@pytest.mark.slow
 @pytest.mark.distributed
-@pytest.mark.parametrize(
-    "tp, arch",
-    [
-        pytest.param(tp, arch, marks=[] if (tp, arch) == (2, "transformer") else pytest.mark.slow)
-        for tp in (2, 4)
-        for arch in ARCHITECTURES
-    ],
-)
-def test_tp_equals_single_process_for_split_and_replicated_kv_heads(tp, arch):
+@pytest.mark.parametrize("tp", [2, 4])
+@pytest.mark.parametrize("arch", list(ARCHITECTURES))
+def test_tp_equals_single_process_for_split_and_replicated_kv_heads(arch, tp):
     """TP 2: kv_heads 8 and 2 split, 1 replicated; TP 4: 8 split, 2 and 1 replicated."""
     _check_tp(tp, (arch,))
 
