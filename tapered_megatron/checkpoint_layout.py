@@ -156,6 +156,14 @@ def manifest(tag_dir: Path) -> dict[str, list[Any]] | None:
     return files if isinstance(files, dict) else None
 
 
+def saved_bytes(save_dir: Path) -> int | None:
+    """The size on disk of the newest complete checkpoint in ``save_dir`` (every rank's files,
+    from its manifest), or None when there is none with a manifest."""
+    done = complete_tags(save_dir)
+    files = manifest(save_dir / done[-1][1]) if done else None
+    return sum(int(size) for size, _ in files.values()) if files else None
+
+
 def manifest_problem(
     tag_dir: Path, names: list[str] | None = None, hashes: bool = True
 ) -> str | None:

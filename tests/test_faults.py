@@ -234,6 +234,53 @@ def test_kill_inside_a_real_save_never_resumes_a_partial_checkpoint(
     assert (tag10 / "complete").exists()
 
 
+@pytest.fixture(scope="module")
+def disk_full_library(tmp_path_factory) -> Path:
+    """``tests/disk_full.c`` built: LD_PRELOAD it to fill a directory's disk at a byte count."""
+    cc = shutil.which("cc") or shutil.which("gcc")
+    if cc is None:
+        pytest.skip("no C compiler to build tests/disk_full.c")
+    lib = tmp_path_factory.mktemp("disk_full") / "disk_full.so"
+    src = Path(__file__).with_name("disk_full.c")
+    subprocess.run([cc, "-shared", "-fPIC", "-o", str(lib), str(src), "-ldl"], check=True)
+    return lib
+
+
+@pytest.mark.slow
+def test_a_full_disk_inside_a_real_save_ends_in_one_line_and_keeps_latest(
+    corpus, saved_at_5, disk_full_library, tmp_path
+):
+    """The disk fills halfway through the save of global_step10 (writes into its directory
+    fail with ENOSPC at the OS boundary, in DeepSpeed's torch.save and ours alike): one line
+    naming the directory, the free bytes and those a checkpoint needs (global_step5's size on
+    disk), the partial global_step10 removed, ``latest`` still global_step5, nothing else left
+    behind; a resume with room continues from global_step5."""
+    from tapered_megatron.checkpoint_layout import saved_bytes
+    from tapered_megatron.training.preflight import size_text
+
+    shutil.copytree(saved_at_5, tmp_path, dirs_exist_ok=True)
+    ckpt = tmp_path / "ckpt"
+    before = sorted(p.name for p in ckpt.iterdir())
+    need = saved_bytes(ckpt)
+    env = {"LD_PRELOAD": str(disk_full_library), "DISK_FULL_DIR": str(ckpt / "global_step10")}
+    env["DISK_FULL_AFTER"] = str(need // 2)
+    extra = ["--train.exit_interval", "10", "--resume", "auto"]
+    rc, log = run_once(corpus, tmp_path, extra, env)
+    assert rc == [1], log[-3000:]
+    errors = [line for line in log.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "Traceback" not in log, log[-3000:]
+    assert errors[0].startswith(f"error: {ckpt}: writing checkpoint global_step10 failed ("), errors
+    assert f"a checkpoint needs about {size_text(need)}" in errors[0], errors
+    assert "latest still names global_step5" in errors[0], errors
+    assert sorted(p.name for p in ckpt.iterdir()) == before
+    assert sorted(p.name for p in ckpt.glob("*latest*")) == ["latest"]
+    assert (ckpt / "latest").read_text() == "global_step5"
+    rc, log = run_once(corpus, tmp_path, extra)
+    assert rc == [0], log[-3000:]
+    assert f"resumed from {ckpt / 'global_step5'} at iteration 5" in log
+    assert (ckpt / "latest").read_text() == "global_step10"
+
+
 def _start_dp2(corpus: str, out: Path, extra: list[str]) -> list:
     port = str(free_port())
     procs = []

@@ -175,7 +175,7 @@ CASES = {
             "--model.layers",
             "4",
         ],
-        "GiB free",
+        "bytes) free on",
     ),
     "resume path missing": (
         lambda c, t, k: ["--data.path", c, "--resume", str(t / "gone")],

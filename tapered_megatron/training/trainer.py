@@ -234,7 +234,12 @@ class Trainer:
             reshard.save(self.engine, self.cfg, record, tag_dir, client)
 
         also = universal if self.cfg.train.universal_checkpoint else None
-        return checkpoint.save(self.engine, self.cfg, it, self.consumed, also=also, layout=record)
+        try:
+            return checkpoint.save(
+                self.engine, self.cfg, it, self.consumed, also=also, layout=record
+            )
+        except checkpoint.SaveFailed as e:
+            raise TrainingStopped(str(e)) from None
 
     # ------------------------------------------------------------------ loop
     def _train_step(
