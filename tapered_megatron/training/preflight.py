@@ -9,9 +9,9 @@ own MMIDIDX validation on open), writes nothing, and creates no directory.
 Checked: the dataset files (missing, unreadable, corrupt or truncated index, truncated or
 oversized data, fewer tokens than one sample), blend weights, the tokenizer (missing, unreadable,
 larger than ``model.vocab_size``), ``train.save_dir`` (writable, enough free disk for the next
-checkpoint from the parameter and optimizer bytes) and ``train.resume`` (exists, complete, same
+checkpoint from the parameter and optimizer bytes), ``train.resume`` (exists, complete, same
 model and taper as this run; saved under this run's parallel layout unless it holds the
-layout-free ``universal/`` copy).
+layout-free ``universal/`` copy) and ``logging.wandb_project`` (the ``wandb`` package present).
 """
 
 from __future__ import annotations
@@ -47,6 +47,20 @@ def check_inputs(cfg: Config, ds_config: dict[str, Any], layout: Any = None) -> 
     check_tokenizer(cfg)
     check_save_dir(cfg, ds_config)
     check_resume(cfg, layout)
+    check_logging(cfg)
+
+
+def check_logging(cfg: Config) -> None:
+    """``logging.wandb_project`` needs the ``wandb`` package (the optional ``wandb`` extra)."""
+    if not cfg.logging.wandb_project:
+        return
+    try:
+        import wandb  # noqa: F401
+    except ImportError as e:
+        raise ConfigError(
+            f"logging.wandb_project: the wandb package does not import ({e}); "
+            "pip install 'tapered-megatron[wandb]' (or wandb), or drop --logging.wandb_project"
+        ) from None
 
 
 def check_data(cfg: Config) -> None:

@@ -77,7 +77,12 @@ class Trainer:
             self.log(f"train.resume={cfg.train.resume}: no checkpoint yet, starting fresh")
         tb = cfg.logging.tensorboard_dir or str(Path(cfg.train.save_dir) / "tensorboard")
         self.logger = TrainLogger(
-            cfg, self.rank, count_model(cfg).train_flops_per_token, layout.world_size, tb
+            cfg,
+            self.rank,
+            count_model(cfg).train_flops_per_token,
+            layout.world_size,
+            tb,
+            asdict(layout),
         )
 
     # ----------------------------------------------------------------- set-up
