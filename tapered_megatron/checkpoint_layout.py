@@ -14,13 +14,15 @@ Layout of ``train.save_dir``::
 
 A tag without ``complete`` (a save cut short) is never loaded or exported. ``complete`` also
 holds the checkpoint's manifest: the size and sha256 of every other file of the tag
-(:func:`manifest_problem` checks them).
+(:func:`manifest_problem` checks them), several files hashed at once (``HASH_THREADS``).
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import hashlib
 import json
+import os
 import re
 from pathlib import Path
 from typing import Any
@@ -30,6 +32,7 @@ LATEST = "latest"
 LAYOUT = "layout.json"
 CONFIG = "config.yaml"
 TAPER_PLAN = "taper_plan.json"
+HASH_THREADS = 8  # files hashed at once per process (at most its cores)
 UNIVERSAL, UNIVERSAL_META = "universal", "meta.pt"
 _TAG = re.compile(r"^global_step(\d+)$")
 
@@ -141,10 +144,19 @@ def file_digest(path: Path, chunk: int = 8 << 20) -> list[Any]:
     return [size, h.hexdigest()]
 
 
+def _digest_all(tag_dir: Path, names: list[str]) -> list[list[Any]]:
+    """:func:`file_digest` of each of ``names``, several files at once (hashlib releases the
+    GIL, so each thread hashes on its own core; one file is one sequential stream)."""
+    threads = max(1, min(HASH_THREADS, len(os.sched_getaffinity(0)), len(names)))
+    with concurrent.futures.ThreadPoolExecutor(threads) as pool:
+        return list(pool.map(lambda n: file_digest(tag_dir / n), names))
+
+
 def digests(tag_dir: Path, names: list[str] | None = None) -> dict[str, list[Any]]:
     """``{name: [size, sha256]}`` of ``names`` (default: every file of the tag but ``complete``),
     the manifest ``complete`` records."""
-    return {n: file_digest(tag_dir / n) for n in (tag_files(tag_dir) if names is None else names)}
+    names = tag_files(tag_dir) if names is None else names
+    return dict(zip(names, _digest_all(tag_dir, names)))
 
 
 def manifest(tag_dir: Path) -> dict[str, list[Any]] | None:
@@ -156,6 +168,14 @@ def manifest(tag_dir: Path) -> dict[str, list[Any]] | None:
     return files if isinstance(files, dict) else None
 
 
+def saved_bytes(save_dir: Path) -> int | None:
+    """The size on disk of the newest complete checkpoint in ``save_dir`` (every rank's files,
+    from its manifest), or None when there is none with a manifest."""
+    done = complete_tags(save_dir)
+    files = manifest(save_dir / done[-1][1]) if done else None
+    return sum(int(size) for size, _ in files.values()) if files else None
+
+
 def manifest_problem(
     tag_dir: Path, names: list[str] | None = None, hashes: bool = True
 ) -> str | None:
@@ -165,13 +185,16 @@ def manifest_problem(
     files = manifest(tag_dir)
     if files is None:
         return None
-    for name in files if names is None else names:
-        size, sha = files[name]
+    names = list(files if names is None else names)
+    for name in names:
+        size = files[name][0]
         f = tag_dir / name
         if not f.is_file():
             return f"{f}: missing (the checkpoint's manifest lists it)"
         if f.stat().st_size != size:
             return f"{f}: {f.stat().st_size} bytes, the manifest records {size}"
-        if hashes and file_digest(f)[1] != sha:
+    for name, (_, sha) in zip(names, _digest_all(tag_dir, names) if hashes else ()):
+        if sha != files[name][1]:
+            f = tag_dir / name
             return f"{f}: sha256 differs from the manifest's (the file changed after saving)"
     return None

@@ -195,12 +195,14 @@ class EvalConfig:
 
 @dataclass(frozen=True)
 class LoggingConfig:
-    """Console and tensorboardX logging."""
+    """Console, tensorboardX and (optional) Weights & Biases logging."""
 
     interval: int = at_least(1, 10)
     tensorboard_dir: str = ""  # empty: <train.save_dir>/tensorboard
     peak_tflops: float = at_least(0, 0.0)  # per-device peak for MFU; 0: known device or probe
     metrics_file: str = ""  # JSON line per iteration (loss, lr, grad_norm, val_loss); "": none
+    wandb_project: str = ""  # Weights & Biases project (rank 0 logs there too); "": no wandb
+    wandb_mode: Literal["online", "offline"] = "online"  # offline: files only, `wandb sync` later
 
 
 @dataclass(frozen=True)

@@ -143,6 +143,59 @@ def test_an_input_without_documents_is_an_error_naming_it(tmp_path, tok_model, t
     assert sorted(p.name for p in tmp_path.iterdir()) == ["empty.jsonl"]
 
 
+def test_a_long_document_is_encoded_in_segments_with_the_tokens_of_one_encode(tmp_path, tok_model):
+    from tapered_megatron.data.preprocess import ENCODE_CHARS
+
+    text = "\n\n".join(sample_corpus_docs(limit=400)) + " naïve  café — 東京 😀\tend"
+    assert len(text) > 3 * ENCODE_CHARS and text.count("  ") > 10  # several cuts; double spaces
+    src = write_jsonl(tmp_path / "long.jsonl", [{"text": text}, {"text": "a short one"}] * 2)
+    tokenize_files([str(src)], str(tmp_path / "o"), tok_model, append_eod=True)
+    tok = load_tokenizer(tok_model)
+    ds = IndexedDataset(tmp_path / "o_text_document")
+    assert ds.document(0).tolist() == ds.document(2).tolist() == [*tok.encode(text), tok.eod_id]
+    assert ds.document(3).tolist() == [*tok.encode("a short one"), tok.eod_id]
+
+
+def peak_rss_kib(cmd: list[str]) -> int:
+    """Peak resident memory (KiB) of the largest process among ``cmd`` and its children, read
+    by a fresh parent (this process' own children would count too)."""
+    probe = (
+        "import resource, subprocess, sys; "
+        "subprocess.run(sys.argv[1:], check=True, stdout=subprocess.DEVNULL); "
+        "print(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss)"
+    )
+    out = subprocess.run([sys.executable, "-c", probe, *cmd], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr[-2000:]
+    return int(out.stdout)
+
+
+@pytest.mark.parametrize(
+    "mib", [8, pytest.param(50, marks=pytest.mark.slow)], ids=lambda m: f"{m}mib"
+)
+def test_a_huge_line_tokenizes_in_at_most_four_times_its_size(tmp_path, tok_model, mib):
+    """One line of ``mib`` MiB without a newline: tokenize.py's peak memory above the same run
+    on one short line stays below 4x the line, and the tokens equal the short text's repeated."""
+    unit = " ".join(sample_corpus_docs(limit=40)).replace("\n", " ") + " "
+    reps = (mib << 20) // len(unit.encode()) + 1
+    src = write_jsonl(tmp_path / "huge.jsonl", [{"text": unit * reps}])
+    size = src.stat().st_size
+    small = write_jsonl(tmp_path / "small.jsonl", [{"text": unit}])
+    cmd = [*TOKENIZE, "--tokenizer-model", tok_model, "--workers", "2", "--no-progress"]
+    base = peak_rss_kib([*cmd, "--input", str(small), "--output-prefix", str(tmp_path / "s")])
+    peak = peak_rss_kib([*cmd, "--input", str(src), "--output-prefix", str(tmp_path / "h")])
+    print(f"{size / 2**20:.1f} MiB line: peak {peak / 1024:.0f} MiB, base {base / 1024:.0f} MiB")
+    assert (peak - base) * 1024 <= 4 * size, (peak, base, size)
+    # the text is W + (" " + W) * (reps - 1) + " ": tokens of W, of " " + W after a word (reps - 1
+    # times) and of the last space
+    tok, word = load_tokenizer(tok_model), unit[:-1]
+    first, x = tok.encode(word), len(tok.encode("x"))
+    middle, last = tok.encode("x " + word)[x:], tok.encode("x ")[x:]
+    ids = IndexedDataset(tmp_path / "h_text_document").document(0)
+    assert ids.size == len(first) + (reps - 1) * len(middle) + len(last)
+    assert ids[: len(first)].tolist() == first and ids[-len(last) :].tolist() == last
+    assert (ids[len(first) : -len(last)].reshape(reps - 1, -1) == middle).all()
+
+
 def test_interrupt_leaves_no_output(tmp_path, tok_model, monkeypatch):
     from tapered_megatron.data import preprocess
 

@@ -164,6 +164,54 @@ def test_exit_signal_on_one_rank_stops_every_rank_after_saving(corpus, tmp_path)
     assert (ckpt / f"global_step{it}" / "complete").exists()
 
 
+def slurm_script_command(name: str) -> tuple[list[str], str, int]:
+    """``scripts/slurm_{name}.sbatch`` (planner-written): the arguments it passes to
+    ``pretrain/main.py`` without those that size the model, batch and layout for its cluster
+    (a tiny model on CPU ranks stands in), the signal its ``--signal`` line asks for, and the
+    exit code on which it requeues."""
+    import re
+    import shlex
+
+    text = (Path(__file__).resolve().parents[1] / "scripts" / f"slurm_{name}.sbatch").read_text()
+    command = text.split("exec python pretrain/main.py", 1)[1].split('"$@"', 1)[0]
+    args = shlex.split(command.replace("\\\n", " "))
+    sized = ("--config", "--ds_config", "--parallel.", "--train.micro_batch_size")
+    sized += ("--train.global_batch_size", "--train.checkpoint_activations")
+    kept = [x for k, v in zip(args[::2], args[1::2]) if not k.startswith(sized) for x in (k, v)]
+    signal_name = re.search(r"#SBATCH --signal=(?:B:)?(\w+)@\d+", text).group(1)
+    requeue = int(re.search(r'if \[ "\$\{rc:-0\}" -eq (\d+) \]', text).group(1))
+    return kept, f"SIG{signal_name}", requeue
+
+
+@pytest.mark.slow
+def test_a_planner_written_slurm_job_stopped_before_its_limit_continues_when_requeued(
+    corpus, tmp_path
+):
+    """The command line of ``scripts/slurm_cluster_7b.sbatch`` run twice on two CPU ranks: the
+    first run gets the script's pre-time-limit signal on every rank, saves, and exits with the
+    code on which the script requeues; the second run (the requeued job, same command line)
+    continues from that checkpoint to the end."""
+    kept, sig, requeue = slurm_script_command("cluster_7b")
+    assert kept == ["--train.resume", "auto", "--train.exit_signal", sig], kept
+    extra = [*kept, "--train.iters", "12", "--eval.interval", "0", "--logging.interval", "1"]
+    procs = start(corpus, tmp_path, extra, n=2)
+    _wait_for_iterations(tmp_path, 3, procs)
+    for p in procs:  # SLURM signals every task of the job step
+        p.send_signal(getattr(signal, sig))
+    rc, log = finish(procs, tmp_path)
+    assert rc == [requeue, requeue], log[-3000:]
+    it = len(metrics(tmp_path))
+    assert 3 <= it < 12
+    ckpt = tmp_path / "ckpt"
+    assert (ckpt / "latest").read_text() == f"global_step{it}"
+    (tmp_path / "metrics.jsonl").write_text("")
+    rc, log = run_once(corpus, tmp_path, extra, n=2)
+    assert rc == [0, 0], log[-3000:]
+    assert f"resumed from {ckpt / f'global_step{it}'} at iteration {it}" in log
+    assert [r["iteration"] for r in metrics(tmp_path)] == list(range(it + 1, 13))
+    assert (ckpt / "latest").read_text() == "global_step12"
+
+
 def test_resume_restores_the_rng_dropout_bitwise(corpus, tmp_path):
     """With dropout (the model's stream draws every step) a run stopped at iteration 4 and
     resumed with ``--resume auto`` continues the uninterrupted run bitwise: loss, lr, gradient
@@ -232,6 +280,53 @@ def test_kill_inside_a_real_save_never_resumes_a_partial_checkpoint(
         assert f"{tag10} is partial" in log
     assert [r["loss"] for r in metrics(tmp_path)] == crashed
     assert (tag10 / "complete").exists()
+
+
+@pytest.fixture(scope="module")
+def disk_full_library(tmp_path_factory) -> Path:
+    """``tests/disk_full.c`` built: LD_PRELOAD it to fill a directory's disk at a byte count."""
+    cc = shutil.which("cc") or shutil.which("gcc")
+    if cc is None:
+        pytest.skip("no C compiler to build tests/disk_full.c")
+    lib = tmp_path_factory.mktemp("disk_full") / "disk_full.so"
+    src = Path(__file__).with_name("disk_full.c")
+    subprocess.run([cc, "-shared", "-fPIC", "-o", str(lib), str(src), "-ldl"], check=True)
+    return lib
+
+
+@pytest.mark.slow
+def test_a_full_disk_inside_a_real_save_ends_in_one_line_and_keeps_latest(
+    corpus, saved_at_5, disk_full_library, tmp_path
+):
+    """The disk fills halfway through the save of global_step10 (writes into its directory
+    fail with ENOSPC at the OS boundary, in DeepSpeed's torch.save and ours alike): one line
+    naming the directory, the free bytes and those a checkpoint needs (global_step5's size on
+    disk), the partial global_step10 removed, ``latest`` still global_step5, nothing else left
+    behind; a resume with room continues from global_step5."""
+    from tapered_megatron.checkpoint_layout import saved_bytes
+    from tapered_megatron.training.preflight import size_text
+
+    shutil.copytree(saved_at_5, tmp_path, dirs_exist_ok=True)
+    ckpt = tmp_path / "ckpt"
+    before = sorted(p.name for p in ckpt.iterdir())
+    need = saved_bytes(ckpt)
+    env = {"LD_PRELOAD": str(disk_full_library), "DISK_FULL_DIR": str(ckpt / "global_step10")}
+    env["DISK_FULL_AFTER"] = str(need // 2)
+    extra = ["--train.exit_interval", "10", "--resume", "auto"]
+    rc, log = run_once(corpus, tmp_path, extra, env)
+    assert rc == [1], log[-3000:]
+    errors = [line for line in log.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "Traceback" not in log, log[-3000:]
+    assert errors[0].startswith(f"error: {ckpt}: writing checkpoint global_step10 failed ("), errors
+    assert f"a checkpoint needs about {size_text(need)}" in errors[0], errors
+    assert "latest still names global_step5" in errors[0], errors
+    assert sorted(p.name for p in ckpt.iterdir()) == before
+    assert sorted(p.name for p in ckpt.glob("*latest*")) == ["latest"]
+    assert (ckpt / "latest").read_text() == "global_step5"
+    rc, log = run_once(corpus, tmp_path, extra)
+    assert rc == [0], log[-3000:]
+    assert f"resumed from {ckpt / 'global_step5'} at iteration 5" in log
+    assert (ckpt / "latest").read_text() == "global_step10"
 
 
 def _start_dp2(corpus: str, out: Path, extra: list[str]) -> list:

@@ -175,7 +175,7 @@ CASES = {
             "--model.layers",
             "4",
         ],
-        "GiB free",
+        "bytes) free on",
     ),
     "resume path missing": (
         lambda c, t, k: ["--data.path", c, "--resume", str(t / "gone")],
@@ -227,6 +227,18 @@ def test_bad_input_exits_2_before_any_process_group(case, corpus, big_tokenizer,
     assert expect in err, err
     assert not save.exists()
     assert sorted(p.name for p in tmp_path.iterdir()) == before
+
+
+def test_wandb_project_without_the_package_is_one_line(corpus, tmp_path, capsys, monkeypatch):
+    """``--logging.wandb_project`` where ``import wandb`` fails (the optional extra missing)."""
+    monkeypatch.setitem(sys.modules, "wandb", None)
+    save = tmp_path / "save"
+    args = [*TINY, "--data.path", corpus, "--train.save_dir", str(save)]
+    rc = _main()([*args, "--logging.wandb_project", "p"])
+    err = capsys.readouterr().err.strip()
+    assert rc == 2 and not dist.is_initialized() and not save.exists(), err
+    assert err.startswith("error: logging.wandb_project: the wandb package does not import")
+    assert "pip install 'tapered-megatron[wandb]'" in err and "\n" not in err
 
 
 def test_bad_input_in_a_real_process(tmp_path):

@@ -126,6 +126,55 @@ def test_overwritten_bytes_fall_back_on_resume_and_stop_export(
     assert f"resumed from {run_dir / 'ckpt' / 'global_step2'} at iteration 2" in log
 
 
+def finite_weights(tag_dir: Path) -> bool:
+    """Whether every tensor of a checkpoint's model states is finite."""
+    from tapered_megatron import safe_load
+
+    module = safe_load.load(tag_dir / "mp_rank_00_model_states.pt")["module"]
+    return all(bool(torch.isfinite(t).all()) for t in module.values())
+
+
+@pytest.mark.slow
+def test_nan_weights_from_a_saved_file_never_replace_the_good_checkpoints(
+    corpus, trained, tmp_path
+):
+    """global_step4's weights are NaN yet its manifest matches (a sender wrote them so): every
+    resumed step is skipped, the saves due meanwhile are withheld, the run stops after
+    ``train.max_skipped_steps``; global_step2 is not pruned and no NaN checkpoint is added."""
+    from tapered_megatron import safe_load
+
+    run_dir = copy_run(trained, tmp_path / "run", ("global_step2", "global_step4"))
+    tag = run_dir / "ckpt" / "global_step4"
+    state = safe_load.load(tag / "mp_rank_00_model_states.pt")
+    next(iter(state["module"].values())).fill_(float("nan"))
+    torch.save(state, tag / "mp_rank_00_model_states.pt")
+    reseal(tag)
+    extra = ["--train.iters", "8", *BASE, "--resume", "auto", "--train.max_skipped_steps", "3"]
+    rc, log = run(corpus, run_dir, extra)
+    assert rc == 1, log[-3000:]
+    assert "iteration 6: checkpoint withheld" in log, log[-3000:]
+    assert "error: 3 consecutive steps with non-finite loss" in log, log[-3000:]
+    ckpt = run_dir / "ckpt"
+    assert sorted(p.name for p in ckpt.glob("global_step*")) == ["global_step2", "global_step4"]
+    assert (ckpt / "latest").read_text() == "global_step4"
+    assert finite_weights(ckpt / "global_step2")
+
+
+@pytest.mark.slow
+def test_an_lr_that_overflows_the_weights_leaves_only_finite_checkpoints(corpus, tmp_path):
+    """``--train.lr 1e30`` (finite, accepted): the weights blow up; every checkpoint the run
+    leaves has finite weights and ``latest`` names one of them."""
+    extra = ["--train.lr", "1e30", "--train.iters", "8", "--train.save_interval", "1"]
+    extra += ["--eval.interval", "0", "--train.max_skipped_steps", "2", "--train.keep_last", "8"]
+    rc, log = run(corpus, tmp_path, extra)
+    assert rc in (0, 1), log[-3000:]
+    ckpt = tmp_path / "ckpt"
+    saved = sorted(ckpt.glob("global_step*"))
+    assert saved and all(finite_weights(t) for t in saved), log[-3000:]
+    assert (ckpt / (ckpt / "latest").read_text() / "complete").exists()
+    assert "Traceback" not in log
+
+
 def test_a_plugin_named_by_a_saved_config_is_never_imported(corpus, trained, tmp_path, capsys):
     """``model.plugins`` of a checkpoint's ``config.yaml`` or an export's ``config.json`` is
     not imported by resume, export, generate, perplexity or ``from_pretrained``; each says in one

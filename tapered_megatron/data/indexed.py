@@ -19,7 +19,7 @@ import functools
 import os
 import shutil
 import struct
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -341,19 +341,24 @@ class IndexedDatasetWriter:
         self.add_sequence(tokens)
         self.end_document()
 
-    def add_documents(self, flat: np.ndarray, lengths: np.ndarray) -> None:
-        """Many one-sequence documents at once: ``flat`` holds them back to back."""
-        flat = np.asarray(flat, dtype=self.dtype)
+    def add_documents(self, flat: np.ndarray | Sequence[np.ndarray], lengths: np.ndarray) -> None:
+        """Many one-sequence documents at once: ``flat`` (an array, or a list of arrays to be
+        read one after the other) holds them back to back."""
+        pieces = [
+            np.asarray(a, self.dtype) for a in ([flat] if isinstance(flat, np.ndarray) else flat)
+        ]
         lengths = np.asarray(lengths, dtype=np.int32)
-        if int(lengths.sum()) != flat.size:
-            raise ValueError(f"lengths sum to {int(lengths.sum())}, tokens are {flat.size}")
-        self._bin.write(flat.tobytes(order="C"))
+        size = sum(a.size for a in pieces)
+        if int(lengths.sum()) != size:
+            raise ValueError(f"lengths sum to {int(lengths.sum())}, tokens are {size}")
+        for a in pieces:
+            self._bin.write(memoryview(np.ascontiguousarray(a)).cast("B"))  # no copy
         self._sizes.write(lengths.tobytes())
         first = self.num_sequences
         self._ends.write(np.arange(first + 1, first + 1 + lengths.size, dtype=np.int64).tobytes())
         self.num_sequences += lengths.size
         self.num_documents += lengths.size
-        self.num_tokens += flat.size
+        self.num_tokens += size
 
     def add_range(self, ds: IndexedDataset, first_doc: int, end_doc: int) -> None:
         """Append documents ``[first_doc, end_doc)`` of ``ds`` as they are (copied in chunks)."""

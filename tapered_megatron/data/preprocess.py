@@ -20,6 +20,7 @@ import json
 import math
 import multiprocessing as mp
 import os
+import re
 import signal
 import sys
 import time
@@ -31,13 +32,15 @@ import numpy as np
 
 from .indexed import IndexedDatasetWriter, token_dtype
 from .sources import InputError, Source, expand_inputs, read_chunks, record_unit
-from .tokenizer import load_tokenizer
+from .tokenizer import load_tokenizer, splits_at_whitespace
 
 __all__ = ["InputError", "TokenizeSummary", "iter_texts", "paragraphs", "tokenize_files"]
 
 PARTIAL = ".partial"  # suffix of every file of an unfinished run
 SOURCE_END_SECONDS = 1.0  # checkpoint at an input's end if the last one is this old (fsyncs)
 STATE_VERSION = 1
+ENCODE_CHARS = 1 << 16  # a longer document is encoded in segments of about this many characters
+_WORD_START = re.compile(r"(?<=\S) (?=\S)")  # where a segment may end: a lone space
 
 
 @dataclass
@@ -161,28 +164,75 @@ def _init_worker(model_path: str, keys: Sequence[str], append_eod: bool) -> None
     if _TOKENIZER is None or _TOKENIZER.model_path != model_path:  # forked: inherited already
         _TOKENIZER = load_tokenizer(model_path)
     dtype = np.dtype(token_dtype(_TOKENIZER.vocab_size))
-    _SETTINGS = {"keys": list(keys), "append_eod": append_eod, "dtype": dtype}
+    cut = splits_at_whitespace(_TOKENIZER)
+    _SETTINGS = {"keys": list(keys), "append_eod": append_eod, "dtype": dtype, "cut": cut}
 
 
-def _encode(texts: list[str], dtype: np.dtype, eod: int | None) -> tuple[np.ndarray, ...]:
-    """``(flat tokens, lengths, lines with lone surrogates)`` of a list of documents.
-
-    Sentencepiece returns numpy arrays (no Python int per token); EODs go in with one insert.
-    """
-    bad = 0
+def _sp_encode(texts: list[str]) -> tuple[list[np.ndarray], int]:
+    """Sentencepiece's ids of ``texts`` (numpy arrays) and the number with lone surrogates."""
     try:
-        ids = _TOKENIZER.sp.encode(texts, num_threads=1, out_type="numpy")
+        return _TOKENIZER.sp.encode(texts, num_threads=1, out_type="numpy"), 0
     except (UnicodeEncodeError, TypeError):  # lone surrogates (JSON escapes): not UTF-8
         clean = [t.encode("utf-8", "replace").decode("utf-8") for t in texts]
         bad = sum(a != b for a, b in zip(texts, clean))
-        ids = _TOKENIZER.sp.encode(clean, num_threads=1, out_type="numpy")
-    lengths = np.fromiter(map(len, ids), dtype=np.int64, count=len(ids))
-    flat = np.concatenate(ids).astype(dtype, copy=False) if ids else np.empty(0, dtype)
+        return _TOKENIZER.sp.encode(clean, num_threads=1, out_type="numpy"), bad
+
+
+def _encode_long(text: str, dtype: np.dtype) -> tuple[list[np.ndarray], int]:
+    """The tokens of one long document in segments of about ``ENCODE_CHARS`` characters.
+
+    A segment ends before a single space between two words, and is encoded after the character
+    that precedes it, whose tokens are dropped: a model that splits at whitespace never forms a
+    token across such a space, so the tokens equal one encode of the whole text, while
+    sentencepiece's working memory (tens of bytes per character) is that of one segment. A
+    stretch without such a space is not cut.
+    """
+    parts, bad, start = [], 0, 0
+    while start < len(text):
+        cut = _WORD_START.search(text, start + ENCODE_CHARS)
+        end = cut.start() if cut else len(text)
+        before = max(start - 1, 0)
+        (head, ids), b = _sp_encode([text[before:start], text[before:end]])
+        parts.append(ids[len(head) :].astype(dtype))
+        bad, start = max(bad, b), end
+    return parts, bad
+
+
+def _encode(texts: list[str], dtype: np.dtype, eod: int | None) -> tuple[list, np.ndarray, int]:
+    """``(tokens, lengths, lines with lone surrogates)`` of a list of documents; ``tokens`` is a
+    list of arrays that hold the documents back to back.
+
+    Sentencepiece returns numpy arrays (no Python int per token); documents longer than
+    ``ENCODE_CHARS`` are encoded in segments (:func:`_encode_long`) when the model splits at
+    whitespace, and their segments are kept apart rather than copied into one array.
+    """
+    long = [i for i, t in enumerate(texts) if len(t) > ENCODE_CHARS] if _SETTINGS["cut"] else []
+    short = list(texts)
+    for i in long:
+        short[i] = ""
+    ids, bad = _sp_encode(short)
+    docs: list[list[np.ndarray]] = [[x] for x in ids]
+    del ids
+    for i in long:
+        docs[i], b = _encode_long(texts[i], dtype)
+        bad += b
+    lengths = np.fromiter((sum(map(len, d)) for d in docs), dtype=np.int64, count=len(docs))
     if eod is not None:  # after every non-empty document
-        nonempty = lengths > 0
-        flat = np.insert(flat, np.cumsum(lengths)[nonempty], np.asarray(eod, dtype))
-        lengths += nonempty
-    return flat, lengths, bad
+        end = np.asarray([eod], dtype)
+        for d, n in zip(docs, lengths):
+            if n:
+                d.append(end)
+        lengths += lengths > 0
+    tokens, run = [], []  # runs of short documents joined, a long one's segments as they are
+    for d in docs:
+        if len(d) > 2:
+            tokens += [np.concatenate(run, dtype=dtype, casting="unsafe")] if run else []
+            tokens += d
+            run = []
+        else:
+            run += d
+    tokens += [np.concatenate(run, dtype=dtype, casting="unsafe")] if run else []
+    return tokens, lengths, bad
 
 
 def encode_batch(batch: tuple) -> dict:

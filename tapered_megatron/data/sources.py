@@ -217,14 +217,18 @@ def _line_chunks(src: Source, kind: str, cursor: int, first: int) -> Iterator[Ch
                     raise InputError(f"{src.path}: shorter than the recorded progress")
                 left -= skipped
         offset, record, disk = cursor, first, raw.tell()
-        carry, eof = b"", False
+        carry: list[bytes] = []  # the start of a line that has no newline yet
+        eof = False
         while not eof:
             block = stream.read(BATCH_BYTES)
             eof = not block
-            buf = carry + block if carry else block
-            end = len(buf) if eof else buf.rfind(b"\n") + 1
-            carry = buf[end:]
-            for piece, n in _split_lines(buf[:end]) if end else ():
+            end = len(block) if eof else block.rfind(b"\n") + 1
+            if not end and not eof:  # inside a long line: joined once, at its end
+                carry.append(block)
+                continue
+            buf = b"".join([*carry, block[:end]]) if carry else block[:end]
+            carry = [block[end:]] if end < len(block) else []
+            for piece, n in _split_lines(buf) if buf else ():
                 offset += len(piece)
                 now = raw.tell() if src.compression else offset
                 yield Chunk(kind, piece, record, n, offset, now - disk)

@@ -49,6 +49,17 @@ class SentencePieceTokenizer:
         return f"SentencePieceTokenizer({self.model_path!r}, vocab_size={self.vocab_size})"
 
 
+def splits_at_whitespace(tok: SentencePieceTokenizer) -> bool:
+    """Whether the model never forms a token across a space between words (sentencepiece's
+    default, ours and Llama's): then a long text may be encoded in pieces cut at spaces."""
+    from sentencepiece import sentencepiece_model_pb2
+
+    proto = sentencepiece_model_pb2.ModelProto()
+    proto.ParseFromString(tok.sp.serialized_model_proto())
+    spec = proto.trainer_spec
+    return spec.split_by_whitespace and not spec.treat_whitespace_as_suffix
+
+
 def load_tokenizer(path: str | os.PathLike) -> SentencePieceTokenizer:
     """Load a sentencepiece ``.model`` file (ours, Llama's, or any other)."""
     return SentencePieceTokenizer(path)

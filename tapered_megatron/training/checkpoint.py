@@ -17,6 +17,7 @@ import json
 import os
 import shutil
 import signal
+import traceback
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -37,6 +38,7 @@ from tapered_megatron.checkpoint_layout import (
     is_complete,
     is_tag,
     latest_problem,
+    latest_tag,
     manifest,
     manifest_problem,
     resume_candidates,
@@ -89,11 +91,51 @@ def _barrier() -> None:
 
 def _write_atomic(path: Path, text: str) -> None:
     tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+class SaveFailed(RuntimeError):
+    """A checkpoint could not be written (a full disk, a failing file system); the message
+    names the directory, the free and the needed bytes, and what ``latest`` still names."""
+
+
+def _write_failure(error: Exception) -> bool:
+    """Whether ``error`` is a failed file write: an ``OSError``, or a ``RuntimeError`` raised
+    inside ``torch.save`` (its C++ writer reports a full disk without errno, in words that vary:
+    a stream error, an unexpected position)."""
+    if isinstance(error, OSError):
+        return True
+    frames = traceback.extract_tb(error.__traceback__)
+    return bool(frames) and Path(frames[-1].filename) == Path(torch.serialization.__file__)
+
+
+def _save_failed(cfg: Config, engine: Any, tag_dir: Path, error: Exception) -> SaveFailed:
+    """Remove the partial ``tag_dir`` and say why it failed in one line."""
+    from tapered_megatron.training.preflight import checkpoint_bytes, size_text
+
+    shutil.rmtree(tag_dir, ignore_errors=True)
+    save_dir = tag_dir.parent
+    if isinstance(error, OSError):
+        cause = error.strerror or str(error)
+    else:
+        cause = "torch.save could not write its file"
+    half = bool(engine.fp16_enabled() or engine.bfloat16_enabled())
+    need = checkpoint_bytes(cfg, half)
+    latest = latest_tag(save_dir) or "no checkpoint"
+    return SaveFailed(
+        f"{save_dir}: writing checkpoint {tag_dir.name} failed ({cause}); "
+        f"{size_text(shutil.disk_usage(save_dir).free)} free, a checkpoint needs about "
+        f"{size_text(need)}; the partial {tag_dir.name} was removed and {LATEST} still "
+        f"names {latest}. Free disk space (or pass a --train.save_dir on a larger disk) and "
+        "resume with --train.resume auto"
+    )
 
 
 def save(
@@ -121,25 +163,31 @@ def save(
             shutil.rmtree(tag_dir)
     _barrier()
     client = {"iteration": iteration, "consumed_samples": consumed_samples, **(extra or {})}
-    engine.save_checkpoint(str(save_dir), tag=tag, client_state=client, save_latest=False)
-    crash_point("rank_files")
-    tag_dir.mkdir(parents=True, exist_ok=True)
-    torch.save(parallel.get_rng_state(), tag_dir / f"rng_rank{_rank():05d}.pt")
-    if also is not None:
-        also(tag_dir, client)
+    try:
+        engine.save_checkpoint(str(save_dir), tag=tag, client_state=client, save_latest=False)
+        crash_point("rank_files")
+        tag_dir.mkdir(parents=True, exist_ok=True)
+        torch.save(parallel.get_rng_state(), tag_dir / f"rng_rank{_rank():05d}.pt")
+        if also is not None:
+            also(tag_dir, client)
+        if _rank() == 0:
+            (tag_dir / CONFIG).write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
+            (tag_dir / TAPER_PLAN).write_text(json.dumps(cfg.taper_plan.to_dict(), indent=1))
+            if layout is not None:
+                (tag_dir / LAYOUT).write_text(json.dumps(layout) + "\n")
+        _barrier()
+        files = _digests(tag_dir)
+        if _rank() == 0:
+            crash_point("complete")
+            marker = {"iteration": iteration, "consumed_samples": consumed_samples, "files": files}
+            _write_atomic(tag_dir / COMPLETE, json.dumps(marker) + "\n")
+            crash_point("latest")
+            _write_atomic(save_dir / LATEST, tag)
+    except (OSError, RuntimeError) as e:
+        if not _write_failure(e):
+            raise
+        raise _save_failed(cfg, engine, tag_dir, e) from None
     if _rank() == 0:
-        (tag_dir / CONFIG).write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
-        (tag_dir / TAPER_PLAN).write_text(json.dumps(cfg.taper_plan.to_dict(), indent=1))
-        if layout is not None:
-            (tag_dir / LAYOUT).write_text(json.dumps(layout) + "\n")
-    _barrier()
-    files = _digests(tag_dir)
-    if _rank() == 0:
-        crash_point("complete")
-        marker = {"iteration": iteration, "consumed_samples": consumed_samples, "files": files}
-        _write_atomic(tag_dir / COMPLETE, json.dumps(marker) + "\n")
-        crash_point("latest")
-        _write_atomic(save_dir / LATEST, tag)
         prune(save_dir, cfg.train.keep_last)
     _barrier()
     return tag_dir

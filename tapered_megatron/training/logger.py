@@ -1,9 +1,12 @@
-"""Training logs: one console line per log interval and tensorboardX events (rank 0 writes).
+"""Training logs: one console line per log interval, tensorboardX events and, with
+``logging.wandb_project``, a Weights & Biases run (rank 0 writes).
 
 Scalars (tag ``train/...`` / ``val/...``, step = iteration): loss, ppl, lr, grad_norm,
 tokens_per_s, tflops (model FLOPs per second per device), mfu, mem_gb, step_ms and, under
 pipeline parallelism, ``pipe/stage{k}_ms`` (forward + backward compute time of stage k). The
-per-layer MLP widths of the taper plan are logged once as a figure (``model/widths``).
+per-layer MLP widths of the taper plan are logged once as a figure (``model/widths``). The wandb
+run gets the same scalars under the same tags, and its config holds the full resolved config,
+the parallel layout (``layout``) and the taper plan with its widths (``taper_plan``).
 
 MFU = achieved model FLOPs / peak FLOPs. Model FLOPs per token come from the model library's
 counters (forward; backward = 2x forward; activation recomputation not counted). The peak is
@@ -16,7 +19,9 @@ accelerator).
 from __future__ import annotations
 
 import math
+import os
 import resource
+from typing import Any
 
 import torch
 from deepspeed.accelerator import get_accelerator
@@ -56,11 +61,34 @@ def memory_gb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e9
 
 
+def start_wandb(cfg: Config, layout: dict[str, Any], run_dir: str) -> Any:
+    """A wandb run in ``logging.wandb_project`` (``logging.wandb_mode``) whose files go under
+    ``run_dir/wandb``; its config is the resolved config plus the layout and the taper plan."""
+    import wandb
+
+    os.makedirs(run_dir, exist_ok=True)
+    config = {**cfg.to_dict(), "layout": layout, "taper_plan": cfg.taper_plan.to_dict()}
+    return wandb.init(
+        project=cfg.logging.wandb_project,
+        mode=cfg.logging.wandb_mode,
+        dir=run_dir,
+        name=cfg.name if cfg.name != "custom" else None,
+        config=config,
+    )
+
+
 class TrainLogger:
-    """Console line + tensorboardX writer; only rank 0 writes, every rank may call."""
+    """Console line + tensorboardX writer (+ a wandb run); only rank 0 writes, every rank may
+    call. ``layout`` (the parallel layout's fields) goes into the wandb run's config."""
 
     def __init__(
-        self, cfg: Config, rank: int, flops_per_token: float, world_size: int, tb_dir: str
+        self,
+        cfg: Config,
+        rank: int,
+        flops_per_token: float,
+        world_size: int,
+        tb_dir: str,
+        layout: dict[str, Any] | None = None,
     ) -> None:
         self.cfg = cfg
         self.rank = rank
@@ -68,10 +96,22 @@ class TrainLogger:
         self.world_size = world_size
         self.peak = peak_tflops(cfg.logging.peak_tflops)
         self.writer = None
+        self.wandb = None
         if rank == 0 and tb_dir:
             from tensorboardX import SummaryWriter
 
             self.writer = SummaryWriter(tb_dir)
+        if rank == 0 and cfg.logging.wandb_project:
+            self.wandb = start_wandb(cfg, layout or {}, cfg.train.save_dir)
+
+    def _scalars(self, values: dict[str, float], it: int) -> None:
+        """Write ``{tag: value}`` at step ``it`` to tensorboard and wandb."""
+        if self.writer is not None:
+            for tag, v in values.items():
+                self.writer.add_scalar(tag, v, it)
+            self.writer.flush()
+        if self.wandb is not None:
+            self.wandb.log(values, step=it)
 
     def print(self, msg: str) -> None:
         """Print on rank 0 only (flushed)."""
@@ -135,12 +175,9 @@ class TrainLogger:
             out["skipped_steps"] = skipped_steps
         if self.rank != 0:
             return out
-        if self.writer is not None:
-            for k, v in out.items():
-                self.writer.add_scalar(f"train/{k}", v, it)
-            for s, ms in enumerate(stage_ms or []):
-                self.writer.add_scalar(f"pipe/stage{s}_ms", ms, it)
-            self.writer.flush()
+        scalars = {f"train/{k}": v for k, v in out.items()}
+        scalars.update({f"pipe/stage{s}_ms": ms for s, ms in enumerate(stage_ms or [])})
+        self._scalars(scalars, it)
         gn = f" | gnorm {grad_norm:.3f}" if grad_norm is not None else ""
         st = " | stages " + "/".join(f"{x:.0f}" for x in stage_ms) + " ms" if stage_ms else ""
         sc = f" | loss scale {loss_scale:g}" if loss_scale is not None else ""
@@ -157,20 +194,19 @@ class TrainLogger:
         ``dataset`` (tensorboard ``val/<dataset>/loss``)."""
         ppl = math.exp(min(loss, 30.0))
         tag = f"val/{dataset}/" if dataset else "val/"
-        if self.writer is not None:
-            self.writer.add_scalar(tag + "loss", loss, it)
-            self.writer.add_scalar(tag + "ppl", ppl, it)
-            self.writer.flush()
+        self._scalars({tag + "loss": loss, tag + "ppl": ppl}, it)
         on = f" on {dataset}" if dataset else ""
         self.print(f"validation{on} at iter {it} | loss {loss:.4f} | ppl {ppl:.2f}")
 
     def alignment(self, it: int, rows: list[LayerAlignment]) -> None:
         """Log per-layer ``rho_block`` / ``rho_mlp`` (``eval.alignment``): a scalar per layer
         and a figure of both curves against depth."""
+        scalars = {}
+        for r in rows:
+            scalars[f"alignment/rho_block/layer_{r.layer:03d}"] = r.rho_block
+            scalars[f"alignment/rho_mlp/layer_{r.layer:03d}"] = r.rho_mlp
+        self._scalars(scalars, it)
         if self.writer is not None:
-            for r in rows:
-                self.writer.add_scalar(f"alignment/rho_block/layer_{r.layer:03d}", r.rho_block, it)
-                self.writer.add_scalar(f"alignment/rho_mlp/layer_{r.layer:03d}", r.rho_mlp, it)
             import matplotlib.pyplot as plt
 
             fig = alignment_figure(rows, f"{self.cfg.model.arch}, iteration {it}")
@@ -182,6 +218,9 @@ class TrainLogger:
         self.print(f"alignment at iter {it} | rho_block by layer {block} | rho_mlp {mlp}")
 
     def close(self) -> None:
-        """Flush and close the event file."""
+        """Flush and close the event file and finish the wandb run."""
         if self.writer is not None:
             self.writer.close()
+        if self.wandb is not None:
+            self.wandb.finish()
+            self.wandb = None

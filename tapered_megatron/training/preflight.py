@@ -9,9 +9,9 @@ own MMIDIDX validation on open), writes nothing, and creates no directory.
 Checked: the dataset files (missing, unreadable, corrupt or truncated index, truncated or
 oversized data, fewer tokens than one sample), blend weights, the tokenizer (missing, unreadable,
 larger than ``model.vocab_size``), ``train.save_dir`` (writable, enough free disk for the next
-checkpoint from the parameter and optimizer bytes) and ``train.resume`` (exists, complete, same
+checkpoint from the parameter and optimizer bytes), ``train.resume`` (exists, complete, same
 model and taper as this run; saved under this run's parallel layout unless it holds the
-layout-free ``universal/`` copy).
+layout-free ``universal/`` copy) and ``logging.wandb_project`` (the ``wandb`` package present).
 """
 
 from __future__ import annotations
@@ -47,6 +47,20 @@ def check_inputs(cfg: Config, ds_config: dict[str, Any], layout: Any = None) -> 
     check_tokenizer(cfg)
     check_save_dir(cfg, ds_config)
     check_resume(cfg, layout)
+    check_logging(cfg)
+
+
+def check_logging(cfg: Config) -> None:
+    """``logging.wandb_project`` needs the ``wandb`` package (the optional ``wandb`` extra)."""
+    if not cfg.logging.wandb_project:
+        return
+    try:
+        import wandb  # noqa: F401
+    except ImportError as e:
+        raise ConfigError(
+            f"logging.wandb_project: the wandb package does not import ({e}); "
+            "pip install 'tapered-megatron[wandb]' (or wandb), or drop --logging.wandb_project"
+        ) from None
 
 
 def check_data(cfg: Config) -> None:
@@ -137,24 +151,33 @@ def _existing_ancestor(path: Path) -> Path:
     return p
 
 
-def checkpoint_bytes(cfg: Config, ds_config: dict[str, Any]) -> int:
-    """Estimated size of one checkpoint: parameters x (weight + optimizer state) bytes, and the
-    universal copy when ``train.universal_checkpoint`` is on."""
+def checkpoint_bytes(cfg: Config, half: bool) -> int:
+    """The size of the next checkpoint in ``train.save_dir``: that of the newest complete one
+    there (its manifest's files, every rank's), else the model's parameters x (weight +
+    optimizer state) bytes (``half``: fp16/bf16 weights beside fp32 masters), plus the universal
+    copy when ``train.universal_checkpoint`` is on."""
     from tapered_megatron.models import count_model
 
-    half = any(ds_config.get(h, {}).get("enabled") is True for h in ("fp16", "bf16"))
+    saved = layout_files.saved_bytes(Path(cfg.train.save_dir))
+    if saved is not None:
+        return saved
     per_param = _HALF_CKPT_BYTES if half else _FP32_CKPT_BYTES
     if cfg.train.universal_checkpoint:
         per_param += _UNIVERSAL_CKPT_BYTES
     return int(count_model(cfg).params_total) * per_param
 
 
-def _size(n: int) -> str:
-    """``n`` bytes in the largest binary unit that keeps a digit before the point."""
+def half_precision(ds_config: dict[str, Any]) -> bool:
+    """Whether the DeepSpeed config trains in fp16 or bf16."""
+    return any(ds_config.get(h, {}).get("enabled") is True for h in ("fp16", "bf16"))
+
+
+def size_text(n: int) -> str:
+    """``n`` bytes in the largest binary unit that keeps a digit before the point, and exactly."""
     for unit, shift in (("GiB", 30), ("MiB", 20), ("KiB", 10)):
         if n >= 1 << shift:
-            return f"{n / (1 << shift):.1f} {unit}"
-    return f"{n} bytes"
+            return f"{n / (1 << shift):.1f} {unit} ({n:,} bytes)"
+    return f"{n:,} bytes"
 
 
 def check_save_dir(cfg: Config, ds_config: dict[str, Any]) -> None:
@@ -171,13 +194,12 @@ def check_save_dir(cfg: Config, ds_config: dict[str, Any]) -> None:
             f"train.save_dir: {base} is not writable; pass a writable --train.save_dir "
             "or fix its permissions"
         )
-    need = checkpoint_bytes(cfg, ds_config)
+    need = checkpoint_bytes(cfg, half_precision(ds_config))
     free = shutil.disk_usage(base).free
     if free < need:
         raise ConfigError(
-            f"train.save_dir: {_size(free)} free on {base}, the next checkpoint needs about "
-            f"{_size(need)} (parameters + optimizer state); free disk space or pass a "
-            "--train.save_dir on a larger disk"
+            f"train.save_dir: {size_text(free)} free on {base}, the next checkpoint needs about "
+            f"{size_text(need)}; free disk space or pass a --train.save_dir on a larger disk"
         )
 
 

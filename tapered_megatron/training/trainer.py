@@ -77,7 +77,12 @@ class Trainer:
             self.log(f"train.resume={cfg.train.resume}: no checkpoint yet, starting fresh")
         tb = cfg.logging.tensorboard_dir or str(Path(cfg.train.save_dir) / "tensorboard")
         self.logger = TrainLogger(
-            cfg, self.rank, count_model(cfg).train_flops_per_token, layout.world_size, tb
+            cfg,
+            self.rank,
+            count_model(cfg).train_flops_per_token,
+            layout.world_size,
+            tb,
+            asdict(layout),
         )
 
     # ----------------------------------------------------------------- set-up
@@ -234,7 +239,12 @@ class Trainer:
             reshard.save(self.engine, self.cfg, record, tag_dir, client)
 
         also = universal if self.cfg.train.universal_checkpoint else None
-        return checkpoint.save(self.engine, self.cfg, it, self.consumed, also=also, layout=record)
+        try:
+            return checkpoint.save(
+                self.engine, self.cfg, it, self.consumed, also=also, layout=record
+            )
+        except checkpoint.SaveFailed as e:
+            raise TrainingStopped(str(e)) from None
 
     # ------------------------------------------------------------------ loop
     def _train_step(
