@@ -137,13 +137,19 @@ ARCH_CASES = {
 }
 
 
-def _full_weights(tp: int) -> dict:
-    """Every architecture's full weights as built at TP ``tp`` (gathered over the TP group)."""
-    out = {}
+def _full_weights(tp: int) -> tuple[dict, list[str]]:
+    """Every architecture's full weights as built at TP ``tp`` (gathered over the TP group), and
+    the parameters whose ``tensor_model_parallel`` flag disagrees with their split (grad norms
+    sum TP shards by that flag: an unflagged shard counts on TP rank 0 only, a flagged replica
+    ``tp`` times)."""
+    out, wrong = {}, []
     for arch, extra in ARCH_CASES.items():
         cfg = load_config("quickstart", [*SHAPE, *extra, "--parallel.tp", str(tp)])
         for name, p in build_model(cfg).named_parameters():
             layout = getattr(p, "tp_layout", None)
+            split = layout is not None and not layout.replicated(tp)
+            if getattr(p, "tensor_model_parallel", False) != split:
+                wrong.append(f"{arch}:{name}")
             if tp > 1 and layout is not None:
                 parts = [torch.empty_like(p) for _ in range(tp)]
                 dist.all_gather(
@@ -153,22 +159,24 @@ def _full_weights(tp: int) -> dict:
             else:
                 full = p.detach()
             out[f"{arch}:{name}"] = full.numpy()
-    return out
+    return out, wrong
 
 
-def _shape_worker(rank: int, world: int) -> dict | None:
+def _shape_worker(rank: int, world: int) -> tuple[dict, list[str]] | None:
     init_model_parallel(tp=world, pp=1)
-    weights = _full_weights(world)
-    return weights if rank == 0 else None
+    built = _full_weights(world)
+    return built if rank == 0 else None
 
 
 @pytest.mark.distributed
 def test_same_config_builds_identical_full_weights_at_tp_1_2_4():
     """The model is a function of the model config alone: at TP 1, 2 and 4 the same widths, the
-    same padded vocabulary and the same values (issue 13)."""
-    ref = _full_weights(1)
+    same padded vocabulary and the same values; every split parameter, and only those, flagged
+    model-parallel."""
+    ref, _ = _full_weights(1)
     for tp in (2, 4):
-        got = run_workers(_shape_worker, tp)[0]
+        got, wrong_flags = run_workers(_shape_worker, tp)[0]
+        assert wrong_flags == []
         assert got.keys() == ref.keys()
         for key, value in ref.items():
             assert got[key].shape == value.shape, key

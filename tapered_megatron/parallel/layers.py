@@ -118,15 +118,21 @@ def unshard(pieces: Sequence[torch.Tensor], layout: TPLayout) -> torch.Tensor:
     return torch.cat(parts, dim=layout.view_dim).reshape(layout.full_shape)
 
 
-def _mark(param: nn.Parameter, layout: TPLayout, std: float) -> nn.Parameter:
-    """Attach the split layout and init std; ``tensor_model_parallel`` / ``partition_dim`` are
-    the Megatron attribute names DeepSpeed reads (e.g. so grad norms count replicas once: a
-    replicated tensor is not model-parallel)."""
+def mark_split(param: nn.Parameter, layout: TPLayout) -> nn.Parameter:
+    """Attach the split layout; ``tensor_model_parallel`` / ``partition_dim`` are the Megatron
+    attribute names DeepSpeed and :func:`~tapered_megatron.training.trainer.grad_norm` read (so
+    grad norms count every shard and each replica once: a replicated tensor is not
+    model-parallel). Every parameter split over TP goes through here."""
     param.tp_layout = layout
-    param.init_std = std
     param.tensor_model_parallel = not layout.replicated(get_tensor_model_parallel_world_size())
     param.partition_dim = layout.full_dim
     return param
+
+
+def _mark(param: nn.Parameter, layout: TPLayout, std: float) -> nn.Parameter:
+    """:func:`mark_split` plus the init std."""
+    param.init_std = std
+    return mark_split(param, layout)
 
 
 def init_parameters(module: nn.Module, seed: int, prefix: str = "") -> None:

@@ -45,7 +45,7 @@ from tapered_megatron.parallel import (
     copy_to_tp_region,
     get_tensor_model_parallel_world_size,
 )
-from tapered_megatron.parallel.layers import row_layout
+from tapered_megatron.parallel.layers import mark_split, row_layout
 
 if TYPE_CHECKING:
     from tapered_megatron.config import Config
@@ -87,8 +87,7 @@ def _per_head(shape: tuple[int, ...], std: float | None = None, fn=None) -> nn.P
     """A parameter whose first axis is heads (or head-major channels), split over TP ranks."""
     tp = get_tensor_model_parallel_world_size()
     layout = row_layout(shape)
-    p = nn.Parameter(torch.empty(layout.local_shape(tp)))
-    p.tp_layout = layout
+    p = mark_split(nn.Parameter(torch.empty(layout.local_shape(tp))), layout)
     p.init_std = std
     if fn is not None:
         p.init_fn = fn
@@ -177,13 +176,13 @@ class NeuralMemory(nn.Module):
             dm.d, 3 * inner, std=std, out_blocks=(3, inner), split_dim=1
         )
         self.conv = _per_head((3 * inner, t.conv_size), fn=_uniform_fan_in)
-        self.conv.tp_layout = row_layout((3 * inner, t.conv_size), (3, inner), 1)
+        mark_split(self.conv, row_layout((3 * inner, t.conv_size), (3, inner), 1))
         self.gates = ColumnParallelLinear(
             dm.d, 3 * dm.heads, std=gate_std(std, dm.d), out_blocks=(3, dm.heads), split_dim=1
         )
         heads, window = dm.heads, t.window
         self.gate_bias = _per_head((3 * heads,), fn=lambda s, g: gate_bias_init(heads, window))
-        self.gate_bias.tp_layout = row_layout((3 * dm.heads,), (3, dm.heads), 1)
+        mark_split(self.gate_bias, row_layout((3 * dm.heads,), (3, dm.heads), 1))
         self.memory = nn.ParameterList(
             _per_head((dm.heads, o, i), fn=_normal_fan_in) for o, i in dm.mem_layers
         )
