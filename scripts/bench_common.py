@@ -126,6 +126,21 @@ def interleaved(
     return times
 
 
+def status_mib(key: str) -> float:
+    """A ``/proc/self/status`` field (``VmRSS``, ``VmHWM``, ``RssFile``) in MiB (Linux)."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(key + ":"):
+                return int(line.split()[1]) / 1024
+    raise KeyError(key)
+
+
+def reset_peak() -> None:
+    """Reset this process's ``VmHWM`` to its current RSS (Linux ``clear_refs`` 5)."""
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+
+
 def emit(result: Mapping[str, Any]) -> None:
     """Print one result as a JSON line (flushed)."""
     print(json.dumps(result), flush=True)

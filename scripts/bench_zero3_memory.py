@@ -44,28 +44,9 @@ import threading
 import time
 from typing import Any
 
-from bench_common import ROOT, emit, stamp
+from bench_common import ROOT, emit, reset_peak, stamp, status_mib
 
 MiB = 2**20
-
-
-def _status_kib(key: str) -> int:
-    """A ``/proc/self/status`` field in KiB (``VmRSS``, ``VmHWM``)."""
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(key + ":"):
-                return int(line.split()[1])
-    raise KeyError(key)
-
-
-def _mib(key: str) -> float:
-    return _status_kib(key) / 1024
-
-
-def _reset_peak() -> None:
-    """Reset this process's ``VmHWM`` to its current RSS (Linux ``clear_refs`` 5)."""
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")
 
 
 def bench_config(
@@ -96,8 +77,9 @@ def bench_config(
 def _progress(rank: int, what: str) -> None:
     """A line per phase on stderr (what a killed run leaves behind)."""
     print(
-        f"rank {rank}: {what}: rss {_mib('VmRSS'):.0f} MiB (shared {_mib('RssShmem'):.0f}, "
-        f"file {_mib('RssFile'):.0f}), peak {_mib('VmHWM'):.0f} MiB",
+        f"rank {rank}: {what}: rss {status_mib('VmRSS'):.0f} MiB "
+        f"(shared {status_mib('RssShmem'):.0f}, file {status_mib('RssFile'):.0f}), "
+        f"peak {status_mib('VmHWM'):.0f} MiB",
         file=sys.stderr,
         flush=True,
     )
@@ -128,10 +110,10 @@ def _worker(
     cfg, ds = bench_config(name, seq_len, world, extra, zero)
     parallel.init_model_parallel(1, 1)
     deepspeed.init_distributed(dist.get_backend())
-    out: dict[str, Any] = {"rank": rank, "footprint": _mib("VmRSS")}
+    out: dict[str, Any] = {"rank": rank, "footprint": status_mib("VmRSS")}
     t = time.perf_counter()
     model = build_model(cfg) if build == "whole" else build_partitioned(cfg, ds)
-    out.update(model_peak=_mib("VmHWM"), model_s=time.perf_counter() - t)
+    out.update(model_peak=status_mib("VmHWM"), model_s=time.perf_counter() - t)
     _progress(rank, f"{build} model built")
     if stop == "model":
         dist.barrier()
@@ -140,7 +122,7 @@ def _worker(
         model=model, optimizer=optim.build_optimizer(model, cfg.train), config=ds
     )
     dist.barrier()
-    out.update(build_peak=_mib("VmHWM"), build_rss=_mib("VmRSS"))
+    out.update(build_peak=status_mib("VmHWM"), build_rss=status_mib("VmRSS"))
     out["build_s"] = time.perf_counter() - t
     _progress(rank, "engine initialised")
     g = torch.Generator().manual_seed(rank)
@@ -149,22 +131,22 @@ def _worker(
     phases: list[dict[str, float]] = []
     for _ in range(steps):
         # Peak per phase: VmHWM is reset to the current RSS before each (clear_refs 5).
-        _reset_peak()
+        reset_peak()
         loss = engine(ids[:, :-1], ids[:, 1:])
-        fwd = _mib("VmHWM")
-        _reset_peak()
+        fwd = status_mib("VmHWM")
+        reset_peak()
         engine.backward(loss)
-        bwd = _mib("VmHWM")
-        _reset_peak()
+        bwd = status_mib("VmHWM")
+        reset_peak()
         engine.step()
         dist.barrier()
-        phases.append({"forward": fwd, "backward": bwd, "step": _mib("VmHWM")})
+        phases.append({"forward": fwd, "backward": bwd, "step": status_mib("VmHWM")})
         _progress(rank, f"step {len(phases)} " + json.dumps(phases[-1]))
     out.update(
         step_peak=max(max(p.values()) for p in phases),  # the steady state: every step
         first_step_peak=max(phases[0].values()),
         phases=phases,
-        step_rss=_mib("VmRSS"),
+        step_rss=status_mib("VmRSS"),
         loss=loss.item(),
     )
     out["step_s"] = (time.perf_counter() - t) / steps

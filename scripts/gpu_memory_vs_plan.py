@@ -107,7 +107,7 @@ def main(argv: list[str] | None = None) -> int:
             "seq_len": s,
             "layers": cfg.model.layers,
             "precision": launch.precision(ds),
-            "checkpointing": cfg.train.checkpoint_activations,
+            "recompute": cfg.train.recompute,
         },
         "steps": steps,
         "step_s": round(step_s, 4),

@@ -48,6 +48,7 @@ from tapered_megatron.taper import (
 PRESET_DIR = Path(os.environ.get("TM_CONFIG_DIR", resource("presets")))
 Partition = Literal["balanced", "uniform", "parameters", "megatron"]
 PipelineUnit = Literal["layer", "sublayer"]
+Recompute = Literal["none", "selective", "full"]
 
 
 @dataclass(frozen=True)
@@ -179,7 +180,10 @@ class TrainConfig:
     max_skipped_steps: int = at_least(1, 10)  # consecutive non-finite steps that stop the run
     loss_spike_factor: float = at_least(0, 3.0)  # log a loss above this x running mean; 0: off
     collective_timeout_s: float = at_least(1, 600.0)  # a collective waiting longer ends the job
-    checkpoint_activations: bool = False  # recompute each block / pipeline unit in backward
+    # activation recomputation in backward: "none"; "selective" (the attention core and the
+    # memory architectures' scan / update, keeping the linear layers' outputs); "full" (each
+    # block / pipeline unit). train.checkpoint_activations true is an alias of "full"
+    recompute: Recompute = "none"
 
 
 @dataclass(frozen=True)
@@ -329,6 +333,26 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
 #: Keys that were renamed: old dotted key -> new one (the old key fails with the new name).
 RENAMED = {"parallel.activation_checkpointing": "train.checkpoint_activations"}
 
+#: ``train.checkpoint_activations`` (a boolean) is an alias of ``train.recompute``: true is
+#: ``full``, false ``none``.
+ALIAS = ("checkpoint_activations", "recompute", {True: "full", False: "none"})
+
+
+def _aliased(layer: dict[str, Any]) -> dict[str, Any]:
+    """One config layer (a file, the overrides) with ``train.checkpoint_activations`` written
+    as ``train.recompute`` (:data:`ALIAS`); both in one layer must agree."""
+    train = layer.get("train")
+    old, new, values = ALIAS
+    if not isinstance(train, dict) or old not in train:
+        return layer
+    train = dict(train)
+    value = values[_coerce(train.pop(old), bool, f"train.{old}")]
+    if train.setdefault(new, value) != value:
+        raise ConfigError(
+            f"train.{old} and train.{new} ({train[new]}) disagree; give train.{new} only"
+        )
+    return {**layer, "train": train}
+
 
 def _from_dict(cls: type, data: dict[str, Any], prefix: str = "", extra: tuple = ()) -> Any:
     """``cls(**data)`` with every value type-checked (``Literal`` choices and ``at_least``
@@ -400,6 +424,7 @@ def _merge(base: dict, over: dict) -> dict:
 def _override(base: dict, over: dict) -> dict:
     """``over`` merged into ``base``; when ``over`` changes ``model.arch``, the settings of the
     old architecture are dropped from ``base`` (the architecture is an override)."""
+    base, over = _aliased(base), _aliased(over)
     old = base.get("model", {}).get("arch", ModelConfig.arch)
     if over.get("model", {}).get("arch", old) != old:
         reg = _registry()
@@ -494,7 +519,7 @@ def _load_yaml(name_or_path: str, seen: tuple[str, ...] = ()) -> dict[str, Any]:
 
 
 def _build(data: dict[str, Any]) -> Config:
-    cfg = _from_dict(Config, {"model": {}, **data})
+    cfg = _from_dict(Config, {"model": {}, **_aliased(data)})
     validate(cfg)
     return cfg
 

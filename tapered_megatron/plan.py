@@ -1,10 +1,11 @@
-"""Scale planner: choose TP x PP x DP, ZeRO stage, micro-batch, checkpointing and pipeline unit.
+"""Scale planner: choose TP x PP x DP, ZeRO stage, micro-batch, recompute and pipeline unit.
 
 ``python -m tapered_megatron.plan --config transformer_7b --gpus 64 --gpu-mem 80 [--nodes 8]``
 enumerates every layout that divides the GPUs (TP inside a node, dividing the heads, the taper
 unit and the vocabulary padding; PP up to the number of pipeline units; DP the rest), every ZeRO
 stage DeepSpeed allows for it (0-3 without pipeline, 0-1 with), micro-batch sizes that divide the
-global batch, activation checkpointing on or off, and whole-layer or sub-layer pipeline units.
+global batch, activation recomputation (``train.recompute``: none, selective, full), and
+whole-layer or sub-layer pipeline units.
 For each it
 
 1. builds the unit costs and memory (:mod:`tapered_megatron.pipeline.cost`, the cost model the
@@ -14,10 +15,12 @@ For each it
 3. predicts the step time: the 1F1B pipeline (fill/drain + (M-1) x slowest stage, the stage
    times including their tensor-parallel all-reduces), pipeline sends (activation forward and
    gradient backward per micro-batch, NVLink when neighbouring stages share a node, else the
-   network), the data-parallel gradient reduction (ring all-reduce, 2(dp-1)/dp x bytes; ZeRO-3 adds
-   a parameter all-gather per pass; over NVLink when the DP group fits in a node, else the network;
-   not overlapped with compute, which is DeepSpeed's pipeline behaviour) and the optimizer step
-   (memory-bound, the model state read and written once),
+   network), the data-parallel communication (:func:`tapered_megatron.pipeline.cost.dp_comm`:
+   the gradient reduce, per micro-batch under ZeRO-2/3, and the parameter all-gather, per pass
+   under ZeRO-3; over NVLink when the DP group fits in a node, else the network; without
+   pipeline, ZeRO-1/2/3 overlap the reduce with backward (``overlap_comm``) but for the last
+   bucket, the pipeline engine and ZeRO-0 overlap nothing) and the optimizer step (memory-bound,
+   the model state read and written once),
 4. reports MFU = model FLOPs (3 x forward FLOPs per token from the counters, recompute excluded) /
    (step time x GPUs x peak).
 
@@ -28,7 +31,10 @@ throughput), ties broken by lower peak memory. The parameter total is checked on
 ``--nvlink-gbps``, ``--network-gbps``.
 
 ``--write-ds-config PATH`` and ``--write-slurm PATH`` fill a DeepSpeed JSON and the SLURM template
-``scripts/slurm_cluster_template.sbatch`` from the best candidate.
+``scripts/slurm_cluster_template.sbatch`` from the best candidate; the JSON's ZeRO section
+overlaps communication (``overlap_comm``) with the bucket sizes of
+:func:`tapered_megatron.pipeline.cost.reduce_bucket_elems`, whose two reduce buffers the memory
+prediction counts.
 """
 
 from __future__ import annotations
@@ -41,6 +47,7 @@ from pathlib import Path
 from typing import Any
 
 from tapered_megatron.config import Config, tp_problem
+from tapered_megatron.models.counters import count_model
 from tapered_megatron.pipeline import cost as costlib
 from tapered_megatron.pipeline.balance import analyse
 from tapered_megatron.pipeline.solver import InfeasibleError
@@ -60,7 +67,7 @@ class Candidate:
     zero: int
     micro_batch_size: int
     grad_accum: int
-    checkpointing: bool
+    recompute: str
     unit: str
     parts: tuple[int, ...] = ()
     mem_gib: float = 0.0  # the most loaded stage
@@ -69,14 +76,15 @@ class Candidate:
     tokens_per_s: float = 0.0
     bottleneck: float = 0.0
     breakdown: dict[str, float] = field(default_factory=dict)
+    dp_comm: str = ""  # how the DP communication runs (cost.DPComm.how)
+    reduce_bucket: int = 0  # ZeRO-1/2 reduce_bucket_size written to the DeepSpeed config
 
     @property
     def label(self) -> str:
         """Short human-readable label."""
-        ck = "ckpt" if self.checkpointing else "nockpt"
         return (
             f"tp{self.tp} pp{self.pp} dp{self.dp} zero{self.zero} mbs{self.micro_batch_size} "
-            f"gas{self.grad_accum} {ck} {self.unit}"
+            f"gas{self.grad_accum} rc-{self.recompute} {self.unit}"
         )
 
 
@@ -97,35 +105,44 @@ def evaluate(cfg: Config, c: Candidate, dev: costlib.Device, cap: float) -> Cand
         device=dev,
         dp=c.dp,
         zero_stage=c.zero,
-        checkpointing=c.checkpointing,
+        recompute=c.recompute,
         tp=c.tp,
         micro_batch_size=c.micro_batch_size,
         methods=("balancer",),
     )
+    elem = costlib.activation_scale(dev.precision)
+    # ZeRO-1/2 without pipeline: overlap_comm's two reduce buckets (a fixed size per rank)
+    buckets = 0.0
+    if c.pp == 1:
+        local = count_model(cfg).params_total / c.tp
+        buckets = costlib.overlap_bucket_bytes(local, elem, c.zero)
     try:
-        bal = analyse(cfg, c.pp, c.grad_accum, gpu_mem=cap / costlib.GiB, **layout)
+        bal = analyse(cfg, c.pp, c.grad_accum, gpu_mem=(cap - buckets) / costlib.GiB, **layout)
     except InfeasibleError:
         need = analyse(cfg, c.pp, c.grad_accum, gpu_mem=float("inf"), **layout)
-        worst = max(need.methods["balancer"].stage_mem) / costlib.GiB
+        worst = (max(need.methods["balancer"].stage_mem) + buckets) / costlib.GiB
         return f"out of memory: needs {worst:.1f} GiB on its worst stage"
     r, costs = bal.methods["balancer"], bal.costs
-    elem = costlib.activation_scale(dev.precision)
     act_bytes = c.micro_batch_size * m.seq_len * m.d_model * elem  # one residual-stream tensor
     # Pipeline sends: neighbouring stages are dp*tp ranks apart (topology axes pipe, data, model).
     pp_bw = dev.intra_bw if c.dp * c.tp < dev.gpus_per_node else dev.inter_bw
     p2p = act_bytes / c.tp / pp_bw if c.pp > 1 else 0.0  # DeepSpeed pipe_partitioned sends 1/tp
     stage_times = [t + (2 * p2p if c.pp > 1 else 0.0) for t in r.stage_times]
     pipe_s = costlib.step_time(stage_times, c.grad_accum)
-    # Data parallel: gradients of the heaviest stage (bf16 grads / fp32), ring over dp.
+    # Data parallel: gradients of the heaviest stage (bf16 grads / fp32) over dp, overlapped
+    # with backward where DeepSpeed overlaps them (cost.dp_comm)
     grad_elem = 2.0 if dev.precision == "bf16" else 4.0
     dp_bw = dev.intra_bw if c.dp * c.tp <= dev.gpus_per_node else dev.inter_bw
     stage_param = max(r.stage_params) / c.tp
-    dp_s = costlib.ring_all_reduce(stage_param * grad_elem, c.dp, dp_bw)
-    if c.zero >= 3:
-        dp_s += 2 * (c.dp - 1) / c.dp * stage_param * grad_elem / dp_bw * c.grad_accum
+    compute = max(r.stage_times)  # one micro-batch on the slowest stage
+    passes = 4 if c.recompute == "full" else 3
+    dp = costlib.dp_comm(
+        stage_param, c.dp, c.zero, c.grad_accum, c.pp > 1, grad_elem, dp_bw,
+        compute * (passes - 1) / passes, compute,
+    )  # fmt: skip
     bpp = costlib.bytes_per_param(dev.precision, c.zero, c.dp, c.pp > 1)
     opt_s = 2 * stage_param * bpp / dev.mem_bw
-    step = pipe_s + dp_s + opt_s
+    step = pipe_s + dp.exposed + opt_s
     gpus = c.tp * c.pp * c.dp
     tokens = c.micro_batch_size * c.grad_accum * c.dp * m.seq_len
     model_flops = 3 * sum(u.flops_fwd for u in costs) * tokens
@@ -133,7 +150,7 @@ def evaluate(cfg: Config, c: Candidate, dev: costlib.Device, cap: float) -> Cand
     return replace(
         c,
         parts=r.parts,
-        mem_gib=max(r.stage_mem) / costlib.GiB,
+        mem_gib=(max(r.stage_mem) + buckets) / costlib.GiB,
         step_s=step,
         mfu=model_flops / (step * gpus * dev.peak_flops),
         tokens_per_s=tokens / step,
@@ -144,14 +161,17 @@ def evaluate(cfg: Config, c: Candidate, dev: costlib.Device, cap: float) -> Cand
             "bubble_and_imbalance_s": pipe_s - ideal,
             "tp_comm_s": sum(u.tp_comm for u in costs) * c.grad_accum / c.pp,
             "p2p_s": 2 * p2p * c.grad_accum,
-            "dp_comm_s": dp_s,
+            "dp_comm_s": dp.total,
+            "dp_overlapped_s": dp.overlapped,
             "optimizer_s": opt_s,
         },
+        dp_comm=dp.how,
+        reduce_bucket=costlib.reduce_bucket_elems(stage_param) if c.zero in (1, 2) else 0,
     )
 
 
 def enumerate_candidates(cfg: Config, gpus: int, gpus_per_node: int) -> list[Candidate]:
-    """Every layout / ZeRO / micro-batch / checkpointing / unit combination to evaluate."""
+    """Every layout / ZeRO / micro-batch / recompute / unit combination to evaluate."""
     m, tr = cfg.model, cfg.train
     gbs = tr.global_batch_size or tr.micro_batch_size * gpus
     out = []
@@ -167,9 +187,9 @@ def enumerate_candidates(cfg: Config, gpus: int, gpus_per_node: int) -> list[Can
                     if gbs % (mbs * dp):
                         continue
                     gas = gbs // (mbs * dp)
-                    for ckpt in (False, True):
+                    for rc in ("none", "selective", "full"):
                         for unit in ("layer", "sublayer") if pp > 1 else ("layer",):
-                            out.append(Candidate(tp, pp, dp, zero, mbs, gas, ckpt, unit))
+                            out.append(Candidate(tp, pp, dp, zero, mbs, gas, rc, unit))
     return out
 
 
@@ -223,6 +243,10 @@ def reasoning(
     lines.append(
         "  time: " + ", ".join(f"{k[:-2]} {v:.2f}s" for k, v in b.items() if k != "pipeline_s")
     )
+    lines.append(
+        f"  DP communication {b['dp_comm_s']:.2f}s, {b['dp_overlapped_s']:.2f}s of it hidden: "
+        f"{best.dp_comm}"
+    )
     no_pp = [c for c in ranked if c.pp == 1]
     if best.pp > 1:
         if not no_pp:
@@ -236,7 +260,7 @@ def reasoning(
     for key, what in (
         ("tp", "TP"),
         ("zero", "ZeRO"),
-        ("checkpointing", "checkpointing"),
+        ("recompute", "recompute"),
         ("unit", "pipeline unit"),
     ):
         alt = [c for c in ranked if getattr(c, key) != getattr(best, key)]
@@ -268,6 +292,17 @@ def ds_config(cfg: Config, best: Candidate, dev: costlib.Device) -> dict[str, An
     if best.zero >= 3:
         # the buffer sizes the memory model counted (cost.zero3_stage_bytes)
         out["zero_optimization"].update(costlib.Zero3().ds_keys())
+    if best.pp == 1 and best.zero >= 1:
+        # the gradient reduce overlaps backward (cost.dp_comm); ZeRO-1/2's two reduce buckets
+        # of this size are in the memory prediction
+        z = out["zero_optimization"]
+        z.update(overlap_comm=True, contiguous_gradients=True)
+        if best.zero in (1, 2):
+            z.update(
+                reduce_scatter=True,
+                reduce_bucket_size=best.reduce_bucket,
+                allgather_bucket_size=best.reduce_bucket,
+            )
     if dev.precision == "bf16" and best.zero >= 1:
         # micro-batches accumulate in fp32; DeepSpeed refuses fp32 accumulation with bf16
         # under ZeRO-0 (pipeline or not), which accumulates in bf16
@@ -277,7 +312,7 @@ def ds_config(cfg: Config, best: Candidate, dev: costlib.Device) -> dict[str, An
         # gradient to its fp32 buffer again (gradients counted several times) unless it moves
         # them there in the backward hooks
         out["bf16"]["immediate_grad_update"] = True
-        # checkpointing is done by the model's own units (--train.checkpoint_activations)
+        # recomputation is done by the model's own units (--train.recompute)
         out["pipeline"] = {
             "stages": best.pp,
             "activation_checkpoint_interval": 0,
@@ -294,7 +329,7 @@ def overrides(cfg: Config, best: Candidate) -> list[str]:
         "--parallel.pp", str(best.pp),
         "--parallel.partition", "balanced",
         "--parallel.pipeline_unit", best.unit,
-        "--train.checkpoint_activations", str(best.checkpointing).lower(),
+        "--train.recompute", best.recompute,
         "--train.micro_batch_size", str(best.micro_batch_size),
         "--train.global_batch_size", str(best.micro_batch_size * best.grad_accum * best.dp),
     ]  # fmt: skip
@@ -327,7 +362,6 @@ def fill_slurm(
 def main(argv: list[str] | None = None) -> int:
     """CLI entry (see the module docstring)."""
     from tapered_megatron.config import load_config_or_exit
-    from tapered_megatron.models.counters import count_model
     from tapered_megatron.models.language_model import meta_param_count
 
     ap = argparse.ArgumentParser(

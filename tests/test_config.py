@@ -48,7 +48,7 @@ def test_overrides_apply_with_types():
     )
     assert cfg.model.arch == "titans" and cfg.taper.schedule == "uniform"
     assert cfg.train.iters == 20 and cfg.taper.ratio == (1.25, 0.75)
-    assert cfg.train.checkpoint_activations is True and cfg.model.titans.chunk_size == 8
+    assert cfg.train.recompute == "full" and cfg.model.titans.chunk_size == 8
     assert set(cfg.taper_plan.widths) == {cfg.model.d_ff}
     again = cfg.with_overrides(["--train.iters", "5"])
     assert again.train.iters == 5 and again.model.arch == "titans"
@@ -204,7 +204,7 @@ def test_saved_config_of_an_older_checkpoint_loads(tmp_path):
     old["model"]["titans"] = {"chunk_size": 16, "window": 64}
     old["model"]["hope"] = {"levels": 3, "periods": [0, 64, 16]}
     old["model"]["gate"] = "elementwise"
-    del old["train"]["checkpoint_activations"]
+    del old["train"]["recompute"]
     old["parallel"]["activation_checkpointing"] = True  # the key's name before the rename
     path = tmp_path / "config.yaml"
     path.write_text(yaml.safe_dump(old))

@@ -19,7 +19,7 @@ from tapered_megatron.models import (
     pipeline_layer_specs,
     register_architecture,
     resolve_architecture,
-    set_activation_checkpointing,
+    set_recompute,
 )
 from tapered_megatron.models.base import ARCHITECTURES
 from tapered_megatron.parallel import cross_entropy
@@ -117,8 +117,8 @@ def test_dropout_option():
     assert torch.equal(model(ids, ids), again)  # masks come from the default generator
     assert torch.equal(model.eval()(ids, ids), ref)
     grads = []
-    for on in (False, True):
-        model = set_activation_checkpointing(build_model(cfg), on)
+    for mode in ("none", "full"):
+        model = set_recompute(build_model(cfg), mode)
         torch.manual_seed(7)
         model(ids, ids).backward()
         grads.append([p.grad for p in model.parameters()])

@@ -122,7 +122,7 @@ def test_cluster_ds_configs_are_valid(name: str, monkeypatch) -> None:
 def test_planner_and_balancer_choose_the_same_stages(preset) -> None:
     """A run launched with the planner's overrides gets the planner's stage boundaries from the
     trainer's balancer (same device and memory cap): one cost model, TP communication included.
-    PP 4 and 8 on 64 GPUs, whole layers and sub-layers, with and without checkpointing."""
+    PP 4 and 8 on 64 GPUs, whole layers and sub-layers, with and without recomputation."""
     cfg = load_config(preset)
     dev = costlib.get_device("h100")
     cap = 0.9 * 80 * costlib.GiB
@@ -130,9 +130,9 @@ def test_planner_and_balancer_choose_the_same_stages(preset) -> None:
     checked = 0
     for pp in (4, 8):
         dp = 64 // (tp * pp)
-        for ckpt, unit in ((False, "layer"), (True, "sublayer")):
+        for rc, unit in (("none", "layer"), ("selective", "layer"), ("full", "sublayer")):
             gas = cfg.train.global_batch_size // dp
-            cand = evaluate(cfg, Candidate(tp, pp, dp, 1, 1, gas, ckpt, unit), dev, cap)
+            cand = evaluate(cfg, Candidate(tp, pp, dp, 1, 1, gas, rc, unit), dev, cap)
             if isinstance(cand, str):  # does not fit: nothing to compare
                 continue
             run = cfg.with_overrides(overrides(cfg, cand))
@@ -140,7 +140,7 @@ def test_planner_and_balancer_choose_the_same_stages(preset) -> None:
                 run, pp, run.parallel.partition, gas, device=dev, gpu_mem=cap / costlib.GiB,
                 dp=dp, zero_stage=cand.zero,
             )  # fmt: skip
-            assert tuple(parts) == cand.parts, (pp, ckpt, unit)
+            assert tuple(parts) == cand.parts, (pp, rc, unit)
             checked += 1
     assert checked >= 3
 
@@ -249,3 +249,66 @@ def test_teach_first_pass_costs_one_static_forward_per_unit() -> None:
     for a, t, s in zip(costs["association"], costs["teach"], costs["static"], strict=True):
         assert t.time - a.time == pytest.approx(s.time / 3)
         assert (t.static, t.act, t.peak) == (a.static, a.act, a.peak)
+
+
+def test_recompute_modes_in_the_cost_model() -> None:
+    """Per block: ``selective`` keeps less than ``none`` (the cores' bytes, TP-sharded) and
+    more than ``full``, and costs one more forward of the cores (``full``: of the whole block)."""
+    cfg = load_config("titans_7b")
+    dev = costlib.get_device("h100")
+    shape = costlib.RunShape(micro_batch_size=1, seq_len=cfg.model.seq_len, tp=4)
+    none, sel, full = (
+        costlib.unit_costs(cfg, replace(shape, recompute=rc), dev)
+        for rc in ("none", "selective", "full")
+    )
+    from tapered_megatron.models import units
+
+    for u, a, b, c in zip(units(cfg, "layer"), none, sel, full, strict=True):
+        counts = u.counts(2)
+        if u.kind != "layer":
+            assert a == b
+            continue
+        assert counts.core_bytes > 0 and counts.core_flops > 0
+        assert b.act == pytest.approx(a.act - counts.core_bytes * shape.tokens / 4)
+        assert c.act < b.act < a.act and a.time < b.time < c.time
+
+
+def test_dp_communication_overlaps_where_deepspeed_overlaps_it() -> None:
+    """ZeRO-1/2/3 without pipeline hide the gradient reduce behind backward but for the last
+    bucket; ZeRO-2 reduces every micro-batch; ZeRO-0 and the pipeline engine hide nothing."""
+    args = dict(stage_params=2e9, dp=16, micro_batches=4, elem=2.0, bw=50e9)
+    one = 15 / 16 * 2e9 * 2.0 / 50e9
+    z2 = costlib.dp_comm(zero_stage=2, pipeline=False, backward_s=1.0, compute_s=1.5, **args)
+    assert z2.total == pytest.approx(4 * one + one)  # a reduce per micro-batch, one all-gather
+    bucket = costlib.reduce_bucket_elems(2e9)
+    assert bucket == 250_000_000
+    assert z2.exposed == pytest.approx(one + 4 * one * bucket / 2e9)
+    z1 = costlib.dp_comm(zero_stage=1, pipeline=False, backward_s=1.0, compute_s=1.5, **args)
+    assert z1.total == pytest.approx(2 * one) and z1.overlapped == pytest.approx(one * 7 / 8)
+    short = costlib.dp_comm(zero_stage=2, pipeline=False, backward_s=0.01, compute_s=0.015, **args)
+    assert short.overlapped == pytest.approx(4 * 0.01)  # no more than the backward
+    for zero, pipe in ((0, False), (1, True)):
+        c = costlib.dp_comm(zero_stage=zero, pipeline=pipe, backward_s=1.0, compute_s=1.5, **args)
+        assert c.overlapped == 0 and c.exposed == pytest.approx(2 * one)
+
+
+def test_planner_writes_overlapped_zero_configs() -> None:
+    """A ZeRO-2 candidate: its DeepSpeed config overlaps the reduce with the planner's bucket
+    size, the memory prediction holds its two reduce buckets, the breakdown names the overlap."""
+    cfg = load_config("transformer_1.3b")
+    dev = costlib.get_device("h100")
+    cap = 0.9 * 80 * costlib.GiB
+    cand = evaluate(cfg, Candidate(2, 1, 8, 2, 1, 8, "none", "layer"), dev, cap)
+    z = ds_config(cfg, cand, dev)["zero_optimization"]
+    assert z["overlap_comm"] and z["contiguous_gradients"]
+    assert z["reduce_bucket_size"] == z["allgather_bucket_size"] == cand.reduce_bucket
+    assert cand.reduce_bucket == costlib.reduce_bucket_elems(count_model(cfg).params_total / 2)
+    b = cand.breakdown
+    assert 0 < b["dp_overlapped_s"] < b["dp_comm_s"] and "overlap_comm" in cand.dp_comm
+    z0 = evaluate(cfg, replace(cand, zero=0), dev, cap)
+    z1 = evaluate(cfg, replace(cand, zero=1), dev, cap)
+    assert z0.breakdown["dp_overlapped_s"] == 0
+    local = count_model(cfg).params_total / 2
+    state = local * (costlib.bytes_per_param("bf16", 1, 8, False) - 16)  # ZeRO-1 vs ZeRO-0
+    buckets = 2 * 4 * cand.reduce_bucket  # ZeRO-1 reduces in fp32 (the accumulation dtype)
+    assert (z1.mem_gib - z0.mem_gib) * costlib.GiB == pytest.approx(state + buckets, rel=1e-6)

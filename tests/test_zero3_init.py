@@ -4,8 +4,9 @@
   :func:`build_partitioned`): no rank holds a whole parameter after the build, each holds 1/dp
   of the elements, and the full weights gathered afterwards (and joined over TP) equal the
   single-process :func:`build_model` of the same seed (bitwise; in bf16 equal to its cast).
-* ``train.checkpoint_activations`` gives the same loss and gradients as the plain model for every
-  architecture, in the single model and in the pipeline units (sub-layer units chained by hand).
+* ``train.recompute full`` (alias ``train.checkpoint_activations``) gives the same loss and
+  gradients as the plain model for every architecture, in the single model and in the pipeline
+  units (sub-layer units chained by hand).
 * The planner's ZeRO-3 step memory (``analyse``, the ``python -m tapered_megatron.plan`` call)
   is within 15 % of the peak measured on real ranks in DeepSpeed's steady state
   (``scripts/bench_zero3_memory.py``).
@@ -24,7 +25,7 @@ import torch
 from arch_args import for_arch
 
 from tapered_megatron.config import load_config
-from tapered_megatron.models import build_model, lm_loss, set_activation_checkpointing, units
+from tapered_megatron.models import build_model, lm_loss, set_recompute, units
 from tapered_megatron.models.base import ARCHITECTURES
 from tapered_megatron.parallel.local_launch import run_workers
 
@@ -128,7 +129,7 @@ def test_checkpoint_activations_same_loss_and_grads(arch, extra):
     for on in (False, True):
         cfg = tiny(arch, *extra, "--train.checkpoint_activations", str(on).lower())
         model = build_model(cfg).train()
-        assert all(b.activation_checkpointing is on for b in model.layers)
+        assert all(b.recompute_full is on for b in model.layers)
         loss = model(ids, ids)
         loss.backward()
         runs.append((loss.detach(), _grads(model)))
@@ -149,9 +150,7 @@ def test_checkpointed_pipeline_units_match_the_single_model(arch):
     want = model(ids, ids)
     want.backward()
     reference = _grads(model)
-    built = [
-        (u, set_activation_checkpointing(u.build(), True).train()) for u in units(cfg, "sublayer")
-    ]
+    built = [(u, set_recompute(u.build(), "full").train()) for u in units(cfg, "sublayer")]
     h = ids
     for _, module in built:
         h = module(h)
@@ -160,7 +159,7 @@ def test_checkpointed_pipeline_units_match_the_single_model(arch):
     torch.testing.assert_close(loss.detach(), want.detach(), atol=1e-6, rtol=1e-6)
     prefix = {"embedding": "embedding.", "head": "head."}
     for u, module in built:
-        assert u.kind in prefix or module.activation_checkpointing
+        assert u.kind in prefix or module.recompute_full
         for name, g in _grads(module).items():
             key = prefix.get(u.kind, f"layers.{u.layer}.") + name
             torch.testing.assert_close(g, reference[key], atol=1e-6, rtol=1e-5, msg=key)

@@ -33,7 +33,7 @@ from tapered_megatron.models.language_model import (
     canonical_parameters,
     lm_loss,
     pipeline_layer_specs,
-    set_activation_checkpointing,
+    set_recompute,
     unit_prefixes,
     units,
 )
@@ -63,7 +63,7 @@ __all__ = [
     "pipeline_layer_specs",
     "register_architecture",
     "resolve_architecture",
-    "set_activation_checkpointing",
+    "set_recompute",
     "unit_prefixes",
     "units",
 ]

@@ -89,7 +89,15 @@ class Attention(TokenMixer):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, s, _ = x.shape
-        q, g, k, v = self.project(x)
+        o = self.recomputed(self.core, *self.project(x))
+        return self.out(o.reshape(b, s, self.heads * self.head_dim))
+
+    def core(
+        self, q: torch.Tensor, g: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    ) -> torch.Tensor:
+        """The attention core: :meth:`project`'s outputs -> the (gated) attention output
+        ``[b, s, heads, head_dim]`` (RoPE, SDPA, the gate); what selective recompute runs again
+        in backward."""
         q, k = self.rope(q), self.rope(k)
         o = F.scaled_dot_product_attention(
             q.transpose(1, 2),
@@ -98,8 +106,7 @@ class Attention(TokenMixer):
             is_causal=True,
             enable_gqa=self.grouped,
         ).transpose(1, 2)
-        o = self.gate(o, g)
-        return self.out(o.reshape(b, s, self.heads * self.head_dim))
+        return self.gate(o, g)
 
     def gate(self, o: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
         """Hook applied to the attention output ``[b, s, heads, head_dim]`` (identity here)."""
@@ -119,8 +126,17 @@ class Attention(TokenMixer):
         # log-sum-exp (h), the out-projection input (d); a gate adds sigmoid(g) (h g) and the
         # gated output (d)
         elems = 4 * d + kv + h + (h * g + d if g else 0)
+        # selective recompute runs the core (RoPE, scores, weighted sum, gate) again in
+        # backward: it frees q and k after RoPE, the log-sum-exp and sigmoid(g)
+        core = d + kv // 2 + h + h * g
+        b = dtype_bytes
         return Counts(
-            params, 2.0 * params + attn_flops, float(elems * dtype_bytes), kv_params=kv_params
+            params,
+            2.0 * params + attn_flops,
+            float(elems * b),
+            kv_params=kv_params,
+            core_bytes=float(core * b),
+            core_flops=attn_flops,
         )
 
 

@@ -38,8 +38,10 @@ Protocol of the two module classes (what the block, the unit table and the count
     token (2 x multiply-adds of every matmul, plus attention score/value products over the mean
     causal context; elementwise ops ignored) and the activation bytes per token it keeps for
     backward when ``dtype_bytes`` is the activation element size. Norms are counted by the block.
-    The counters and the pipeline cost model read only these, and a test checks that the
-    parameter count equals the module built on the meta device.
+    A module with a selectively recomputed core (:class:`Recomputed`) also gives the bytes the
+    recompute frees and the core's FLOPs (``core_bytes``, ``core_flops``). The counters and the
+    pipeline cost model read only these, and a test checks that the parameter count equals the
+    module built on the meta device.
 
 Initialisation: every parameter that should be random declares ``param.init_std = std`` (normal)
 or ``param.init_fn = fn(full_shape, generator) -> tensor`` (and ``param.tp_layout`` when split, as
@@ -57,13 +59,14 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, fields, is_dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
+import torch
 from torch import nn
 
-if TYPE_CHECKING:
-    import torch
+from tapered_megatron.parallel.random import checkpoint
 
+if TYPE_CHECKING:
     from tapered_megatron.config import Config
 
 
@@ -74,15 +77,20 @@ class Counts:
     Attributes:
         params: parameter count.
         flops: forward FLOPs per token (backward is counted as 2x forward by the aggregator).
-        act_bytes: bytes per token kept for backward (no activation checkpointing).
+        act_bytes: bytes per token kept for backward (no activation recomputation).
         kv_params: the part of ``params`` split over the key/value heads (every TP rank holds
             all of them when the TP size exceeds ``model.kv_heads``).
+        core_bytes: the part of ``act_bytes`` that selective recompute frees (the core's
+            saved activations beyond its inputs and output, :class:`Recomputed`).
+        core_flops: forward FLOPs per token of that core (run again in backward).
     """
 
     params: int
     flops: float
     act_bytes: float
     kv_params: int = 0
+    core_bytes: float = 0.0
+    core_flops: float = 0.0
 
     def __add__(self, other: Counts) -> Counts:
         return Counts(
@@ -90,15 +98,34 @@ class Counts:
             self.flops + other.flops,
             self.act_bytes + other.act_bytes,
             self.kv_params + other.kv_params,
+            self.core_bytes + other.core_bytes,
+            self.core_flops + other.core_flops,
         )
 
 
-class BlockPart(nn.Module):
+class Recomputed:
+    """Mixin of modules with a core that ``train.recompute = selective`` recomputes in backward
+    (an attention core, a memory scan or update): they run it as ``self.recomputed(fn, *args)``.
+    The linear layers around the core keep their outputs; :func:`set_recompute` switches it."""
+
+    selective_recompute: bool = False
+    training: bool
+
+    def recomputed(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """``fn(*args)``; under selective recompute, in training with gradients, its saved
+        activations are dropped and recomputed in backward (the same random numbers)."""
+        if self.selective_recompute and self.training and torch.is_grad_enabled():
+            return checkpoint(fn, *args)
+        return fn(*args)
+
+
+class BlockPart(Recomputed, nn.Module):
     """Common base of the two halves of a block (see the protocol in the module docstring)."""
 
     def __init__(self, cfg: Config, layer: int) -> None:
         super().__init__()
         self.layer = layer
+        self.selective_recompute = cfg.train.recompute == "selective"
 
     @classmethod
     def counts(cls, cfg: Config, layer: int, dtype_bytes: int = 2) -> Counts:

@@ -31,9 +31,8 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.utils.checkpoint import checkpoint
 
-from tapered_megatron.models.base import Counts
+from tapered_megatron.models.base import Counts, Recomputed
 from tapered_megatron.models.layers import RMSNorm
 from tapered_megatron.models.registry import resolve_architecture
 from tapered_megatron.parallel import (
@@ -44,11 +43,12 @@ from tapered_megatron.parallel import (
     vocab_parallel_cross_entropy,
     vocab_parallel_linear_cross_entropy_mean,
 )
+from tapered_megatron.parallel.random import checkpoint
 
 if TYPE_CHECKING:
     from deepspeed.pipe import LayerSpec
 
-    from tapered_megatron.config import Config, PipelineUnit
+    from tapered_megatron.config import Config, PipelineUnit, Recompute
 
 #: The two halves of a block, in order.
 HALVES = ("mixer", "mlp")
@@ -83,8 +83,8 @@ class Block(nn.Module):
     generator: the same on the TP ranks of a stage, restored from checkpoints on resume.
     Parameter names are the same whichever halves are built (``mixer_norm``, ``mixer``,
     ``mlp_norm``, ``mlp``), so a sub-layer unit's weights are the whole block's. Activation
-    checkpointing starts from ``cfg.train.checkpoint_activations``
-    (:func:`set_activation_checkpointing` flips it).
+    recomputation starts from ``cfg.train.recompute`` (:func:`set_recompute` changes it):
+    ``full`` recomputes the whole unit in backward, ``selective`` the cores of its modules.
     """
 
     def __init__(self, cfg: Config, layer: int, halves: tuple[str, ...] = HALVES) -> None:
@@ -93,7 +93,7 @@ class Block(nn.Module):
         m = cfg.model
         self.layer, self.halves = layer, tuple(halves)
         self.dropout = m.dropout
-        self.activation_checkpointing = cfg.train.checkpoint_activations
+        self.recompute_full = cfg.train.recompute == "full"
         if "mixer" in halves:
             self.mixer_norm = RMSNorm(m.d_model, m.norm_eps)
             self.mixer = arch.mixer(cfg, layer)
@@ -103,8 +103,8 @@ class Block(nn.Module):
         init_parameters(self, cfg.train.seed, f"layers.{layer}.")
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
-        if self.activation_checkpointing and self.training and torch.is_grad_enabled():
-            return checkpoint(self._forward, h, use_reentrant=False)
+        if self.recompute_full and self.training and torch.is_grad_enabled():
+            return checkpoint(self._forward, h)
         return self._forward(h)
 
     def _forward(self, h: torch.Tensor) -> torch.Tensor:
@@ -304,11 +304,14 @@ class LanguageModel(nn.Module):
         return out.logits() if labels is None else lm_loss(out, labels)
 
 
-def set_activation_checkpointing(model: nn.Module, enabled: bool = True) -> nn.Module:
-    """Recompute each block's (or pipeline unit's) activations in backward when ``enabled``."""
+def set_recompute(model: nn.Module, mode: Recompute) -> nn.Module:
+    """Activation recomputation of ``model``'s blocks (or pipeline units) in backward, as
+    ``train.recompute`` sets it: ``none``, ``selective`` (the modules' cores) or ``full``."""
     for module in model.modules():
         if isinstance(module, Block):
-            module.activation_checkpointing = enabled
+            module.recompute_full = mode == "full"
+        if isinstance(module, Recomputed):
+            module.selective_recompute = mode == "selective"
     return model
 
 

@@ -12,6 +12,9 @@
 * :class:`RNGStatesTracker` keeps named streams (a CPU and an accelerator generator state each);
   ``with get_rng_tracker().fork():`` runs a block under the TP-local stream on both generators
   and restores the default ones afterwards.
+* :func:`checkpoint` recomputes a function's activations in backward (activation
+  recomputation); the recomputation draws the same random numbers as the forward, from the
+  default streams and the tracker's alike.
 
 The accelerator is DeepSpeed's (``get_accelerator()``); on its CPU accelerator the accelerator
 generator is the CPU one, kept once.
@@ -22,11 +25,12 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import random
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
 import torch
+import torch.utils.checkpoint
 from deepspeed.accelerator import get_accelerator
 
 from tapered_megatron.parallel.topology import (
@@ -124,6 +128,28 @@ _TRACKER = RNGStatesTracker()
 def get_rng_tracker() -> RNGStatesTracker:
     """The process-wide tracker."""
     return _TRACKER
+
+
+def checkpoint(fn: Callable[..., Any], *args: Any) -> Any:
+    """``fn(*args)`` whose saved activations are dropped after the forward and recomputed in
+    backward (torch's non-reentrant checkpoint). The recomputation replays the random numbers
+    of the forward: the default CPU and accelerator streams (torch's own stash) and the
+    tracker's named streams (Megatron's ``CheckpointFunction`` habit), so dropout inside ``fn``,
+    under :meth:`RNGStatesTracker.fork` or not, draws the same masks twice."""
+    before = _TRACKER.get_states()
+
+    @contextlib.contextmanager
+    def replay() -> Iterator[None]:
+        after = _TRACKER.get_states()
+        _TRACKER.set_states(before)
+        try:
+            yield
+        finally:
+            _TRACKER.set_states(after)
+
+    return torch.utils.checkpoint.checkpoint(
+        fn, *args, use_reentrant=False, context_fn=lambda: (contextlib.nullcontext(), replay())
+    )
 
 
 def model_parallel_seed(seed: int) -> None:

@@ -214,7 +214,7 @@ def analyse(
     gpu_mem: float | None = None,
     dp: int = 1,
     zero_stage: int = 1,
-    checkpointing: bool | None = None,
+    recompute: str | None = None,
     tp: int | None = None,
     micro_batch_size: int | None = None,
     profiled: bool = False,
@@ -225,9 +225,10 @@ def analyse(
 
     The trainer (through :class:`~tapered_megatron.pipeline.module.BalancedPipelineModule`) and
     the planner both call this, so they choose the same stages for the same run. ``gpu_mem`` is
-    the per-device cap in GiB (default: the device's memory); ``checkpointing``, ``tp`` and
-    ``micro_batch_size`` default to the config's; ``profiled`` uses per-unit times measured on
-    this machine (cached) instead of the analytic FLOP model. Under ZeRO-3 (``zero_stage`` 3,
+    the per-device cap in GiB (default: the device's memory); ``recompute`` (``none``,
+    ``selective``, ``full``), ``tp`` and ``micro_batch_size`` default to the config's;
+    ``profiled`` uses per-unit times measured on this machine (cached) instead of the analytic
+    FLOP model. Under ZeRO-3 (``zero_stage`` 3,
     ``pp`` 1) ``zero3`` holds DeepSpeed's buffer sizes (default: ``ds_configs/zero3.json``'s)
     and the stage memory adds :func:`~tapered_megatron.pipeline.cost.zero3_stage_bytes`.
     """
@@ -241,9 +242,7 @@ def analyse(
         dp=dp,
         zero_stage=zero_stage,
         precision=dev.precision,
-        checkpointing=(
-            cfg.train.checkpoint_activations if checkpointing is None else checkpointing
-        ),
+        recompute=recompute or cfg.train.recompute,
         pipeline=pp > 1,
         zero3=zero3 or costlib.Zero3(),
     )
@@ -271,7 +270,7 @@ def partition(
     """Stage boundaries (DeepSpeed ``parts``, length ``pp + 1``) of ``method`` for ``cfg``.
 
     Keyword arguments go to :func:`analyse` (``unit``, ``device``, ``gpu_mem``, ``dp``,
-    ``zero_stage``, ``checkpointing``, ``profiled``).
+    ``zero_stage``, ``recompute``, ``profiled``).
     """
     m = ALIASES.get(method, method)
     if m not in METHODS:
@@ -299,7 +298,10 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument("--dp", type=int, default=1, help="data-parallel size (ZeRO sharding)")
     ap.add_argument("--zero", type=int, default=1, choices=(0, 1), help="ZeRO stage (PP: 0/1)")
-    ap.add_argument("--checkpointing", action="store_true", help="activation checkpointing")
+    ap.add_argument(
+        "--recompute", choices=("none", "selective", "full"), default=None,
+        help="activation recomputation (default: the config's train.recompute)",
+    )  # fmt: skip
     ap.add_argument("--profiled", action="store_true", help="per-unit times measured here")
     ap.add_argument("--json", action="store_true", help="one JSON object")
     a, rest = ap.parse_known_args(argv)
@@ -314,7 +316,7 @@ def main(argv: list[str] | None = None) -> int:
             gpu_mem=a.gpu_mem,
             dp=a.dp,
             zero_stage=a.zero,
-            checkpointing=a.checkpointing or None,
+            recompute=a.recompute,
             profiled=a.profiled,
         )
     except (InfeasibleError, ValueError) as e:

@@ -9,7 +9,9 @@ training time for one micro-batch of ``b`` sequences of ``s`` tokens is::
     time = (3 + r) * (flops_fwd_per_token * b * s / (tp * peak * efficiency) + launch)
            + (2 + r) * all_reduces[kind] * ring(b * s * d_model * element, tp)
 
-with ``r = 1`` when the unit is recomputed under activation checkpointing; an architecture's
+with ``r = 1`` when the unit is recomputed (``train.recompute full``); under ``selective`` the
+cores' FLOPs (:class:`~tapered_megatron.models.base.Counts` ``core_flops``) run once more, with no
+extra all-reduce; an architecture's
 first pass (Hope's teach signal: the record's ``first_pass_config``) adds one more forward of the
 unit at the first-pass config's FLOPs, with its all-reduces. ``efficiency`` is the
 achieved fraction of the device's dense peak per unit kind (mixer / MLP / block / head /
@@ -41,7 +43,8 @@ Memory of stage ``j`` under 1F1B with ``M`` micro-batches (stage ``j`` of ``P`` 
   ZeRO-1 divides the optimizer term by ``dp``, ZeRO-2 also the gradients, ZeRO-3 everything.
 * activations: the counted bytes per token x ``b * s``; tensor parallelism shards everything
   but the unit's input and its norm's input (replicated without sequence parallelism). With
-  checkpointing a block/sub-block keeps only its input per micro-batch in flight.
+  ``full`` recompute a block/sub-block keeps only its input per micro-batch in flight; with
+  ``selective`` it keeps all but its cores' ``core_bytes`` (inside the TP region, so sharded).
 * transient: while one unit runs backward, its activation gradients (about the size of what it
   saved; under checkpointing its recomputed activations) live next to everything in flight.
   The head's fused loss keeps its fp32 weight gradient per micro-batch in flight and works
@@ -227,7 +230,7 @@ class RunShape:
     dp: int = 1
     zero_stage: int = 1
     precision: str = "bf16"  # bf16 | fp32
-    checkpointing: bool = False
+    recompute: str = "none"  # train.recompute: none | selective | full
     pipeline: bool = True  # DeepSpeed PipelineEngine (bf16 -> BF16_Optimizer fp32 grad buffer)
     zero3: Zero3 = Zero3()  # DeepSpeed's ZeRO-3 buffer sizes (zero_stage 3 only)
 
@@ -335,13 +338,15 @@ def unit_costs(
         eff = device.efficiency[u.kind]
         if u.kind in ("mixer", "layer"):
             eff *= arch.mixer_efficiency ** (1.0 if u.kind == "mixer" else 0.5)
-        recompute = shape.checkpointing and u.kind in recompute_kinds
+        recompute = shape.recompute == "full" and u.kind in recompute_kinds
         passes = 4 if recompute else 3
         if measured_times is not None:
             t = float(measured_times[i])
         else:
             t = passes * c.flops * tok / (shape.tp * device.peak_flops * eff)
             t += passes * device.launch_s
+            if shape.recompute == "selective":
+                t += c.core_flops * tok / (shape.tp * device.peak_flops * eff)
             if f is not None:  # the first pass's forward of this unit
                 t += f.counts(elem).flops * tok / (shape.tp * device.peak_flops * eff)
                 t += device.launch_s
@@ -355,6 +360,8 @@ def unit_costs(
         # saved) are alive next to everything held for the micro-batches in flight; a
         # checkpointed unit first re-creates its activations. Either way: one unit's worth.
         act = input_bytes * tok if recompute else full
+        if shape.recompute == "selective" and measured_act is None:
+            act -= c.core_bytes * tok / shape.tp
         peak = full
         if u.kind == "head":
             # The fused loss keeps its fp32 weight gradient until the micro-batch's backward
@@ -480,8 +487,10 @@ def model_unit_costs(
         return unit_costs(cfg, shape, device, unit)
     from tapered_megatron.pipeline.profile import profile_units
 
-    prof = profile_units(cfg, unit, shape.micro_batch_size, shape.checkpointing)
-    act = None if shape.checkpointing else prof["act_bytes"]  # measured saved bytes win
+    prof = profile_units(cfg, unit, shape.micro_batch_size, shape.recompute)
+    # measured saved bytes win; under recompute autograd's hooks do not see what a
+    # checkpointed region keeps, so the counted bytes stand
+    act = None if shape.recompute != "none" else prof["act_bytes"]
     return unit_costs(cfg, shape, device, unit, prof["time"], act)
 
 
@@ -515,3 +524,94 @@ def step_time(stage_times: Sequence[float], micro_batches: int, p2p: float = 0.0
     """
     p = len(stage_times)
     return sum(stage_times) + (micro_batches - 1) * max(stage_times) + 2 * (p - 1) * p2p
+
+
+# ---------------------------------------------------------------- data-parallel communication
+#: DeepSpeed's ZeRO-1/2 reduce bucket sizes the planner picks from (elements): at least 50M
+#: (a message far above the latency-bound size), at most DeepSpeed's own default of 500M.
+BUCKET_RANGE = (50_000_000, 500_000_000)
+#: Buckets per stage's gradients the planner aims at: the last bucket, reduced after backward
+#: ends, is the part of an overlapped reduce that stays exposed.
+BUCKETS = 8
+
+
+def reduce_bucket_elems(stage_params: float) -> int:
+    """``reduce_bucket_size`` (= ``allgather_bucket_size``) the planner writes for ZeRO-1/2: a
+    ``1 / BUCKETS`` share of the stage's TP-local parameters, in :data:`BUCKET_RANGE`, rounded
+    to a million elements."""
+    low, high = BUCKET_RANGE
+    return int(min(high, max(low, round(stage_params / BUCKETS / 1e6) * 1e6)))
+
+
+def overlap_bucket_bytes(stage_params: float, elem: int, zero_stage: int) -> float:
+    """Bytes of DeepSpeed's ZeRO-1/2 gradient buckets under ``overlap_comm`` with contiguous
+    gradients (``stage_1_and_2.py``): two ``reduce_bucket_size`` buffers of the reduction dtype
+    (the fp32 accumulation dtype for ZeRO-1, the model's for ZeRO-2), made once; other stages
+    and ZeRO-3 (counted in :func:`zero3_stage_bytes`): 0."""
+    if zero_stage not in (1, 2):
+        return 0.0
+    dtype = 4 if zero_stage == 1 else elem
+    return 2.0 * min(reduce_bucket_elems(stage_params), stage_params) * dtype
+
+
+@dataclass(frozen=True)
+class DPComm:
+    """Data-parallel communication of one optimizer step (seconds): ``total`` of it, the part
+    ``overlapped`` with backward compute (DeepSpeed ``overlap_comm``), what each part is."""
+
+    total: float
+    overlapped: float
+    how: str
+
+    @property
+    def exposed(self) -> float:
+        """The part that adds to the step time."""
+        return self.total - self.overlapped
+
+
+def dp_comm(
+    stage_params: float,
+    dp: int,
+    zero_stage: int,
+    micro_batches: int,
+    pipeline: bool,
+    elem: float,
+    bw: float,
+    backward_s: float,
+    compute_s: float,
+) -> DPComm:
+    """DP communication of a step for a stage of ``stage_params`` TP-local parameters, and how
+    much of it DeepSpeed 0.19 overlaps with compute (``overlap_comm: true``, as the shipped and
+    planned ZeRO configs set it). ``backward_s`` / ``compute_s``: one micro-batch's backward /
+    forward + backward time on the stage.
+
+    * the gradient reduce (reduce-scatter, ``(dp - 1) / dp`` of the bytes): ZeRO-2/3 reduce
+      every micro-batch (the partitioned gradients cannot accumulate unreduced), ZeRO-0/1 once
+      per step. With ``overlap_comm`` and no pipeline, a bucket is reduced on a side stream as
+      soon as backward fills it: each reduce hides behind its micro-batch's backward except the
+      last bucket (:func:`reduce_bucket_elems`), which is reduced after backward ends. ZeRO-0
+      (the engine's all-reduce after backward) and the pipeline engine (gradients reduced after
+      the 1F1B schedule) overlap nothing.
+    * the parameter all-gather (``(dp - 1) / dp``): after the optimizer step under ZeRO-0/1/2
+      (part of ZeRO-0's all-reduce), not overlapped; ZeRO-3 gathers every forward and backward
+      with prefetching, hidden behind that micro-batch's compute where it is shorter.
+    """
+    if dp <= 1:
+        return DPComm(0.0, 0.0, "no data parallelism")
+    one = (dp - 1) / dp * stage_params * elem / bw  # a reduce-scatter or all-gather
+    reduces = micro_batches if zero_stage >= 2 else 1
+    reduce_s = reduces * one
+    gather_s = 2 * micro_batches * one if zero_stage >= 3 else one
+    total = reduce_s + gather_s
+    if zero_stage == 0 or pipeline:
+        where = "pipeline engine" if pipeline else "ZeRO-0"
+        return DPComm(total, 0.0, f"not overlapped ({where} reduces after backward)")
+    tail = one * min(1.0, reduce_bucket_elems(stage_params) / stage_params)
+    if zero_stage >= 3:  # the reduce and both gathers share the links: all behind compute
+        hidden = micro_batches * min(one - tail + 2 * one, compute_s)
+        how = "gradient reduce and prefetched parameter gathers overlapped per micro-batch"
+    else:
+        hidden = reduces * min(one - tail, backward_s)
+        which = "each" if reduces > 1 else "the last"
+        how = f"gradient reduce overlapped with the backward of {which} micro-batch"
+    return DPComm(total, hidden, how + " (overlap_comm), last bucket exposed")

@@ -114,7 +114,7 @@ def _saved_bytes(module: torch.nn.Module, x: torch.Tensor, loss: Any) -> float:
 
 
 def measure_units(
-    cfg: Config, unit: str, micro_batch_size: int, checkpointing: bool, reps: int = 7
+    cfg: Config, unit: str, micro_batch_size: int, recompute: str, reps: int = 7
 ) -> dict[str, list[float]]:
     """Per entry of the unit table, for one micro-batch: forward + backward seconds (``time``)
     and the activation bytes per token autograd keeps (``act_bytes``). Not cached.
@@ -122,7 +122,7 @@ def measure_units(
     Units run on this rank's accelerator device; off the CPU under bf16 autocast (the
     precision the cost model's GPU presets assume)."""
     from tapered_megatron.accelerator import current_device
-    from tapered_megatron.models import lm_loss, set_activation_checkpointing, units
+    from tapered_megatron.models import lm_loss, set_recompute, units
 
     torch.manual_seed(0)
     dev = current_device()
@@ -137,7 +137,7 @@ def measure_units(
 
     runs = []
     for u in units(cfg, unit):
-        module = set_activation_checkpointing(u.build(), checkpointing).train().to(dev)
+        module = set_recompute(u.build(), recompute).train().to(dev)
         if u.kind == "embedding":
             runs.append((module, lambda: ids, square_mean))
         elif u.kind == "head":
@@ -158,7 +158,7 @@ def measure_units(
 
 
 def profile_units(
-    cfg: Config, unit: str, micro_batch_size: int, checkpointing: bool
+    cfg: Config, unit: str, micro_batch_size: int, recompute: str
 ) -> dict[str, list[float]]:
     """Cached :func:`measure_units` (see the module docstring for the cache key)."""
     cfg1 = cfg.with_overrides(["--parallel.tp", "1", "--parallel.pp", "1"])
@@ -168,9 +168,9 @@ def profile_units(
         "widths": list(cfg1.taper_plan.widths),
         "unit": unit,
         "micro_batch_size": micro_batch_size,
-        "checkpointing": checkpointing,
+        "recompute": recompute,
         "device": device_label(),
         "threads": torch.get_num_threads(),
         "torch": torch.__version__,
     }
-    return _cached(payload, lambda: measure_units(cfg1, unit, micro_batch_size, checkpointing))
+    return _cached(payload, lambda: measure_units(cfg1, unit, micro_batch_size, recompute))

@@ -24,8 +24,9 @@ docs/memory_architectures.md.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Literal
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 import torch.nn.functional as F
@@ -230,9 +231,10 @@ class CMSLevel(SwiGLU):
                     start=w0,
                     record=record,
                 )
-                res = _UpdatingWindow.apply(
-                    spec, xs[:, win], gv, w2, tgt[:, win], r13[:, win], r2[:, win], xsq[:, win]
-                )
+                res = self.recomputed(
+                    _replayed(spec), xs[:, win], gv, w2, tgt[:, win], r13[:, win], r2[:, win],
+                    xsq[:, win],
+                )  # fmt: skip
                 if spec.final:
                     out = res
                 else:
@@ -241,6 +243,17 @@ class CMSLevel(SwiGLU):
                 outs.append(out)
         y = torch.cat(outs, dim=1) if len(outs) > 1 else outs[0]
         return y.to(out_dtype)
+
+
+def _replayed(spec: _WindowSpec) -> Callable[..., Any]:
+    """:class:`_UpdatingWindow` of ``spec`` as a function that selective recompute may run
+    twice: the run in backward records no update positions (the first one did)."""
+    runs = [spec, replace(spec, record=None)]
+
+    def window(*tensors: torch.Tensor) -> Any:
+        return _UpdatingWindow.apply(runs.pop(0) if len(runs) > 1 else runs[0], *tensors)
+
+    return window
 
 
 class ContinuumMemory(MLPSlot):
@@ -280,7 +293,7 @@ class ContinuumMemory(MLPSlot):
             base = SwiGLU.counts(cfg, layer, dtype_bytes, d_ff=w)
             if period > 0 and h.lr > 0:
                 gates = (1 + (h.step_norm == "split")) if h.rate == "learned" else 0
-                gate, s, macs, elems = gates * (d + 1), m.seq_len, 0.0, 0.0
+                gate, s, macs, elems, core = gates * (d + 1), m.seq_len, 0.0, 0.0, 0.0
                 if s > period:  # else the level runs static
                     # per token: window_macs (e W_2, x X^T, the dual form, the folds) at the
                     # window forward_updating picks, the gates' d MACs; kept: the corrected
@@ -291,7 +304,13 @@ class ContinuumMemory(MLPSlot):
                     macs = window_macs(d, w, period, s, win) + gate
                     cross = sum(min(win, s - w0) * w0 for w0 in range(0, s, win)) / s
                     elems = 6 * w + 2 * d + 5 + 2 * (min(win, s) - period) + cross
-                base = base + Counts(gate, 2.0 * macs, elems * dtype_bytes)
+                    # selective recompute runs each window again in backward: it keeps the
+                    # window's inputs (rates, norms) and the held products, frees the rest
+                    core = elems - 3 - (min(win, s) - period) - cross
+                b = dtype_bytes
+                base = base + Counts(
+                    gate, 2.0 * macs, elems * b, core_bytes=core * b, core_flops=2.0 * (macs - gate)
+                )
             total = total + base
         return total
 

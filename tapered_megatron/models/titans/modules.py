@@ -32,7 +32,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from tapered_megatron.config_fields import ConfigError, at_least
-from tapered_megatron.models.base import Architecture, Counts, TokenMixer, register_architecture
+from tapered_megatron.models.base import (
+    Architecture,
+    Counts,
+    Recomputed,
+    TokenMixer,
+    register_architecture,
+)
 from tapered_megatron.models.layers import RotaryEmbedding
 from tapered_megatron.models.mlp import SwiGLU
 from tapered_megatron.models.titans.attention import _attend, window_attention
@@ -155,11 +161,13 @@ def _dims(cfg) -> _Dims:
     return _Dims(m.d_model, m.heads, m.head_dim, t.memory_expansion * m.head_dim, t.memory_depth)
 
 
-class NeuralMemory(nn.Module):
+class NeuralMemory(Recomputed, nn.Module):
     """The memory branch: q/k/v projections, conv, gates and the memory rule; heads split by TP.
 
     ``forward(x [B, S, d]) -> [B, S, H_local, head_dim]`` (the raw read-out ``M_t(q_t)``);
     :meth:`segment` continues from a given state (MAC), :meth:`queries` gives read-only queries.
+    Selective recompute runs the memory scan again in backward (its per-chunk states and
+    intermediates are not kept).
     """
 
     def __init__(self, cfg) -> None:
@@ -169,6 +177,7 @@ class NeuralMemory(nn.Module):
         std = cfg.model.init_std
         self.dims, self.chunk_size = dm, t.chunk_size
         self.compiled = cfg.train.compile
+        self.selective_recompute = cfg.train.recompute == "selective"
         inner = dm.heads * dm.head_dim
         tp = get_tensor_model_parallel_world_size()
         self.local_heads = dm.heads // tp
@@ -234,10 +243,17 @@ class NeuralMemory(nn.Module):
         (None: the start of a sequence); returns the read-out [B, S, H, D], state and tail."""
         q, k, v, tail = self.project(x, tail)
         theta, eta, alpha = self.gate_values(x)
-        y, state = memory_scan(
-            q, k, v, theta, eta, alpha, list(self.memory), self.chunk_size, state, self.compiled
-        )
-        return y.transpose(1, 2), state, tail
+
+        def scan(*args: torch.Tensor) -> tuple[torch.Tensor, ...]:
+            start = MemoryState(list(args[6:])) if len(args) > 6 else None
+            y, end = memory_scan(
+                *args[:6], list(self.memory), self.chunk_size, start, self.compiled
+            )
+            return (y, *end.layers)
+
+        start = [] if state is None else state.layers
+        y, *layers = self.recomputed(scan, q, k, v, theta, eta, alpha, *start)
+        return y.transpose(1, 2), MemoryState(layers), tail
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.segment(x, None, None)[0]
@@ -314,6 +330,8 @@ class TitansMixer(TokenMixer):
         mem_elems = h * (3 * hidden + 3 * dm.head_dim + b * dm.depth + b + 2 * mem_p / b)
         elems = d + 9 * inner + 6 * h + mem_elems + 2 * inner
         kv_params = 0  # key/value projections of the attention
+        # selective recompute: the scan runs again in backward (its inputs stay)
+        core, core_flops = mem_elems, 2.0 * mem_macs
         if t.variant != "lmm":
             n_p = t.persistent_tokens
             if t.variant == "mac":  # persistent + memory tokens and the segment, causal in both
@@ -327,6 +345,8 @@ class TitansMixer(TokenMixer):
             # q k v after RoPE (k, v repeated to every query head), attention output, its
             # log-sum-exp
             elems += 5 * inner + h
+            # selective recompute keeps the projections' outputs and the core's output
+            core, core_flops = core + inner + h, core_flops + 2 * 2 * inner * ctx
         if t.variant in ("mag", "mac"):
             params += inner
             elems += 2 * inner  # normalised attention output, sigmoid gate
@@ -343,7 +363,11 @@ class TitansMixer(TokenMixer):
             elems += 2 * inner + h * hidden + 3 * d + 2 * inner  # query, read, tokens, k/v, y
         params += inner * d  # output projection
         flops += 2.0 * inner * d
-        return Counts(int(params), float(flops), float(elems * dtype_bytes), kv_params=kv_params)
+        b = dtype_bytes
+        return Counts(
+            int(params), float(flops), float(elems * b), kv_params=kv_params,
+            core_bytes=float(core * b), core_flops=core_flops,
+        )  # fmt: skip
 
     def _qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """This rank's q, k, v ``[B, S, H, D]`` (k and v repeated to every query head)."""
@@ -364,9 +388,13 @@ class TitansMixer(TokenMixer):
         return k.repeat_interleave(group, dim=2), v.repeat_interleave(group, dim=2)
 
     def _attention(self, x: torch.Tensor) -> torch.Tensor:
-        """Sliding-window attention of ``x`` (MAG, MAL), persistent tokens in front."""
-        q, k, v = self._qkv(x)
-        return window_attention(self.rope(q), self.rope(k), v, self.window, self.persistent)
+        """Sliding-window attention of ``x`` (MAG, MAL), persistent tokens in front (the core
+        selective recompute runs again: RoPE and the windowed attention)."""
+
+        def core(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            return window_attention(self.rope(q), self.rope(k), v, self.window, self.persistent)
+
+        return self.recomputed(core, *self._qkv(x))
 
     def _mac(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Memory as context, segment by segment (module doc); returns the attention output and
@@ -385,13 +413,13 @@ class TitansMixer(TokenMixer):
             hm = mlp_read(state.weights, queries[:, :, start:end]).transpose(1, 2)
             tokens = self.mem_tokens(_head_rms_norm(hm, None, self.eps).reshape(bsz, c, n))
             mk, mv = self._memory_kv(tokens)
-            tril = torch.ones(c, c, dtype=torch.bool, device=x.device).tril()
-            a = _attend(
-                self.rope(aq[:, start:end]),
-                torch.cat((self.rope(mk), self.rope(ak[:, start:end])), dim=1),
-                torch.cat((mv, av[:, start:end]), dim=1),
-                torch.cat((tril, tril), dim=1),
-                self.persistent,
+            a = self.recomputed(
+                self._segment_attention,
+                aq[:, start:end],
+                ak[:, start:end],
+                av[:, start:end],
+                mk,
+                mv,
             )
             y = x[:, start:end] + self.attn_proj(a.reshape(bsz, c, n))  # residual form
             r, state, tail = self.memory.segment(y, state, tail)
@@ -407,6 +435,21 @@ class TitansMixer(TokenMixer):
         n = self.local_heads * self.head_dim
         kv = F.linear(copy_to_tp_region(tokens), self.attn_qkv.weight[n:])  # its k and v rows
         return kv.view(bsz, c, 2, self.local_heads, self.head_dim).unbind(2)
+
+    def _segment_attention(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mk: torch.Tensor, mv: torch.Tensor
+    ) -> torch.Tensor:
+        """MAC's attention core of one segment: its queries over the memory tokens' keys and
+        values ``mk``, ``mv`` and its own (causal in both), persistent tokens in front."""
+        c = q.shape[1]
+        tril = torch.ones(c, c, dtype=torch.bool, device=q.device).tril()
+        return _attend(
+            self.rope(q),
+            torch.cat((self.rope(mk), self.rope(k)), dim=1),
+            torch.cat((mv, v), dim=1),
+            torch.cat((tril, tril), dim=1),
+            self.persistent,
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         bsz, seq, _ = x.shape
