@@ -86,10 +86,11 @@ def _overhead(config: str, ds_config: str, overrides: list[str], rounds: int, st
     }
 
 
-def _launch(
+def launch_main(
     ranks: int, config: str, ds_config: str, overrides: list[str], iters: int, out: Path
 ) -> dict:
-    """Run main.py through the DeepSpeed launcher; step times and launch-to-first-step."""
+    """Run main.py through the DeepSpeed launcher; the median step time after two warm-up
+    steps, launch-to-first-step, the run's wall time and its per-iteration losses."""
     out.mkdir(parents=True, exist_ok=True)
     metrics = out / "metrics.jsonl"
     cmd = [
@@ -111,6 +112,7 @@ def _launch(
         "step_s": statistics.median(steady),
         "first_step_s": recs[0]["wall"] - t0,
         "wall_s": time.time() - t0,
+        "losses": [r["loss"] for r in recs],
     }
 
 
@@ -136,8 +138,9 @@ def main(argv: list[str] | None = None) -> int:
     }
     if not a.skip_launch:
         with tempfile.TemporaryDirectory() as tmp:
-            one = _launch(1, a.config, a.ds_config, overrides, a.scaling_iters, Path(tmp) / "dp1")
-            two = _launch(2, a.config, a.ds_config, overrides, a.scaling_iters, Path(tmp) / "dp2")
+            run = (a.config, a.ds_config, overrides, a.scaling_iters)
+            one = launch_main(1, *run, Path(tmp) / "dp1")
+            two = launch_main(2, *run, Path(tmp) / "dp2")
         tok1 = cfg.train.micro_batch_size * cfg.model.seq_len
         result.update(
             dp1_tokens_per_s=round(tok1 / one["step_s"], 1),
