@@ -83,6 +83,23 @@ def test_recompute_gradients_equal_none(case, monkeypatch):
     _assert_equal(_step(_cfg(case, "full")), want, f"{case} full")
 
 
+def test_selective_hope_records_its_updates_once():
+    """Hope's ``record_updates`` (positions at which a level's weights change) after a
+    selective forward + backward: those of ``none``, not doubled by the recomputed windows."""
+    from tapered_megatron.models.hope.modules import ContinuumMemory
+
+    ids = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(0))
+    seen = []
+    for mode in ("none", "selective"):
+        model = build_model(_cfg("hope_attention", mode)).train()
+        cms = [m for m in model.modules() if isinstance(m, ContinuumMemory)]
+        for m in cms:
+            m.record_updates = True
+        model(ids, ids).backward()
+        seen.append([m.last_updates for m in cms])
+    assert seen[0] == seen[1] and any(any(u) for u in seen[0])
+
+
 def _tracker_dropout_grads(recompute: bool) -> torch.Tensor:
     model_parallel_seed(11)
     w = torch.ones(64, requires_grad=True)

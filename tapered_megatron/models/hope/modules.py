@@ -248,10 +248,11 @@ class CMSLevel(SwiGLU):
 def _replayed(spec: _WindowSpec) -> Callable[..., Any]:
     """:class:`_UpdatingWindow` of ``spec`` as a function that selective recompute may run
     twice: the run in backward records no update positions (the first one did)."""
-    runs = [spec, replace(spec, record=None)]
+    quiet, runs = replace(spec, record=None), []
 
     def window(*tensors: torch.Tensor) -> Any:
-        return _UpdatingWindow.apply(runs.pop(0) if len(runs) > 1 else runs[0], *tensors)
+        runs.append(None)
+        return _UpdatingWindow.apply(spec if len(runs) == 1 else quiet, *tensors)
 
     return window
 
