@@ -47,7 +47,6 @@ from pathlib import Path
 from typing import Any
 
 from tapered_megatron.config import Config, tp_problem
-from tapered_megatron.models.counters import count_model
 from tapered_megatron.pipeline import cost as costlib
 from tapered_megatron.pipeline.balance import analyse
 from tapered_megatron.pipeline.solver import InfeasibleError
@@ -111,18 +110,20 @@ def evaluate(cfg: Config, c: Candidate, dev: costlib.Device, cap: float) -> Cand
         methods=("balancer",),
     )
     elem = costlib.activation_scale(dev.precision)
-    # ZeRO-1/2 without pipeline: overlap_comm's two reduce buckets (a fixed size per rank)
+    try:
+        bal = analyse(cfg, c.pp, c.grad_accum, gpu_mem=cap / costlib.GiB, **layout)
+    except InfeasibleError:
+        bal = analyse(cfg, c.pp, c.grad_accum, gpu_mem=float("inf"), **layout)
+    r, costs = bal.methods["balancer"], bal.costs
+    # ZeRO-1/2 without pipeline: overlap_comm's two reduce buckets (a fixed size per rank; one
+    # stage, so adding them cannot change the partition)
     buckets = 0.0
     if c.pp == 1:
-        local = count_model(cfg).params_total / c.tp
+        local = sum(u.params for u in costs) / c.tp
         buckets = costlib.overlap_bucket_bytes(local, elem, c.zero)
-    try:
-        bal = analyse(cfg, c.pp, c.grad_accum, gpu_mem=(cap - buckets) / costlib.GiB, **layout)
-    except InfeasibleError:
-        need = analyse(cfg, c.pp, c.grad_accum, gpu_mem=float("inf"), **layout)
-        worst = (max(need.methods["balancer"].stage_mem) + buckets) / costlib.GiB
-        return f"out of memory: needs {worst:.1f} GiB on its worst stage"
-    r, costs = bal.methods["balancer"], bal.costs
+    worst = max(r.stage_mem) + buckets
+    if worst > cap:
+        return f"out of memory: needs {worst / costlib.GiB:.1f} GiB on its worst stage"
     act_bytes = c.micro_batch_size * m.seq_len * m.d_model * elem  # one residual-stream tensor
     # Pipeline sends: neighbouring stages are dp*tp ranks apart (topology axes pipe, data, model).
     pp_bw = dev.intra_bw if c.dp * c.tp < dev.gpus_per_node else dev.inter_bw
@@ -150,7 +151,7 @@ def evaluate(cfg: Config, c: Candidate, dev: costlib.Device, cap: float) -> Cand
     return replace(
         c,
         parts=r.parts,
-        mem_gib=(max(r.stage_mem) + buckets) / costlib.GiB,
+        mem_gib=worst / costlib.GiB,
         step_s=step,
         mfu=model_flops / (step * gpus * dev.peak_flops),
         tokens_per_s=tokens / step,
@@ -362,6 +363,7 @@ def fill_slurm(
 def main(argv: list[str] | None = None) -> int:
     """CLI entry (see the module docstring)."""
     from tapered_megatron.config import load_config_or_exit
+    from tapered_megatron.models.counters import count_model
     from tapered_megatron.models.language_model import meta_param_count
 
     ap = argparse.ArgumentParser(
