@@ -1,8 +1,8 @@
 """Activation recomputation (``train.recompute``): ``selective`` and ``full`` give gradients
-bitwise equal to ``none`` (fp32) for every architecture, with dropout, in one process and on two
-tensor-parallel ranks; ``selective`` runs each module's core again in backward (and only the
-cores); the recomputation replays the tracker's TP-local stream; the
-``train.checkpoint_activations`` alias."""
+bitwise equal to ``none`` (fp32) for every architecture (and grouped-query attention), with
+dropout, in one process and on two tensor-parallel ranks; ``selective`` runs each module's core
+again in backward (and only the cores); the recomputation replays the tracker's TP-local stream;
+the ``train.checkpoint_activations`` alias."""
 
 from __future__ import annotations
 
@@ -25,19 +25,23 @@ TINY = [
     "--model.titans.chunk_size", "4", "--model.titans.window", "8",
     "--model.hope.levels", "2", "--model.hope.periods", "0", "4", "--model.dropout", "0.1",
 ]  # fmt: skip
-CASES = {arch: [] for arch in sorted(ARCHITECTURES)} | {
-    "titans_mac": ["--model.titans.variant", "mac"]
+CASES = {arch: (arch, []) for arch in sorted(ARCHITECTURES)} | {
+    "titans_mac": ("titans", ["--model.titans.variant", "mac"]),
+    "gqa": ("gated_attention", ["--model.kv_heads", "2"]),
 }
 #: Selectively recomputed cores per layer of the tiny model: the attention core; Titans' scan
 #: and its windowed attention (MAC: both per segment, two segments of 8 tokens); Hope's attention
 #: core and one window of its updating CMS level.
-CORES = {"transformer": 1, "gated_attention": 1, "titans": 2, "titans_mac": 4, "hope_attention": 2}
+CORES = {
+    "transformer": 1, "gated_attention": 1, "gqa": 1, "titans": 2, "titans_mac": 4,
+    "hope_attention": 2,
+}  # fmt: skip
 
 
 def _cfg(case: str, mode: str, *extra: str):
-    arch = case.split("_mac")[0]
+    arch, own = CASES[case]
     return load_config(
-        "quickstart", [*for_arch(arch, TINY), *CASES[case], "--train.recompute", mode, *extra]
+        "quickstart", [*for_arch(arch, TINY), *own, "--train.recompute", mode, *extra]
     )
 
 
