@@ -14,9 +14,10 @@ first pass (Hope's teach signal: the record's ``first_pass_config``) adds one mo
 unit at the first-pass config's FLOPs, with its all-reduces. ``efficiency`` is the
 achieved fraction of the device's dense peak per unit kind (mixer / MLP / block / head /
 embedding; documented defaults per device, the CPU ones calibrated here), scaled for mixers by
-the architecture record's ``mixer_efficiency``; ``launch`` is a small fixed per-pass overhead.
-The last term is tensor-parallel communication: ring all-reduces of the residual stream (one per
-sub-layer per pass) over NVLink inside a node, the network beyond. Alternatively the per-unit
+the architecture record's ``mixer_efficiency``; ``launch`` is a fixed per-pass overhead per
+block half (small on a GPU; PyTorch's per-op cost on a CPU). The last term is tensor-parallel
+communication: ring all-reduces of the residual stream (one per sub-layer per pass) over NVLink
+inside a node, the network beyond. Alternatively the per-unit
 compute times (and the bytes autograd really saves) are *profiled* on the actual device
 (:mod:`tapered_megatron.pipeline.profile`), cached on disk keyed by config and device; both feed
 the same solver.
@@ -109,7 +110,7 @@ class Device:
     gpus_per_node: int = 8
     mem_bw: float = 3.35e12  # HBM bytes/s (optimizer step is memory bound)
     overhead_bytes: float = 2.0 * GiB  # CUDA context, allocator slack, comm buffers
-    launch_s: float = 20e-6  # fixed per-unit per-pass cost (kernel launches, hooks)
+    launch_s: float = 20e-6  # fixed per-pass cost of a block half or unit (launches, hooks)
     efficiency: dict[str, float] = field(default_factory=lambda: dict(GPU_EFFICIENCY))
     # Full-size fp32 temporaries of torch's AdamW step: its multi-tensor (foreach) path, the
     # default on CUDA, holds one (``exp_avg_sq_sqrt``); the single-tensor path, the default on
@@ -134,12 +135,14 @@ DEVICES: dict[str, Device] = {
         gpus_per_node=1,
         mem_bw=20e9,
         overhead_bytes=0.0,
-        launch_s=50e-6,
+        launch_s=0.75e-3,
         adam_temporaries=2,
         lazy_pages=True,
-        # calibrated once on this machine class (fp32, one thread, thread CPU time) against
-        # profiled units: attention ~0.4, SwiGLU ~0.6, head + vocab cross-entropy ~0.55
-        efficiency={"embedding": 0.05, "mixer": 0.4, "mlp": 0.6, "layer": 0.55, "head": 0.55},
+        # calibrated on this machine class (fp32, one thread, thread CPU time, against its
+        # measured matmul peak) from the profiled units of scripts/bench_balance.py's model:
+        # time = 3 (flops / (peak eff) + launch_s per block half); the fixed 0.75 ms per pass is
+        # PyTorch's per-op cost of a block half's few dozen ops, which dominates narrow units
+        efficiency={"embedding": 0.05, "mixer": 0.6, "mlp": 0.8, "layer": 0.72, "head": 0.77},
     ),
 }
 
@@ -296,6 +299,12 @@ def tp_local_params(c: Counts, cfg: Config, tp: int) -> float:
     return (c.params - c.kv_params) / tp + kv
 
 
+def launch_time(device: Device, kind: str) -> float:
+    """The fixed cost of one pass of a unit of ``kind``: ``launch_s`` per block half (a whole
+    layer has two, the mixer's and the MLP slot's)."""
+    return device.launch_s * (2 if kind == "layer" else 1)
+
+
 def unit_costs(
     cfg: Config,
     shape: RunShape,
@@ -341,10 +350,10 @@ def unit_costs(
             t = float(measured_times[i])
         else:
             t = passes * c.flops * tok / (shape.tp * device.peak_flops * eff)
-            t += passes * device.launch_s
+            t += passes * launch_time(device, u.kind)
             if f is not None:  # the first pass's forward of this unit
                 t += f.counts(elem).flops * tok / (shape.tp * device.peak_flops * eff)
-                t += device.launch_s
+                t += launch_time(device, u.kind)
         comm = TP_ALL_REDUCES[u.kind] * (passes - 1 + (f is not None)) * tp_ar
         # Without sequence parallelism the unit's input (and its norm's input) are replicated
         # on every TP rank; everything inside the mixer / MLP / head is sharded.
