@@ -126,6 +126,29 @@ def get_rng_tracker() -> RNGStatesTracker:
     return _TRACKER
 
 
+def tracker_checkpoint_contexts() -> tuple[contextlib.AbstractContextManager, ...]:
+    """``context_fn`` of ``torch.utils.checkpoint.checkpoint``: the recomputation in backward
+    draws from the tracker's streams as they were when the forward ran (torch restores only the
+    default generators), and leaves them where they are now."""
+    states: dict[str, dict[str, torch.Tensor]] = {}
+
+    @contextlib.contextmanager
+    def forward() -> Iterator[None]:
+        states.update(_TRACKER.get_states())
+        yield
+
+    @contextlib.contextmanager
+    def recompute() -> Iterator[None]:
+        now = _TRACKER.get_states()
+        _TRACKER.set_states(states)
+        try:
+            yield
+        finally:
+            _TRACKER.set_states(now)
+
+    return forward(), recompute()
+
+
 def model_parallel_seed(seed: int) -> None:
     """Seed python, numpy and torch for this rank and register the TP-local stream.
 

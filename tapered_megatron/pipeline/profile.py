@@ -161,7 +161,9 @@ def profile_units(
     cfg: Config, unit: str, micro_batch_size: int, checkpointing: bool
 ) -> dict[str, list[float]]:
     """Cached :func:`measure_units` (see the module docstring for the cache key)."""
-    cfg1 = cfg.with_overrides(["--parallel.tp", "1", "--parallel.pp", "1"])
+    cfg1 = cfg.with_overrides(
+        ["--parallel.tp", "1", "--parallel.pp", "1", "--parallel.sequence_parallel", "false"]
+    )
     payload = {
         "what": "units-v4",
         "model": cfg1.to_dict()["model"],

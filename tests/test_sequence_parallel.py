@@ -1,0 +1,170 @@
+"""Sequence parallelism in real processes: TP2 + SP and TP2 x PP2 + SP equal the TP1 single
+process (loss and every gradient) for every architecture; dropout masks in the sequence-split
+regions differ across TP ranks."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+from arch_args import for_arch
+from pipeline_ref import KeepGrads, canonical_names, reference
+
+from tapered_megatron.config import ConfigError, load_config
+from tapered_megatron.models import build_model
+from tapered_megatron.parallel import (
+    get_tensor_model_parallel_group,
+    get_tensor_model_parallel_rank,
+    init_model_parallel,
+    model_parallel_seed,
+    unshard,
+)
+from tapered_megatron.parallel.local_launch import run_workers
+
+SHAPE = [
+    "--model.d_model", "32", "--model.layers", "2", "--model.heads", "2", "--model.d_ff", "64",
+    "--model.vocab_size", "128", "--model.seq_len", "16", "--taper.multiple", "8",
+    "--model.titans.chunk_size", "4", "--model.hope.periods", "0", "8", "4",
+]  # fmt: skip
+ARCHS = ("transformer", "gated_attention", "titans", "hope_attention")
+SP = ["--parallel.tp", "2", "--parallel.sequence_parallel", "true"]
+RTOL = 1e-5
+
+
+def _cfg(arch: str, extra: list[str] = ()):
+    return load_config("quickstart", [*for_arch(arch, SHAPE), *extra])
+
+
+def _batches(cfg, n: int = 2) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(11)
+    ids = torch.randint(0, cfg.model.vocab_size, (n, 2, cfg.model.seq_len + 1), generator=g)
+    return [(b[:, :-1], b[:, 1:]) for b in ids]
+
+
+def _full(t: torch.Tensor, p: torch.nn.Parameter) -> np.ndarray:
+    """The full tensor of ``p``'s gradient (gathered over the TP group when ``p`` is split)."""
+    layout = getattr(p, "tp_layout", None)
+    group = get_tensor_model_parallel_group()
+    if layout is None or dist.get_world_size(group) == 1:
+        return t.detach().numpy().copy()
+    parts = [torch.empty_like(t) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(parts, t.contiguous(), group=group)
+    return unshard(parts, layout).numpy()
+
+
+def _tp_run(arch: str) -> dict:
+    """TP2 + SP, one process of the pair: mean loss over two micro-batches, full gradients."""
+    cfg = _cfg(arch, SP)
+    model = build_model(cfg)
+    batches = _batches(cfg)
+    loss = sum(model(x, y) for x, y in batches) / len(batches)
+    loss.backward()
+    return {
+        "loss": loss.item(),
+        "grads": {n: _full(p.grad, p) for n, p in model.named_parameters()},
+    }
+
+
+def _dropout_masks() -> np.ndarray:
+    """The keep-mask a block draws on this rank's part of the sequence (dropout 0.5)."""
+    cfg = _cfg("transformer", [*SP, "--model.dropout", "0.5"])
+    block = build_model(cfg).layers[0].train()
+    return (block._drop(torch.ones(2, 8, 32)) != 0).numpy()
+
+
+def _tp_worker(rank: int, world: int, archs: tuple[str, ...]) -> dict:
+    init_model_parallel(tp=world, pp=1)
+    model_parallel_seed(1234)
+    out = {arch: _tp_run(arch) for arch in archs}
+    out["mask"] = _dropout_masks()
+    return out
+
+
+def _assert_equal_to_reference(arch: str, loss: float, grads: dict[str, np.ndarray]) -> None:
+    cfg = _cfg(arch)
+    ref_loss, ref_grads, _ = reference(cfg, _batches(cfg))
+    assert loss == pytest.approx(ref_loss, rel=RTOL), arch
+    assert sorted(grads) == sorted(ref_grads), arch
+    for name, g in ref_grads.items():
+        g = g.numpy()
+        assert np.abs(g).max() > 0, (arch, name)
+        np.testing.assert_allclose(
+            grads[name], g, rtol=RTOL, atol=RTOL * np.abs(g).max(), err_msg=f"{arch} {name}"
+        )
+
+
+def _check_tp(archs: tuple[str, ...]) -> None:
+    per_rank = run_workers(_tp_worker, 2, archs)
+    for arch in archs:
+        for r in per_rank:  # every rank holds the same loss and full gradients
+            _assert_equal_to_reference(arch, r[arch]["loss"], r[arch]["grads"])
+    assert per_rank[0]["mask"].shape == (2, 8, 32)
+    assert (per_rank[0]["mask"] != per_rank[1]["mask"]).any(), "TP ranks drew the same mask"
+
+
+@pytest.mark.distributed
+def test_tp2_sp_equals_tp1_transformer():
+    """Loss and every gradient (norm gains summed over the TP group included) within 1e-5."""
+    _check_tp(("transformer",))
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_tp2_sp_equals_tp1_every_arch():
+    _check_tp(ARCHS)
+
+
+def _pipe_worker(rank: int, world: int) -> dict:
+    import deepspeed
+
+    from tapered_megatron.pipeline.module import BalancedPipelineModule
+
+    deepspeed.init_distributed(dist_backend="gloo")
+    topo = init_model_parallel(tp=2, pp=2)
+    model_parallel_seed(1234)
+    out = {}
+    for arch in ARCHS:
+        cfg = _cfg(arch, [*SP, "--parallel.pp", "2"])
+        module = BalancedPipelineModule.from_config(cfg, topology=topo, micro_batches=2)
+        opt = KeepGrads(module.parameters(), lr=0.0)
+        ds_config = {
+            "train_micro_batch_size_per_gpu": 2,
+            "gradient_accumulation_steps": 2,
+            "steps_per_print": 10**9,
+            "pipeline": {"pipe_partitioned": False, "grad_partitioned": False},
+        }
+        engine, *_ = deepspeed.initialize(model=module, optimizer=opt, config=ds_config)
+        loss = float(engine.train_batch(iter(_batches(cfg))))
+        names = canonical_names(module, cfg)
+        grads = {names[p]: _full(g, p) for p, g in opt.kept.items()}
+        out[arch] = {"loss": loss, "grads": grads, "tp_rank": get_tensor_model_parallel_rank()}
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_tp2_pp2_sp_equals_tp1_every_arch():
+    """Four ranks (two stages of two TP ranks) exchanging sequence shards between the stages."""
+    per_rank = run_workers(_pipe_worker, 4)
+    for arch in ARCHS:
+        grads: dict[str, np.ndarray] = {}
+        loss = None
+        for r in per_rank:
+            got = r[arch]
+            for name, g in got["grads"].items():
+                if name in grads:  # the other TP rank of the stage: the same full gradient
+                    np.testing.assert_array_equal(grads[name], g, err_msg=name)
+                grads[name] = g
+            loss = got["loss"] if loss is None else loss
+            assert got["loss"] == pytest.approx(loss, rel=1e-12)
+        _assert_equal_to_reference(arch, loss, grads)
+
+
+def test_sequence_parallel_needs_tp_and_a_divisible_sequence():
+    with pytest.raises(ConfigError) as e:
+        load_config("quickstart", ["--parallel.sequence_parallel", "true"])
+    assert "parallel.tp > 1" in str(e.value) and "\n" not in str(e.value)
+    with pytest.raises(ConfigError) as e:
+        load_config("quickstart", [*SP, "--model.seq_len", "15"])
+    assert "model.seq_len (15)" in str(e.value) and "\n" not in str(e.value)
