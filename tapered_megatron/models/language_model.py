@@ -64,8 +64,9 @@ class Embedding(nn.Module):
     def __init__(self, cfg: Config) -> None:
         super().__init__()
         m = cfg.model
+        sp = sequence_parallel(cfg)
         self.embed = VocabParallelEmbedding(
-            cfg.padded_vocab_size, m.d_model, std=m.init_std, sequence_parallel=sequence_parallel(cfg)
+            cfg.padded_vocab_size, m.d_model, std=m.init_std, sequence_parallel=sp
         )
         init_parameters(self, cfg.train.seed, "embedding.")
 

@@ -33,10 +33,10 @@ from tapered_megatron.parallel.random import (
     get_rng_state,
     get_rng_tracker,
     model_parallel_seed,
-    tracker_checkpoint_contexts,
     param_generator,
     param_seed,
     set_rng_state,
+    tracker_checkpoint_contexts,
 )
 from tapered_megatron.parallel.topology import (
     destroy_model_parallel,

@@ -190,7 +190,9 @@ def scatter_to_sequence_parallel_region(x: torch.Tensor) -> torch.Tensor:
     return x if get_tensor_model_parallel_world_size() == 1 else _ScatterSeq.apply(x)
 
 
-def gather_from_sequence_parallel_region(x: torch.Tensor, grad_partial: bool = True) -> torch.Tensor:
+def gather_from_sequence_parallel_region(
+    x: torch.Tensor, grad_partial: bool = True
+) -> torch.Tensor:
     """All-gather the sequence shards ``[b, s/tp, ...]`` into ``[b, s, ...]`` (entering a TP
     region). Backward reduce-scatters the gradient when each rank holds a partial sum of it
     (``grad_partial``: a column-parallel region follows), else keeps this rank's slice (the
