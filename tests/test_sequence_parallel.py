@@ -1,6 +1,7 @@
 """Sequence parallelism in real processes: TP2 + SP and TP2 x PP2 + SP equal the TP1 single
 process (loss and every gradient) for every architecture; dropout masks in the sequence-split
-regions differ across TP ranks."""
+regions differ across TP ranks, are redrawn alike when a block is recomputed, and a run with
+dropout equals itself on resume."""
 
 from __future__ import annotations
 
@@ -9,11 +10,13 @@ import pytest
 import torch
 import torch.distributed as dist
 from arch_args import for_arch
+from launch_helpers import assert_close, launch_ranks, losses
 from pipeline_ref import KeepGrads, canonical_names, reference
 
 from tapered_megatron.config import ConfigError, load_config
-from tapered_megatron.models import build_model
+from tapered_megatron.models import build_model, set_activation_checkpointing
 from tapered_megatron.parallel import (
+    get_rng_tracker,
     get_tensor_model_parallel_group,
     get_tensor_model_parallel_rank,
     init_model_parallel,
@@ -73,11 +76,26 @@ def _dropout_masks() -> np.ndarray:
     return (block._drop(torch.ones(2, 8, 32)) != 0).numpy()
 
 
+def _recompute_redraws_the_masks() -> bool:
+    """With dropout under SP, a recomputed (checkpointed) block draws the masks of its forward:
+    the gradients equal those of the run that kept its activations."""
+    cfg = _cfg("transformer", [*SP, "--model.dropout", "0.3"])
+    (x, y), grads = _batches(cfg)[0], []
+    for recompute in (False, True):
+        model = set_activation_checkpointing(build_model(cfg).train(), recompute)
+        streams = get_rng_tracker().get_states()
+        model(x, y).backward()
+        get_rng_tracker().set_states(streams)
+        grads.append([p.grad for p in model.parameters()])
+    return all(torch.equal(a, b) for a, b in zip(*grads, strict=True))
+
+
 def _tp_worker(rank: int, world: int, archs: tuple[str, ...]) -> dict:
     init_model_parallel(tp=world, pp=1)
     model_parallel_seed(1234)
     out = {arch: _tp_run(arch) for arch in archs}
     out["mask"] = _dropout_masks()
+    out["recompute"] = _recompute_redraws_the_masks()
     return out
 
 
@@ -101,6 +119,7 @@ def _check_tp(archs: tuple[str, ...]) -> None:
             _assert_equal_to_reference(arch, r[arch]["loss"], r[arch]["grads"])
     assert per_rank[0]["mask"].shape == (2, 8, 32)
     assert (per_rank[0]["mask"] != per_rank[1]["mask"]).any(), "TP ranks drew the same mask"
+    assert all(r["recompute"] for r in per_rank), "a recomputed block drew other masks"
 
 
 @pytest.mark.distributed
@@ -169,3 +188,18 @@ def test_sequence_parallel_needs_tp_and_a_divisible_sequence():
     with pytest.raises(ConfigError) as e:
         load_config("quickstart", [*SP, "--model.seq_len", "15"])
     assert "model.seq_len (15)" in str(e.value) and "\n" not in str(e.value)
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_dropout_under_sp_resumes_exactly(corpus, tmp_path):
+    """pretrain/main.py at TP2 + SP with dropout: 10 steps, save, resume to 20 equals 20 straight
+    (the TP-local streams are saved and restored with the checkpoint)."""
+    drop = [*SP, "--model.dropout", "0.2"]
+    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
+    launch_ranks(2, corpus, straight, "zero1.json", drop)
+    launch_ranks(2, corpus, resumed, "zero1.json", [*drop, "--train.exit_interval", "10"])
+    launch_ranks(2, corpus, resumed, "zero1.json", [*drop, "--resume", "auto"])
+    assert len(losses(straight)) == 20
+    assert_close(losses(resumed), losses(straight), rtol=1e-6)
+    assert "resumed from" in (resumed / "log.txt").read_text()
