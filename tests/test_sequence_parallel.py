@@ -203,3 +203,62 @@ def test_dropout_under_sp_resumes_exactly(corpus, tmp_path):
     assert len(losses(straight)) == 20
     assert_close(losses(resumed), losses(straight), rtol=1e-6)
     assert "resumed from" in (resumed / "log.txt").read_text()
+
+
+def _unit_costs(arch: str, sp: bool, checkpointing: bool = False) -> list:
+    from tapered_megatron.pipeline import cost as costlib
+
+    cfg = load_config("quickstart", for_arch(arch, SHAPE))
+    shape = costlib.RunShape(
+        micro_batch_size=2, seq_len=16, tp=2, sequence_parallel=sp, checkpointing=checkpointing
+    )
+    return costlib.unit_costs(cfg, shape, costlib.get_device("h100"))
+
+
+def test_cost_model_counts_sequence_shards_and_their_communication():
+    """Per block, SP keeps one replicated copy of each half's input instead of two (the norm's
+    input is a shard), and a checkpointed block keeps a shard; the reduce-scatter + all-gather
+    pairs cost the all-reduces' ring time, and a whole-sequence half adds one all-gather."""
+    d, tok, elem = 32, 2 * 16, 2
+    for arch in ARCHS:
+        plain, split = _unit_costs(arch, False), _unit_costs(arch, True)
+        for a, b in zip(plain, split, strict=True):
+            if a.kind == "layer":  # 2 halves x one d-sized input, half of it on each rank
+                assert a.act - b.act == pytest.approx(2 * d * elem * tok / 2), arch
+            whole = {"transformer": 0, "gated_attention": 0, "titans": 1, "hope_attention": 1}
+            extra = 0.5 * whole[arch] / 2 if a.kind == "layer" else 0  # per all-reduce
+            assert b.tp_comm == pytest.approx(a.tp_comm * (1 + extra)), (arch, a.kind)
+    ck_plain, ck_split = (
+        _unit_costs("transformer", False, True),
+        _unit_costs("transformer", True, True),
+    )
+    for a, b in zip(ck_plain, ck_split, strict=True):
+        if a.kind == "layer":
+            assert b.act == pytest.approx(a.act / 2)
+
+
+def test_planner_searches_sequence_parallelism_and_takes_it_where_memory_needs_it():
+    """transformer_7b on 64 H100s: TP4 with micro-batch 8 fits 90 % of 80 GiB only with SP."""
+    from dataclasses import replace
+
+    from tapered_megatron.pipeline import cost as costlib
+    from tapered_megatron.plan import (
+        Candidate,
+        ds_config,
+        enumerate_candidates,
+        evaluate,
+        overrides,
+    )
+
+    cfg = load_config("transformer_7b")
+    cands = enumerate_candidates(cfg, 64, 8)
+    assert all(c.tp > 1 for c in cands if c.sequence_parallel)
+    assert {c.sequence_parallel for c in cands if c.tp > 1} == {False, True}
+    dev, cap = costlib.get_device("h100"), 0.9 * 80 * costlib.GiB
+    with_sp = evaluate(cfg, Candidate(4, 1, 16, 2, 8, 1, False, "layer", True), dev, cap)
+    without = evaluate(cfg, replace(with_sp, sequence_parallel=False, parts=()), dev, cap)
+    assert isinstance(with_sp, Candidate) and with_sp.mem_gib < 0.9 * 80
+    assert isinstance(without, str) and without.startswith("out of memory")
+    assert "--parallel.sequence_parallel true" in " ".join(overrides(cfg, with_sp))
+    pipe = ds_config(cfg, replace(with_sp, pp=2), dev)["pipeline"]
+    assert not pipe["pipe_partitioned"] and not pipe["grad_partitioned"]

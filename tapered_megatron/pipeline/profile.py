@@ -95,7 +95,7 @@ def _time_once(module: torch.nn.Module, make_input: Any, loss: Any) -> float:
     return dt
 
 
-def _saved_bytes(module: torch.nn.Module, x: torch.Tensor, loss: Any) -> float:
+def saved_bytes(module: torch.nn.Module, x: torch.Tensor, loss: Any) -> float:
     """Bytes autograd keeps for backward in one forward (unique storages, parameters and the
     input excluded): the activation memory of one micro-batch."""
     skip = {p.untyped_storage().data_ptr() for p in module.parameters()}
@@ -153,7 +153,7 @@ def measure_units(
                 dt = _time_once(module, make, loss)
                 if rep >= 2:  # two warm-up rounds
                     times[i].append(dt)
-        act = [_saved_bytes(m, make(), loss) / (b * s) for m, make, loss in runs]
+        act = [saved_bytes(m, make(), loss) / (b * s) for m, make, loss in runs]
     return {"time": [statistics.median(t) for t in times], "act_bytes": act}
 
 
