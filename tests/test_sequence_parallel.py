@@ -35,8 +35,13 @@ SP = ["--parallel.tp", "2", "--parallel.sequence_parallel", "true"]
 RTOL = 1e-5
 
 
-def _cfg(arch: str, extra: list[str] = ()):
-    return load_config("quickstart", [*for_arch(arch, SHAPE), *extra])
+#: ``arch+variant`` cases: Hope learning from the teach signal (its first pass gathers the shards)
+VARIANTS = {"teach": ["--model.hope.update", "teach"]}
+
+
+def _cfg(case: str, extra: list[str] = ()):
+    arch, _, variant = case.partition("+")
+    return load_config("quickstart", [*for_arch(arch, SHAPE), *VARIANTS.get(variant, []), *extra])
 
 
 def _batches(cfg, n: int = 2) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -131,7 +136,7 @@ def test_tp2_sp_equals_tp1_transformer():
 @pytest.mark.slow
 @pytest.mark.distributed
 def test_tp2_sp_equals_tp1_every_arch():
-    _check_tp(ARCHS)
+    _check_tp((*ARCHS, "hope_attention+teach"))
 
 
 def _pipe_worker(rank: int, world: int) -> dict:
@@ -262,3 +267,22 @@ def test_planner_searches_sequence_parallelism_and_takes_it_where_memory_needs_i
     assert "--parallel.sequence_parallel true" in " ".join(overrides(cfg, with_sp))
     pipe = ds_config(cfg, replace(with_sp, pp=2), dev)["pipeline"]
     assert not pipe["pipe_partitioned"] and not pipe["grad_partitioned"]
+
+
+def test_pipeline_stages_send_the_shards_whole():
+    """With SP the trainer turns off DeepSpeed's own partitioning of the stages' tensors over the
+    TP group (``ds_configs/pipeline.json`` turns it on)."""
+    import json
+
+    from launch_helpers import ROOT
+
+    from tapered_megatron.training.launch import resolve
+
+    ds = json.loads((ROOT / "ds_configs" / "pipeline.json").read_text())
+    assert ds["pipeline"]["pipe_partitioned"] and ds["pipeline"]["grad_partitioned"]
+    for sp, want in ((False, True), (True, False)):
+        cfg = _cfg("transformer", [*SP[:2], "--parallel.pp", "2"])
+        cfg = cfg.with_overrides(["--parallel.sequence_parallel", str(sp).lower()])
+        filled, _ = resolve(cfg, ds, 4)
+        assert filled["pipeline"]["pipe_partitioned"] is want
+        assert filled["pipeline"]["grad_partitioned"] is want

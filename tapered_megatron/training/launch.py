@@ -195,17 +195,10 @@ def resolve(cfg: Config, ds_config: dict[str, Any], world_size: int) -> tuple[di
             'set it to "auto" or pass --parallel.pp'
         )
     if cfg.parallel.sequence_parallel and pp > 1:
-        # the stages exchange sequence shards, which differ per TP rank: DeepSpeed must send
-        # them whole instead of partitioning one rank's tensor over the TP group (its default)
-        pipe = ds.setdefault("pipeline", {})
-        for key in ("pipe_partitioned", "grad_partitioned"):
-            if pipe.get(key, False):
-                raise ConfigError(
-                    f"ds_config pipeline.{key}=true cannot be combined with "
-                    "parallel.sequence_parallel (the stages already exchange sequence shards); "
-                    "remove the key or set it to false"
-                )
-            pipe[key] = False
+        # The stages exchange sequence shards, already 1/tp of the tensor and different on each
+        # TP rank: DeepSpeed sends them whole instead of partitioning one rank's tensor over the
+        # TP group (its default, which sequence parallelism replaces).
+        ds.setdefault("pipeline", {}).update(pipe_partitioned=False, grad_partitioned=False)
     for half in ("fp16", "bf16"):
         sec = ds.get(half)
         if isinstance(sec, dict) and sec.get("enabled") == "auto":
