@@ -5,8 +5,10 @@ checkpointing and pipeline unit.
 enumerates every layout that divides the GPUs (TP inside a node, dividing the heads, the taper
 unit and the vocabulary padding; PP up to the number of pipeline units; DP the rest), every ZeRO
 stage DeepSpeed allows for it (0-3 without pipeline, 0-1 with), micro-batch sizes that divide the
-global batch, activation checkpointing on or off, sequence parallelism on or off (TP > 1, a
-sequence the TP size divides), and whole-layer or sub-layer pipeline units.
+global batch, activation checkpointing on or off, sequence parallelism (TP > 1, a sequence the
+TP size divides: on, and also off where a half of the block runs on the whole sequence and SP
+costs an all-gather more; elsewhere off has the same time and more memory), and whole-layer or
+sub-layer pipeline units.
 For each it
 
 1. builds the unit costs and memory (:mod:`tapered_megatron.pipeline.cost`, the cost model the
@@ -158,8 +160,13 @@ def evaluate(cfg: Config, c: Candidate, dev: costlib.Device, cap: float) -> Cand
 
 def enumerate_candidates(cfg: Config, gpus: int, gpus_per_node: int) -> list[Candidate]:
     """Every layout / ZeRO / micro-batch / checkpointing / unit combination to evaluate."""
+    from tapered_megatron.models import resolve_architecture
+
     m, tr = cfg.model, cfg.train
     gbs = tr.global_batch_size or tr.micro_batch_size * gpus
+    arch = resolve_architecture(m.arch)
+    # without SP: the same time and more memory, unless a half runs on the whole sequence
+    sp_off_too = not (arch.mixer.takes_sequence_shards and arch.mlp.takes_sequence_shards)
     out = []
     for tp in _divisors(gpus):
         if tp > gpus_per_node or tp_problem(cfg, tp):
@@ -168,7 +175,9 @@ def enumerate_candidates(cfg: Config, gpus: int, gpus_per_node: int) -> list[Can
             if pp > m.layers:
                 continue
             dp = gpus // (tp * pp)
-            sps = (False, True) if tp > 1 and m.seq_len % tp == 0 else (False,)
+            sps = (False,)
+            if tp > 1 and m.seq_len % tp == 0:
+                sps = (False, True) if sp_off_too else (True,)
             for zero in (0, 1) if pp > 1 else (0, 1, 2, 3):
                 for mbs in MICRO_BATCHES:
                     if gbs % (mbs * dp):

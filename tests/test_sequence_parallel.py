@@ -243,7 +243,8 @@ def test_cost_model_counts_sequence_shards_and_their_communication():
 
 
 def test_planner_searches_sequence_parallelism_and_takes_it_where_memory_needs_it():
-    """transformer_7b on 64 H100s: TP4 with micro-batch 8 fits 90 % of 80 GiB only with SP."""
+    """Both settings where SP costs time; transformer_7b on 64 H100s: TP4 with micro-batch 8
+    fits 90 % of 80 GiB only with SP."""
     from dataclasses import replace
 
     from tapered_megatron.pipeline import cost as costlib
@@ -255,10 +256,12 @@ def test_planner_searches_sequence_parallelism_and_takes_it_where_memory_needs_i
         overrides,
     )
 
+    # SP off is searched where it can be faster: a memory architecture's whole-sequence half
+    for preset, searched in (("transformer_7b", {True}), ("titans_7b", {False, True})):
+        cands = enumerate_candidates(load_config(preset), 64, 8)
+        assert all(c.tp > 1 for c in cands if c.sequence_parallel)
+        assert {c.sequence_parallel for c in cands if c.tp > 1} == searched, preset
     cfg = load_config("transformer_7b")
-    cands = enumerate_candidates(cfg, 64, 8)
-    assert all(c.tp > 1 for c in cands if c.sequence_parallel)
-    assert {c.sequence_parallel for c in cands if c.tp > 1} == {False, True}
     dev, cap = costlib.get_device("h100"), 0.9 * 80 * costlib.GiB
     with_sp = evaluate(cfg, Candidate(4, 1, 16, 2, 8, 1, False, "layer", True), dev, cap)
     without = evaluate(cfg, replace(with_sp, sequence_parallel=False, parts=()), dev, cap)

@@ -66,7 +66,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from tapered_megatron.config import Config
-    from tapered_megatron.models.base import Counts
+    from tapered_megatron.models.base import Architecture, Counts
 
 GiB = 1024**3
 
@@ -302,12 +302,10 @@ def tp_local_params(c: Counts, cfg: Config, tp: int) -> float:
     return (c.params - c.kv_params) / tp + kv
 
 
-def whole_sequence_halves(cfg: Config, kind: str) -> int:
-    """Halves of a unit of ``kind`` whose module runs on the whole sequence under sequence
-    parallelism (the block gathers its input and keeps this rank's part of its output)."""
-    from tapered_megatron.models import resolve_architecture
-
-    arch = resolve_architecture(cfg.model.arch)
+def whole_sequence_halves(arch: Architecture, kind: str) -> int:
+    """Halves of a unit of ``kind`` of architecture ``arch`` whose module runs on the whole
+    sequence under sequence parallelism (the block gathers its input and keeps this rank's part
+    of its output)."""
     halves = {"layer": (arch.mixer, arch.mlp), "mixer": (arch.mixer,), "mlp": (arch.mlp,)}
     return sum(not m.takes_sequence_shards for m in halves.get(kind, ()))
 
@@ -364,7 +362,7 @@ def unit_costs(
                 t += device.launch_s
         # all-reduces, or under sequence parallelism reduce-scatter + all-gather pairs (the same
         # ring time) and an all-gather more for each half that runs on the whole sequence
-        per_pass = TP_ALL_REDUCES[u.kind] + (0.5 * whole_sequence_halves(cfg, u.kind) if sp else 0)
+        per_pass = TP_ALL_REDUCES[u.kind] + (0.5 * whole_sequence_halves(arch, u.kind) if sp else 0)
         comm = per_pass * (passes - 1 + (f is not None)) * tp_ar
         # Each half's input and its norm's input are replicated on every TP rank; under
         # sequence parallelism only the input its TP region multiplies (gathered) is, the
