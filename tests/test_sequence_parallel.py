@@ -35,8 +35,9 @@ SP = ["--parallel.tp", "2", "--parallel.sequence_parallel", "true"]
 RTOL = 1e-5
 
 
-#: ``arch+variant`` cases: Hope learning from the teach signal (its first pass gathers the shards)
-VARIANTS = {"teach": ["--model.hope.update", "teach"]}
+#: ``arch+variant`` cases: Hope learning from the teach signal (its first pass gathers the
+#: shards); one key/value head, replicated at TP2 (q and kv enter the TP region together)
+VARIANTS = {"teach": ["--model.hope.update", "teach"], "gqa": ["--model.kv_heads", "1"]}
 
 
 def _cfg(case: str, extra: list[str] = ()):
@@ -123,7 +124,7 @@ def test_tp2_sp_equals_tp1_every_arch():
     """Loss and every gradient (norm gains summed over the TP group included) within 1e-5, every
     rank; dropout masks differ across TP ranks and a recomputed block redraws them. The default
     set's TP2 + SP case is ``transformer_sp`` in ``test_tp_parallel.py`` (its launch)."""
-    cases = (*ARCHS, "hope_attention+teach")
+    cases = (*ARCHS, "hope_attention+teach", "gated_attention+gqa")
     per_rank = run_workers(_tp_worker, 2, cases)
     for case in cases:
         for r in per_rank:  # every rank holds the same loss and full gradients
