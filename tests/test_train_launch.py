@@ -59,6 +59,9 @@ SLOW_LAYOUTS = {
     "dp2-zero1": (2, "zero1.json", []),  # also covered by the mpirun and two-node tests
     "pp2-dp2": (4, "pipeline.json", ["--parallel.pp", "2"]),
     "tp2-pp2": (4, "pipeline.json", ["--parallel.pp", "2", "--parallel.tp", "2"]),
+    "tp2-sp": (2, "zero1.json", ["--parallel.tp", "2", "--parallel.sequence_parallel", "true"]),
+    "tp2-pp2-sp": (4, "pipeline.json", ["--parallel.pp", "2", "--parallel.tp", "2",
+                                        "--parallel.sequence_parallel", "true"]),
     "tp2-dp2-zero2": (4, "zero2.json", ["--parallel.tp", "2"]),
     "tp2-dp2-zero3": (4, "zero3.json", ["--parallel.tp", "2"]),  # zero.Init over the DP group
     "pp2-sublayer": (2, "pipeline.json", ["--parallel.pp", "2", "--parallel.pipeline_unit",

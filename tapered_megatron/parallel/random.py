@@ -8,7 +8,7 @@
   the accelerator's alike (the TP ranks of a stage see the same stream, so replicated regions
   such as the dropout on each block's output draw the same mask on every TP rank; TP ranks get a
   separate named stream for TP-local randomness such as dropout inside a split region, Megatron's
-  habit).
+  habit: the block's dropout under sequence parallelism).
 * :class:`RNGStatesTracker` keeps named streams (a CPU and an accelerator generator state each);
   ``with get_rng_tracker().fork():`` runs a block under the TP-local stream on both generators
   and restores the default ones afterwards.
@@ -124,6 +124,29 @@ _TRACKER = RNGStatesTracker()
 def get_rng_tracker() -> RNGStatesTracker:
     """The process-wide tracker."""
     return _TRACKER
+
+
+def tracker_checkpoint_contexts() -> tuple[contextlib.AbstractContextManager, ...]:
+    """``context_fn`` of ``torch.utils.checkpoint.checkpoint``: the recomputation in backward
+    draws from the tracker's streams as they were when the forward ran (torch restores only the
+    default generators), and leaves them where they are now."""
+    states: dict[str, dict[str, torch.Tensor]] = {}
+
+    @contextlib.contextmanager
+    def forward() -> Iterator[None]:
+        states.update(_TRACKER.get_states())
+        yield
+
+    @contextlib.contextmanager
+    def recompute() -> Iterator[None]:
+        now = _TRACKER.get_states()
+        _TRACKER.set_states(states)
+        try:
+            yield
+        finally:
+            _TRACKER.set_states(now)
+
+    return forward(), recompute()
 
 
 def model_parallel_seed(seed: int) -> None:

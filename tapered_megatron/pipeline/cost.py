@@ -17,8 +17,10 @@ embedding; documented defaults per device, the CPU ones calibrated here), scaled
 the architecture record's ``mixer_efficiency``; ``launch`` is a fixed per-pass overhead per
 block half (small on a GPU; PyTorch's per-op cost on a CPU). The last term is tensor-parallel
 communication: ring all-reduces of the residual stream (one per sub-layer per pass) over NVLink
-inside a node, the network beyond. Alternatively the per-unit
-compute times (and the bytes autograd really saves) are *profiled* on the actual device
+inside a node, the network beyond. Under sequence parallelism each becomes a reduce-scatter and an
+all-gather (the same ring time); a half whose module runs on the whole sequence (the memory
+architectures') adds one all-gather per pass. Alternatively the per-unit compute times (and the
+bytes autograd really saves) are *profiled* on the actual device
 (:mod:`tapered_megatron.pipeline.profile`), cached on disk keyed by config and device; both feed
 the same solver.
 
@@ -41,8 +43,11 @@ Memory of stage ``j`` under 1F1B with ``M`` micro-batches (stage ``j`` of ``P`` 
   0.19.8).
   ZeRO-1 divides the optimizer term by ``dp``, ZeRO-2 also the gradients, ZeRO-3 everything.
 * activations: the counted bytes per token x ``b * s``; tensor parallelism shards everything
-  but the unit's input and its norm's input (replicated without sequence parallelism). With
-  checkpointing a block/sub-block keeps only its input per micro-batch in flight.
+  but each half's input and its norm's input (replicated). Sequence parallelism shards the
+  norm's input too (and the dropout mask); the whole-sequence input the half's TP region
+  multiplies stays replicated (the all-gathered tensor the column-parallel layer keeps). With
+  checkpointing a block/sub-block keeps only its input per micro-batch in flight (a sequence
+  shard under sequence parallelism).
 * transient: while one unit runs backward, its activation gradients (about the size of what it
   saved; under checkpointing its recomputed activations) live next to everything in flight.
   The head's fused loss keeps its fp32 weight gradient per micro-batch in flight and works
@@ -62,7 +67,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from tapered_megatron.config import Config
-    from tapered_megatron.models.base import Counts
+    from tapered_megatron.models.base import Architecture, Counts
 
 GiB = 1024**3
 
@@ -231,6 +236,7 @@ class RunShape:
     zero_stage: int = 1
     precision: str = "bf16"  # bf16 | fp32
     checkpointing: bool = False
+    sequence_parallel: bool = False  # parallel.sequence_parallel (with tp > 1)
     pipeline: bool = True  # DeepSpeed PipelineEngine (bf16 -> BF16_Optimizer fp32 grad buffer)
     zero3: Zero3 = Zero3()  # DeepSpeed's ZeRO-3 buffer sizes (zero_stage 3 only)
 
@@ -305,6 +311,14 @@ def launch_time(device: Device, kind: str) -> float:
     return device.launch_s * (2 if kind == "layer" else 1)
 
 
+def whole_sequence_halves(arch: Architecture, kind: str) -> int:
+    """Halves of a unit of ``kind`` of architecture ``arch`` whose module runs on the whole
+    sequence under sequence parallelism (the block gathers its input and keeps this rank's part
+    of its output)."""
+    halves = {"layer": (arch.mixer, arch.mlp), "mixer": (arch.mixer,), "mlp": (arch.mlp,)}
+    return sum(not m.takes_sequence_shards for m in halves.get(kind, ()))
+
+
 def unit_costs(
     cfg: Config,
     shape: RunShape,
@@ -335,6 +349,7 @@ def unit_costs(
     tp_bw = device.intra_bw if shape.tp <= device.gpus_per_node else device.inter_bw
     tp_ar = ring_all_reduce(tok * cfg.model.d_model * elem, shape.tp, tp_bw)
     vocab_local = cfg.padded_vocab_size / shape.tp
+    sp = shape.sequence_parallel and shape.tp > 1
     out = []
     for i, (u, f) in enumerate(zip(table, first_units, strict=True)):
         c = u.counts(elem)
@@ -354,16 +369,20 @@ def unit_costs(
             if f is not None:  # the first pass's forward of this unit
                 t += f.counts(elem).flops * tok / (shape.tp * device.peak_flops * eff)
                 t += launch_time(device, u.kind)
-        comm = TP_ALL_REDUCES[u.kind] * (passes - 1 + (f is not None)) * tp_ar
-        # Without sequence parallelism the unit's input (and its norm's input) are replicated
-        # on every TP rank; everything inside the mixer / MLP / head is sharded.
+        # all-reduces, or under sequence parallelism reduce-scatter + all-gather pairs (the same
+        # ring time) and an all-gather more for each half that runs on the whole sequence
+        per_pass = TP_ALL_REDUCES[u.kind] + (0.5 * whole_sequence_halves(arch, u.kind) if sp else 0)
+        comm = per_pass * (passes - 1 + (f is not None)) * tp_ar
+        # Each half's input and its norm's input are replicated on every TP rank; under
+        # sequence parallelism only the input its TP region multiplies (gathered) is, the
+        # norm's is a sequence shard. Everything inside the mixer / MLP / head is sharded.
         subunits = 2 if u.kind == "layer" else 1
-        resid = min(2 * subunits * input_bytes, act_bytes) * tok
+        resid = min((1 if sp else 2) * subunits * input_bytes, act_bytes) * tok
         full = resid + (act_bytes * tok - resid) / shape.tp
         # While a unit runs backward, gradients of its activations (about the size of what it
         # saved) are alive next to everything held for the micro-batches in flight; a
         # checkpointed unit first re-creates its activations. Either way: one unit's worth.
-        act = input_bytes * tok if recompute else full
+        act = input_bytes * tok / (shape.tp if sp else 1) if recompute else full
         peak = full
         if u.kind == "head":
             # The fused loss keeps its fp32 weight gradient until the micro-batch's backward
