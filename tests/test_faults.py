@@ -298,7 +298,7 @@ def test_a_full_disk_inside_a_real_save_ends_in_one_line_and_keeps_latest(
     disk), the partial global_step10 removed, ``latest`` still global_step5, nothing else left
     behind; a resume with room continues from global_step5."""
     from tapered_megatron.checkpoint_layout import saved_bytes
-    from tapered_megatron.training.preflight import size_text
+    from tapered_megatron.training.checkpoint import size_text
 
     shutil.copytree(saved_at_5, tmp_path, dirs_exist_ok=True)
     ckpt = tmp_path / "ckpt"
