@@ -151,12 +151,12 @@ def main(argv: list[str] | None = None) -> int:
                     log=_stderr,
                     plugins=tuple(a.plugins),
                 )
-            elif not (Path(a.model) / "tokenizer.json").is_file():
-                raise ExportError(
-                    f"--model {a.model}: no tokenizer.json (export with --tokenizer-model)"
-                )
             else:
                 check_export(a.model)
+                if not (Path(a.model) / "tokenizer.json").is_file():
+                    raise ExportError(
+                        f"--model {a.model}: no tokenizer.json (export with --tokenizer-model)"
+                    )
             results = run_harness(model_dir, tasks, a.limit, batch, a.device, include, a.dtype)
         summary = summarise(results)
     except (ExportError, ArchitectureError, OSError) as e:

@@ -68,6 +68,7 @@ __all__ = ["TaperedForCausalLM"]
 TOKENIZER_CHECK_DOCS = 200  # sample-corpus documents the fast tokenizer is checked on
 MAX_SHARD_SIZE = "5GB"  # per safetensors file; Hugging Face's size strings or bytes
 _SAFETENSORS_DTYPE = {torch.float32: "F32", torch.bfloat16: "BF16"}
+_WRITE_CHUNK = 1 << 20  # elements converted and written at a time
 
 
 def write_safetensors(
@@ -90,10 +91,11 @@ def write_safetensors(
     with open(path, "wb") as f:
         f.write(struct.pack("<Q", len(raw)) + raw)
         for name, m in specs.items():
-            t = read(name).detach().to(m.dtype).contiguous()
+            t = read(name).detach()
             if tuple(t.shape) != tuple(m.shape):
                 raise ExportError(f"{name}: shape {tuple(t.shape)}, expected {tuple(m.shape)}")
-            f.write(t.reshape(-1).view(torch.uint8).numpy().data)
+            for part in t.reshape(-1).split(_WRITE_CHUNK):  # converted piece by piece
+                f.write(part.to(m.dtype).contiguous().view(torch.uint8).numpy().data)
             del t
 
 
