@@ -253,6 +253,12 @@ def test_sharded_export_loads_in_transformers_equal_to_the_single_file(
     got = hf_logits(bf16, ids)
     assert got.dtype == torch.bfloat16
     assert (got.float() - want).abs().max() <= 0.05 * want.abs().max()
+    ours = load_model(model=bf16, dtype="bfloat16").module  # the eval tools' --dtype
+    assert {p.dtype for p in ours.parameters()} == {torch.bfloat16}
+    with torch.no_grad():
+        mine = ours(ids)[..., : want.shape[-1]]
+    assert mine.dtype == torch.bfloat16  # computed in bf16: within its rounding of transformers'
+    assert (mine.float() - got.float()).abs().max() <= 0.02 * got.abs().max()
 
 
 @pytest.mark.slow
