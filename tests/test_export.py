@@ -14,6 +14,8 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -99,7 +101,8 @@ def single_export(single, tmp_path_factory):
 def export(ckpt: Path, out: Path, *extra: str) -> dict[str, torch.Tensor]:
     assert export_main(["--checkpoint", str(ckpt), "--out", str(out), *extra]) == 0
     assert not torch.distributed.is_initialized()
-    return load_file(str(out / "model.safetensors"))
+    files = sorted(out.glob("model*.safetensors"))
+    return {k: v for f in files for k, v in load_file(str(f)).items()}
 
 
 def assert_export_equals_single(
@@ -216,3 +219,105 @@ def test_bad_input_one_line_errors_nothing_written(single, tmp_path, capsys):
     assert "not empty" in _error(capsys, base)
     assert [p.name for p in out.iterdir()] == ["keep.txt"]
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".out.tmp")]
+
+
+BENCH = ROOT / "scripts" / "bench_export.py"
+
+
+def bench_export(work: Path, *args: str) -> dict:
+    """``scripts/bench_export.py`` (the export in a measured child process); its JSON line."""
+    p = subprocess.run(
+        [sys.executable, str(BENCH), "--work", str(work), *args],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=1800,
+    )
+    assert p.returncode == 0, (p.stdout + p.stderr)[-3000:]
+    return json.loads(p.stdout.strip().splitlines()[-1])
+
+
+def hf_logits(folder: Path, ids: torch.Tensor) -> torch.Tensor:
+    """Logits of an export loaded by ``transformers`` (``trust_remote_code``)."""
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True)
+    with torch.no_grad():
+        return model(ids).logits
+
+
+def shard_names(folder: Path) -> list[str]:
+    """The shards ``model.safetensors.index.json`` lists, checked to be Hugging Face's names."""
+    index = json.loads((folder / "model.safetensors.index.json").read_text())
+    names = sorted(set(index["weight_map"].values()))
+    n = len(names)
+    assert names == [f"model-{i:05d}-of-{n:05d}.safetensors" for i in range(1, n + 1)]
+    assert sorted(p.name for p in folder.glob("model*.safetensors")) == names
+    return names
+
+
+def within_memory_bound(r: dict, slack_mib: float) -> None:
+    """Peak RSS above the footprint at most the largest tensor (fp32, as read) plus one shard."""
+    bound = r["largest_tensor_fp32_mib"] + r["largest_shard_mib"] + slack_mib
+    assert r["peak_above_footprint_mib"] <= bound, r
+
+
+@pytest.mark.distributed
+def test_sharded_export_loads_in_transformers_equal_to_the_single_file(
+    single, single_export, tmp_path
+):
+    """The tiny checkpoint exported with ``--max_shard_size 20KB``: Hugging Face's shard names
+    and index, every shard within the limit or one tensor, ``transformers`` logits (and our
+    loader's) equal to the single-file export's; ``--dtype bfloat16`` writes bf16 shards that
+    load as bf16. (The memory of the export: the slow test below.)"""
+    from safetensors import safe_open
+
+    from tapered_megatron.export.load import load_model
+
+    ckpt = single("transformer")
+    sharded = tmp_path / "sharded"
+    export(ckpt, sharded, "--max_shard_size", "20KB")
+    names = shard_names(sharded)
+    assert len(names) >= 3 and not (sharded / "model.safetensors").exists()
+    for name in names:
+        with safe_open(str(sharded / name), "pt") as f:
+            assert (sharded / name).stat().st_size <= 20_000 + 1024 or len(list(f.keys())) == 1
+    ids = torch.randint(0, 255, (2, 16), generator=torch.Generator().manual_seed(0))
+    want = hf_logits(single_export("transformer"), ids)
+    assert torch.equal(hf_logits(sharded, ids), want)
+    ours = load_model(model=sharded).module
+    with torch.no_grad():
+        assert torch.equal(ours(ids)[..., : want.shape[-1]], want)
+
+    bf16 = tmp_path / "bf16"
+    export(ckpt, bf16, "--dtype", "bfloat16", "--max_shard_size", "20KB")
+    with safe_open(str(bf16 / shard_names(bf16)[0]), "pt") as f:
+        assert f.get_tensor(next(iter(f.keys()))).dtype == torch.bfloat16
+    assert json.loads((bf16 / "config.json").read_text())["dtype"] == "bfloat16"
+    got = hf_logits(bf16, ids)
+    assert got.dtype == torch.bfloat16
+    assert (got.float() - want).abs().max() <= 0.05 * want.abs().max()
+    ours = load_model(model=bf16, dtype="bfloat16").module  # the eval tools' --dtype
+    assert {p.dtype for p in ours.parameters()} == {torch.bfloat16}
+    with torch.no_grad():
+        mine = ours(ids)[..., : want.shape[-1]]
+    assert mine.dtype == torch.bfloat16  # computed in bf16: within its rounding of transformers'
+    assert (mine.float() - got.float()).abs().max() <= 0.02 * got.abs().max()
+
+
+@pytest.mark.slow
+def test_export_of_a_preset_checkpoint_holds_one_tensor_not_the_model(tmp_path):
+    """``transformer_440m`` cut to 4 layers (482 MiB fp32), trained one step and saved by the
+    trainer, exported in 100 MB shards in a child process: its peak RSS above the interpreter's
+    footprint stays within the largest tensor plus one shard (well below the model), and the
+    sharded export loads in ``transformers`` with logits equal to the single-file export's."""
+    r = bench_export(tmp_path, "--config", "transformer_440m", "--layers", "4")
+    assert r["shards"] >= 3 and r["model_mib"] > 400
+    within_memory_bound(r, slack_mib=0)
+    assert r["peak_above_footprint_mib"] < 0.5 * r["model_mib"], r
+    sharded, single = tmp_path / "export-float32", tmp_path / "single"
+    shard_names(sharded)
+    export(tmp_path / "ckpt", single, "--max_shard_size", "10GB")
+    assert (single / "model.safetensors").is_file()
+    ids = torch.randint(0, 255, (1, 32), generator=torch.Generator().manual_seed(0))
+    assert torch.equal(hf_logits(sharded, ids), hf_logits(single, ids))
