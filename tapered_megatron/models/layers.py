@@ -39,17 +39,19 @@ class RMSNorm(nn.Module):
     """``x / rms(x) * g`` over the last dimension (gain ``g`` starts at one, no bias).
 
     ``sequence_parallel``: ``x`` is this rank's part of the sequence, so the gain's gradient is
-    summed over the TP group (the gain is marked ``sequence_parallel``, Megatron's attribute).
+    summed over the TP group. The flag is the module's (loaders such as ``from_pretrained`` may
+    replace the parameter object); the gain also carries it as Megatron's parameter attribute.
     """
 
     def __init__(self, dim: int, eps: float = 1e-5, sequence_parallel: bool = False) -> None:
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim))
+        self.sequence_parallel = sequence_parallel
         self.weight.sequence_parallel = sequence_parallel
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        w = copy_to_tp_region(self.weight) if self.weight.sequence_parallel else self.weight
+        w = copy_to_tp_region(self.weight) if self.sequence_parallel else self.weight
         if torch.compiler.is_compiling():
             return F.rms_norm(x, w.shape, w, self.eps)
         return _RMSNormFn.apply(x, w, self.eps)
