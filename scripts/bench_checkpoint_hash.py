@@ -52,7 +52,7 @@ def _sha256_mem(size: int = 256 << 20) -> float:
 def _implied_7b(per_s: float, ranks: int = 64) -> dict:
     """Hashing time of the 7B preset's checkpoint at ``per_s`` bytes/s per core."""
     from tapered_megatron.config import load_config
-    from tapered_megatron.training.preflight import checkpoint_bytes
+    from tapered_megatron.training.checkpoint import checkpoint_bytes
 
     empty = tempfile.mkdtemp(prefix="bench_ckpt_7b_")  # no saved checkpoint: the estimate
     cfg = load_config("transformer_7b", ["--train.save_dir", empty])

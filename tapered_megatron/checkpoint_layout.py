@@ -14,7 +14,9 @@ Layout of ``train.save_dir``::
 
 A tag without ``complete`` (a save cut short) is never loaded or exported. ``complete`` also
 holds the checkpoint's manifest: the size and sha256 of every other file of the tag
-(:func:`manifest_problem` checks them), several files hashed at once (``HASH_THREADS``).
+(:func:`manifest_problem` checks them), several files hashed at once (``HASH_THREADS``). An export
+directory records the same manifest in ``manifest.json`` (:data:`EXPORT_MANIFEST`,
+:func:`write_manifest`).
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ CONFIG = "config.yaml"
 TAPER_PLAN = "taper_plan.json"
 HASH_THREADS = 8  # files hashed at once per process (at most its cores)
 UNIVERSAL, UNIVERSAL_META = "universal", "meta.pt"
+EXPORT_MANIFEST = "manifest.json"
 _TAG = re.compile(r"^global_step(\d+)$")
 
 
@@ -124,13 +127,13 @@ def has_universal(tag_dir: Path) -> bool:
     return (tag_dir / UNIVERSAL / UNIVERSAL_META).exists()
 
 
-def tag_files(tag_dir: Path) -> list[str]:
-    """Every file of a tag but ``complete``, as sorted paths relative to it (the manifest's
-    keys)."""
+def tag_files(tag_dir: Path, record: str = COMPLETE) -> list[str]:
+    """Every file of a tag (or export) but the manifest's own ``record``, as sorted paths
+    relative to it (the manifest's keys)."""
     return sorted(
         str(f.relative_to(tag_dir))
         for f in tag_dir.rglob("*")
-        if f.is_file() and f.name != COMPLETE
+        if f.is_file() and str(f.relative_to(tag_dir)) != record
     )
 
 
@@ -159,10 +162,17 @@ def digests(tag_dir: Path, names: list[str] | None = None) -> dict[str, list[Any
     return dict(zip(names, _digest_all(tag_dir, names)))
 
 
-def manifest(tag_dir: Path) -> dict[str, list[Any]] | None:
-    """The manifest ``complete`` records (``None`` for a checkpoint saved without one)."""
+def write_manifest(folder: Path, record: str = EXPORT_MANIFEST) -> None:
+    """Record the manifest of every other file of ``folder`` in ``folder / record`` (an export's
+    ``manifest.json``: ``{"files": {name: [size, sha256]}}``, the key ``complete`` uses)."""
+    files = digests(folder, tag_files(folder, record))
+    (folder / record).write_text(json.dumps({"files": files}, indent=1) + "\n")
+
+
+def manifest(tag_dir: Path, record: str = COMPLETE) -> dict[str, list[Any]] | None:
+    """The manifest ``record`` holds (``None`` for a directory saved without one)."""
     try:
-        files = json.loads((tag_dir / COMPLETE).read_text() or "{}").get("files")
+        files = json.loads((tag_dir / record).read_text() or "{}").get("files")
     except (OSError, ValueError, AttributeError):
         return None
     return files if isinstance(files, dict) else None
@@ -177,12 +187,12 @@ def saved_bytes(save_dir: Path) -> int | None:
 
 
 def manifest_problem(
-    tag_dir: Path, names: list[str] | None = None, hashes: bool = True
+    tag_dir: Path, names: list[str] | None = None, hashes: bool = True, record: str = COMPLETE
 ) -> str | None:
-    """What in ``tag_dir`` differs from its manifest (one line), or None: a listed file missing
-    or of another size, or (``hashes``) of another sha256; ``names`` limits the check to those
-    files. A checkpoint without a manifest has nothing to check."""
-    files = manifest(tag_dir)
+    """What in ``tag_dir`` differs from its manifest in ``record`` (one line), or None: a listed
+    file missing or of another size, or (``hashes``) of another sha256 (streamed); ``names``
+    limits the check to those files. A directory without a manifest has nothing to check."""
+    files = manifest(tag_dir, record)
     if files is None:
         return None
     names = list(files if names is None else names)
@@ -190,7 +200,7 @@ def manifest_problem(
         size = files[name][0]
         f = tag_dir / name
         if not f.is_file():
-            return f"{f}: missing (the checkpoint's manifest lists it)"
+            return f"{f}: missing (the manifest lists it)"
         if f.stat().st_size != size:
             return f"{f}: {f.stat().st_size} bytes, the manifest records {size}"
     for name, (_, sha) in zip(names, _digest_all(tag_dir, names) if hashes else ()):

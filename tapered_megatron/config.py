@@ -134,6 +134,9 @@ class ParallelConfig:
     pp: int = at_least(1, 1)
     partition: Partition = "balanced"
     pipeline_unit: PipelineUnit = "layer"  # sublayer: mixer and MLP as separate pipeline units
+    # split norms, residual adds, dropout and the stage boundaries along the sequence over the
+    # TP group (Megatron's sequence parallelism; needs tp > 1)
+    sequence_parallel: bool = False
 
 
 @dataclass(frozen=True)
@@ -660,6 +663,16 @@ def validate(cfg: Config) -> None:
     _require(m.head_dim % 2 == 0, f"model.d_model/model.heads = {m.head_dim} must be even for RoPE")
     problem = tp_problem(cfg, p.tp)
     _require(problem is None, str(problem))
+    _require(
+        not p.sequence_parallel or p.tp > 1,
+        "parallel.sequence_parallel splits the sequence over the TP group and needs "
+        "parallel.tp > 1; pass --parallel.tp 2 (or more) or --parallel.sequence_parallel false",
+    )
+    _require(
+        not p.sequence_parallel or m.seq_len % p.tp == 0,
+        f"parallel.sequence_parallel: model.seq_len ({m.seq_len}) must be a multiple of "
+        f"parallel.tp ({p.tp}); change --model.seq_len or --parallel.tp",
+    )
     units = m.layers * (2 if p.pipeline_unit == "sublayer" else 1)
     _require(
         p.pp <= units, f"parallel.pp ({p.pp}) exceeds the {units} pipeline units of model.layers"

@@ -1,11 +1,14 @@
-"""Scale planner: choose TP x PP x DP, ZeRO stage, micro-batch, recompute and pipeline unit.
+"""Scale planner: choose TP x PP x DP, sequence parallelism, ZeRO stage, micro-batch,
+recompute and pipeline unit.
 
 ``python -m tapered_megatron.plan --config transformer_7b --gpus 64 --gpu-mem 80 [--nodes 8]``
 enumerates every layout that divides the GPUs (TP inside a node, dividing the heads, the taper
 unit and the vocabulary padding; PP up to the number of pipeline units; DP the rest), every ZeRO
 stage DeepSpeed allows for it (0-3 without pipeline, 0-1 with), micro-batch sizes that divide the
-global batch, activation recomputation (``train.recompute``: none, selective, full), and
-whole-layer or sub-layer pipeline units.
+global batch, activation recomputation (``train.recompute``: none, selective, full), sequence
+parallelism (TP > 1, a sequence the TP size divides: on, and also off where a half of the block
+runs on the whole sequence and SP costs an all-gather more; elsewhere off has the same time and
+more memory), and whole-layer or sub-layer pipeline units.
 For each it
 
 1. builds the unit costs and memory (:mod:`tapered_megatron.pipeline.cost`, the cost model the
@@ -68,6 +71,7 @@ class Candidate:
     grad_accum: int
     recompute: str
     unit: str
+    sequence_parallel: bool = False
     parts: tuple[int, ...] = ()
     mem_gib: float = 0.0  # the most loaded stage
     step_s: float = float("inf")
@@ -81,9 +85,10 @@ class Candidate:
     @property
     def label(self) -> str:
         """Short human-readable label."""
+        sp = " sp" if self.sequence_parallel else ""
         return (
-            f"tp{self.tp} pp{self.pp} dp{self.dp} zero{self.zero} mbs{self.micro_batch_size} "
-            f"gas{self.grad_accum} rc-{self.recompute} {self.unit}"
+            f"tp{self.tp}{sp} pp{self.pp} dp{self.dp} zero{self.zero} "
+            f"mbs{self.micro_batch_size} gas{self.grad_accum} rc-{self.recompute} {self.unit}"
         )
 
 
@@ -106,6 +111,7 @@ def evaluate(cfg: Config, c: Candidate, dev: costlib.Device, cap: float) -> Cand
         zero_stage=c.zero,
         recompute=c.recompute,
         tp=c.tp,
+        sequence_parallel=c.sequence_parallel,
         micro_batch_size=c.micro_batch_size,
         methods=("balancer",),
     )
@@ -127,7 +133,8 @@ def evaluate(cfg: Config, c: Candidate, dev: costlib.Device, cap: float) -> Cand
     act_bytes = c.micro_batch_size * m.seq_len * m.d_model * elem  # one residual-stream tensor
     # Pipeline sends: neighbouring stages are dp*tp ranks apart (topology axes pipe, data, model).
     pp_bw = dev.intra_bw if c.dp * c.tp < dev.gpus_per_node else dev.inter_bw
-    p2p = act_bytes / c.tp / pp_bw if c.pp > 1 else 0.0  # DeepSpeed pipe_partitioned sends 1/tp
+    # 1/tp each: DeepSpeed's pipe_partitioned, or the sequence shards under sequence parallelism
+    p2p = act_bytes / c.tp / pp_bw if c.pp > 1 else 0.0
     stage_times = [t + (2 * p2p if c.pp > 1 else 0.0) for t in r.stage_times]
     pipe_s = costlib.step_time(stage_times, c.grad_accum)
     # Data parallel: gradients of the heaviest stage (bf16 grads / fp32) over dp, overlapped
@@ -173,8 +180,13 @@ def evaluate(cfg: Config, c: Candidate, dev: costlib.Device, cap: float) -> Cand
 
 def enumerate_candidates(cfg: Config, gpus: int, gpus_per_node: int) -> list[Candidate]:
     """Every layout / ZeRO / micro-batch / recompute / unit combination to evaluate."""
+    from tapered_megatron.models import resolve_architecture
+
     m, tr = cfg.model, cfg.train
     gbs = tr.global_batch_size or tr.micro_batch_size * gpus
+    arch = resolve_architecture(m.arch)
+    # without SP: the same time and more memory, unless a half runs on the whole sequence
+    sp_off_too = not (arch.mixer.takes_sequence_shards and arch.mlp.takes_sequence_shards)
     out = []
     for tp in _divisors(gpus):
         if tp > gpus_per_node or tp_problem(cfg, tp):
@@ -183,6 +195,9 @@ def enumerate_candidates(cfg: Config, gpus: int, gpus_per_node: int) -> list[Can
             if pp > m.layers:
                 continue
             dp = gpus // (tp * pp)
+            sps = (False,)
+            if tp > 1 and m.seq_len % tp == 0:
+                sps = (False, True) if sp_off_too else (True,)
             for zero in (0, 1) if pp > 1 else (0, 1, 2, 3):
                 for mbs in MICRO_BATCHES:
                     if gbs % (mbs * dp):
@@ -190,7 +205,8 @@ def enumerate_candidates(cfg: Config, gpus: int, gpus_per_node: int) -> list[Can
                     gas = gbs // (mbs * dp)
                     for rc in ("none", "selective", "full"):
                         for unit in ("layer", "sublayer") if pp > 1 else ("layer",):
-                            out.append(Candidate(tp, pp, dp, zero, mbs, gas, rc, unit))
+                            for sp in sps:
+                                out.append(Candidate(tp, pp, dp, zero, mbs, gas, rc, unit, sp))
     return out
 
 
@@ -260,6 +276,7 @@ def reasoning(
         lines.append(f"  partition {list(best.parts)} bottleneck {best.bottleneck:.3f}")
     for key, what in (
         ("tp", "TP"),
+        ("sequence_parallel", "sequence parallelism"),
         ("zero", "ZeRO"),
         ("recompute", "recompute"),
         ("unit", "pipeline unit"),
@@ -317,8 +334,9 @@ def ds_config(cfg: Config, best: Candidate, dev: costlib.Device) -> dict[str, An
         out["pipeline"] = {
             "stages": best.pp,
             "activation_checkpoint_interval": 0,
-            "pipe_partitioned": best.tp > 1,
-            "grad_partitioned": best.tp > 1,
+            # sequence shards are already split over the TP group
+            "pipe_partitioned": best.tp > 1 and not best.sequence_parallel,
+            "grad_partitioned": best.tp > 1 and not best.sequence_parallel,
         }
     return out
 
@@ -327,6 +345,7 @@ def overrides(cfg: Config, best: Candidate) -> list[str]:
     """The dotted config overrides that select the best candidate."""
     return [
         "--parallel.tp", str(best.tp),
+        "--parallel.sequence_parallel", str(best.sequence_parallel).lower(),
         "--parallel.pp", str(best.pp),
         "--parallel.partition", "balanced",
         "--parallel.pipeline_unit", best.unit,

@@ -1,5 +1,5 @@
-"""Real English text for the "loss decreases" tests: bytes of the shipped sample corpus and a
-small AdamW next-byte training loop over random windows of it."""
+"""Real English text for the "loss decreases" tests: bytes of the shipped sample corpus, a small
+AdamW next-byte training loop over random windows of it, and the baseline a model must beat."""
 
 from __future__ import annotations
 
@@ -50,3 +50,19 @@ def train_losses(
         opt.step()
         losses.append(loss.item())
     return losses
+
+
+def unigram_loss(text_bytes: int) -> float:
+    """The byte entropy (nats) of the first ``text_bytes`` bytes: the expected loss of the best
+    model that ignores its input (a unigram model) on random windows of that text."""
+    counts = torch.bincount(real_text_bytes(text_bytes), minlength=256).double()
+    p = counts[counts > 0] / counts.sum()
+    return -(p * p.log()).sum().item()
+
+
+def assert_beats_unigram(losses: list[float], text_bytes: int, margin: float = 0.3) -> None:
+    """The mean of the last five losses is ``margin`` nats below :func:`unigram_loss` (measured:
+    2.69-2.90 after 40 steps against 3.35-3.37): the model uses its input, which a model that
+    only learned byte frequencies (a unigram model) cannot."""
+    last, floor = sum(losses[-5:]) / 5, unigram_loss(text_bytes)
+    assert last < floor - margin, f"last losses {last:.3f}, unigram {floor:.3f}: {losses}"

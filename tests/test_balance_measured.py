@@ -31,6 +31,7 @@ def _run(mode: str, steps: int) -> list[dict]:
 def test_measured_pp2_cost_model_speed_and_sublayer_losses() -> None:
     rows = _run("measure", 6)
     summary = rows[-1]
+    print(json.dumps(summary))
     assert summary["max_abs_err_analytic"] <= 0.15  # per-stage busy time within 15%
     assert summary["crit_speedup_vs_uniform"] > 1.0
     assert summary["crit_speedup_vs_parameters"] > 1.0

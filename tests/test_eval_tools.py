@@ -178,9 +178,10 @@ def _own_scores(model, tok: str, limit: int) -> dict[str, dict[str, float]]:
 
 
 @pytest.fixture(scope="module")
-def harness(export, tmp_path_factory):
-    """The real ``lm_eval`` command line on the export, both local tasks, 8 items each (the
-    dev extra installs it: a missing one is a failure, not a skip)."""
+def harness_run(export, tmp_path_factory) -> Path:
+    """The real ``lm_eval`` command line on the export, both local tasks, 8 items each, with
+    every item's log-likelihoods (``--log_samples``); its output folder (the dev extra installs
+    it: a missing one is a failure, not a skip)."""
     import lm_eval  # noqa: F401
 
     out, _ = export
@@ -188,8 +189,15 @@ def harness(export, tmp_path_factory):
     _run("-m", "lm_eval", "--model", "hf", "--model_args",
          f"pretrained={out},trust_remote_code=True", "--tasks",
          "tm_shakespeare_nextline,tm_shakespeare_lastword", "--include_path", str(TASKS),
-         "--limit", "8", "--batch_size", "4", "--output_path", str(res))  # fmt: skip
-    (path,) = res.rglob("results_*.json")
+         "--limit", "8", "--batch_size", "4", "--log_samples",
+         "--output_path", str(res))  # fmt: skip
+    return res
+
+
+@pytest.fixture(scope="module")
+def harness(harness_run) -> dict:
+    """The harness's aggregate results per task."""
+    (path,) = harness_run.rglob("results_*.json")
     return json.loads(path.read_text())["results"]
 
 
@@ -200,6 +208,32 @@ def test_lm_eval_cli_accuracy_equals_own_scorer(harness, export, tok):
         for name, value in metrics.items():
             assert harness[task][f"{name},none"] == pytest.approx(value, abs=1e-9), (task, name)
     assert harness["tm_shakespeare_lastword"]["perplexity,none"] > 1
+
+
+def test_lm_eval_per_item_loglikelihoods_equal_own_scorer(harness_run, export, tok):
+    """Every request the harness scored (4 choices of 8 next-line items, 8 last words): its
+    log-likelihood and greedy flag equal our scorer's on the same context and continuation
+    (1e-6 relative: the harness sums in float32), item by item, not only in an accuracy that a
+    random model leaves at 0."""
+    import sentencepiece as spm
+
+    _, model = export
+    sp = spm.SentencePieceProcessor(model_file=tok)
+    seen = 0
+    for task, choices in (("tm_shakespeare_nextline", 4), ("tm_shakespeare_lastword", 1)):
+        (path,) = harness_run.rglob(f"samples_{task}_*.jsonl")
+        items = [json.loads(x) for x in path.read_text().splitlines()]
+        assert sorted(it["doc_id"] for it in items) == list(range(8))
+        for it in items:
+            requests = [it["arguments"][f"gen_args_{k}"] for k in range(len(it["resps"]))]
+            assert len(requests) == choices
+            for req, resp in zip(requests, it["resps"], strict=True):
+                ll, greedy = resp[0]
+                want_ll, want_greedy = _loglik(model, sp, req["arg_0"], req["arg_1"])
+                assert float(ll) == pytest.approx(want_ll, rel=1e-6), (task, it["doc_id"])
+                assert str(greedy) == str(want_greedy), (task, it["doc_id"])
+                seen += 1
+    assert seen == 8 * 4 + 8
 
 
 def test_zeroshot_wrapper_writes_json_and_markdown(harness, export, tmp_path):

@@ -86,32 +86,40 @@ def _bump_consumed(tag_dir: Path, by: int) -> None:
     reseal(tag_dir)  # as if saved so
 
 
-@pytest.mark.slow
-def test_nan_step_is_skipped_and_equals_a_dropped_batch(corpus, tmp_path):
-    """A NaN loss at iteration 4 skips the step; the curve from then on is that of a run that
-    never saw batch 4 (its consumed samples advanced by one batch at iteration 3)."""
+def test_nan_step_is_skipped_withheld_from_saving_and_equals_a_dropped_batch(corpus, tmp_path):
+    """A NaN loss at iteration 4 skips the step and withholds its save (saves every iteration,
+    the newest 5 kept): no global_step4 is ever written, so nothing is pruned for it. The curve
+    from then on is that of a run that never saw batch 4: global_step3 of the same run, its
+    consumed samples advanced by one batch, resumed (skip-run iteration j+1 equals the dropped
+    run's iteration j, bitwise)."""
     skip, drop = tmp_path / "skip", tmp_path / "drop"
-    rc, log = run_once(
-        corpus, skip, ["--train.exit_interval", "10"], {"TAPERED_MEGATRON_INJECT_NAN": "4"}
-    )
+    extra = ["--train.iters", "8", "--train.save_interval", "1", "--train.keep_last", "5"]
+    extra += ["--eval.interval", "0", "--logging.interval", "1"]
+    rc, log = run_once(corpus, skip, extra, {"TAPERED_MEGATRON_INJECT_NAN": "4"})
     assert rc == [0], log[-3000:]
     assert "iteration 4: loss nan or gradients not finite: step skipped" in log
     assert "samples 24-31 are consumed and not trained on" in log
+    assert "iteration 4: checkpoint withheld (the last 1 step(s) were skipped" in log
     got = metrics(skip)
-    assert [r.get("skipped", False) for r in got] == [i == 4 for i in range(1, 11)]
-    done = (skip / "ckpt" / "global_step10" / "complete").read_text()
-    assert '"consumed_samples": 80' in done
+    assert [r.get("skipped", False) for r in got] == [i == 4 for i in range(1, 9)]
+    ckpt = skip / "ckpt"
+    assert sorted(p.name for p in ckpt.glob("global_step*")) == [
+        f"global_step{i}" for i in (3, 5, 6, 7, 8)
+    ]
+    assert (ckpt / "latest").read_text() == "global_step8"
+    assert '"consumed_samples": 64' in (ckpt / "global_step8" / "complete").read_text()
 
-    rc, log = run_once(corpus, drop, ["--train.exit_interval", "3"])
-    assert rc == [0], log[-3000:]
+    shutil.copytree(ckpt / "global_step3", drop / "ckpt" / "global_step3")
+    (drop / "ckpt" / "latest").write_text("global_step3")
     _bump_consumed(drop / "ckpt" / "global_step3", 8)
-    rc, log = run_once(corpus, drop, ["--train.exit_interval", "10", "--resume", "auto"])
+    rc, log = run_once(corpus, drop, [*extra, "--train.exit_interval", "7", "--resume", "auto"])
     assert rc == [0], log[-3000:]
+    assert "resumed from" in log and "at iteration 3" in log
     ref = metrics(drop)
-    assert [r["loss"] for r in got[:3]] == [r["loss"] for r in ref[:3]]
-    # skip-run iteration j+1 == dropped-run iteration j, bitwise (loss and lr) for j = 4..9
-    assert [r["loss"] for r in got[4:10]] == [r["loss"] for r in ref[3:9]]
-    assert [r["lr"] for r in got[4:10]] == [r["lr"] for r in ref[3:9]]
+    assert [r["iteration"] for r in ref] == [4, 5, 6, 7]
+    # skip-run iteration j+1 == dropped-run iteration j, bitwise (loss and lr) for j = 4..7
+    assert [r["loss"] for r in got[4:8]] == [r["loss"] for r in ref]
+    assert [r["lr"] for r in got[4:8]] == [r["lr"] for r in ref]
 
 
 def test_persistent_nans_stop_cleanly_keeping_the_last_checkpoint(corpus, tmp_path):
@@ -126,18 +134,6 @@ def test_persistent_nans_stop_cleanly_keeping_the_last_checkpoint(corpus, tmp_pa
     assert sorted(p.name for p in ckpt.glob("global_step*")) == ["global_step5"]
     assert (ckpt / "global_step5" / "complete").exists()
     assert [r["iteration"] for r in metrics(tmp_path)] == list(range(1, 10))
-
-
-def test_a_skipped_step_never_becomes_a_checkpoint(corpus, tmp_path):
-    """The step at iteration 4 is skipped (NaN), the save due there is withheld: the
-    checkpoint of iteration 2 is not pruned for it, and the next good save goes ahead."""
-    extra = ["--train.iters", "6", "--train.save_interval", "2", "--eval.interval", "0"]
-    rc, log = run_once(corpus, tmp_path, extra, {"TAPERED_MEGATRON_INJECT_NAN": "4"})
-    assert rc == [0], log[-3000:]
-    assert "iteration 4: checkpoint withheld (the last 1 step(s) were skipped" in log
-    ckpt = tmp_path / "ckpt"
-    assert sorted(p.name for p in ckpt.glob("global_step*")) == ["global_step2", "global_step6"]
-    assert (ckpt / "latest").read_text() == "global_step6"
 
 
 def test_exit_signal_on_one_rank_stops_every_rank_after_saving(corpus, tmp_path):
@@ -253,33 +249,31 @@ def saved_at_5(corpus, tmp_path_factory) -> Path:
     return out
 
 
-@pytest.mark.parametrize(
-    "point",
-    ["complete", pytest.param("rank_files", marks=pytest.mark.slow),
-     pytest.param("latest", marks=pytest.mark.slow)],
-)  # fmt: skip
-def test_kill_inside_a_real_save_never_resumes_a_partial_checkpoint(
-    point, corpus, saved_at_5, tmp_path
-):
-    """SIGKILL at a point inside DeepSpeed's save of global_step10; ``--resume auto`` then
-    loads global_step5 (reporting the partial one) and replays iterations 6-10 bitwise."""
+def test_kill_inside_a_real_save_never_resumes_a_partial_checkpoint(corpus, saved_at_5, tmp_path):
+    """SIGKILL at each point inside DeepSpeed's save of global_step10 in turn (rank files
+    written, before the ``complete`` marker, before ``latest`` moves), each run resuming from the
+    last: ``--resume auto`` loads global_step5 every time (reporting the partial global_step10
+    while it is partial) and replays iterations 6-10 bitwise; a last run without a crash
+    completes global_step10."""
     shutil.copytree(saved_at_5, tmp_path, dirs_exist_ok=True)
-    (tmp_path / "metrics.jsonl").write_text("")
     extra = ["--train.exit_interval", "10", "--resume", "auto"]
-    rc, log = run_once(corpus, tmp_path, extra, {"TAPERED_MEGATRON_CRASH_IN_SAVE": point})
-    assert rc == [-signal.SIGKILL], log[-3000:]
     tag10 = tmp_path / "ckpt" / "global_step10"
-    assert tag10.is_dir() and (tmp_path / "ckpt" / "latest").read_text() == "global_step5"
-    crashed = [r["loss"] for r in metrics(tmp_path)]
-    assert len(crashed) == 5
-    (tmp_path / "metrics.jsonl").write_text("")
-    rc, log = run_once(corpus, tmp_path, extra)
-    assert rc == [0], log[-3000:]
-    assert f"resumed from {tmp_path / 'ckpt' / 'global_step5'} at iteration 5" in log
-    if point != "latest":  # before "latest" moves, global_step10 is already complete
-        assert f"{tag10} is partial" in log
-    assert [r["loss"] for r in metrics(tmp_path)] == crashed
-    assert (tag10 / "complete").exists()
+    curves, partial = [], False
+    for point in ("rank_files", "complete", "latest", None):
+        (tmp_path / "metrics.jsonl").write_text("")
+        env = {"TAPERED_MEGATRON_CRASH_IN_SAVE": point} if point else None
+        rc, log = run_once(corpus, tmp_path, extra, env)
+        assert rc == ([-signal.SIGKILL] if point else [0]), (point, log[-3000:])
+        assert f"resumed from {tmp_path / 'ckpt' / 'global_step5'} at iteration 5" in log, point
+        assert (f"{tag10} is partial" in log) == partial, (point, log[-3000:])
+        curves.append([r["loss"] for r in metrics(tmp_path)])
+        assert len(curves[-1]) == 5 and curves[-1] == curves[0], point
+        assert tag10.is_dir()
+        latest = (tmp_path / "ckpt" / "latest").read_text()
+        assert latest == ("global_step5" if point else "global_step10"), point
+        # before "latest" moves, global_step10 is already complete
+        partial = point in ("rank_files", "complete")
+        assert (tag10 / "complete").exists() != partial, point
 
 
 @pytest.fixture(scope="module")
@@ -304,7 +298,7 @@ def test_a_full_disk_inside_a_real_save_ends_in_one_line_and_keeps_latest(
     disk), the partial global_step10 removed, ``latest`` still global_step5, nothing else left
     behind; a resume with room continues from global_step5."""
     from tapered_megatron.checkpoint_layout import saved_bytes
-    from tapered_megatron.training.preflight import size_text
+    from tapered_megatron.training.checkpoint import size_text
 
     shutil.copytree(saved_at_5, tmp_path, dirs_exist_ok=True)
     ckpt = tmp_path / "ckpt"
@@ -351,8 +345,9 @@ def _wait_for_iterations(out: Path, n: int, procs: list, limit: float = 300) -> 
     raise AssertionError("training did not reach the fault point")
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("sig", [signal.SIGSTOP, signal.SIGKILL])
+@pytest.mark.parametrize(
+    "sig", [pytest.param(signal.SIGSTOP, marks=pytest.mark.slow), signal.SIGKILL]
+)
 def test_a_stopped_or_killed_rank_ends_the_job(sig, corpus, tmp_path):
     """Rank 1 stopped (SIGSTOP: collective timeout 20 s) or killed (kill -9) after iteration 2:
     rank 0 exits non-zero within the timeout plus a margin, naming rank 1, and no process is

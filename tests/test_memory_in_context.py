@@ -79,9 +79,10 @@ def test_titans_memory_moves_the_mixer_and_recalls(shape):
     assert all(b <= a * 1.02 for a, b in itertools.pairwise(recall))
 
 
-@pytest.mark.parametrize("shape", SHAPES)
-def test_hope_cms_moves_the_block_and_recalls(shape):
-    cfg = _cfg("hope_attention", shape)
+def _hope_cms(shape: str, *overrides: str) -> tuple[float, list[float]]:
+    """A fresh CMS of layer 0 on the structured input: the change of its output by the
+    in-context updates (relative to its input) and its fastest level's recall error per repeat."""
+    cfg = _cfg("hope_attention", shape).with_overrides(list(overrides))
     torch.manual_seed(0)
     cms = ContinuumMemory(cfg, 0)
     init_parameters(cms, cfg.train.seed, "layers.0.mlp.")
@@ -101,12 +102,31 @@ def test_hope_cms_moves_the_block_and_recalls(shape):
         cms.eta = 0.0
         off = cms(u)
     change = ((on - off).norm() / u.norm()).item()  # the static CMS output is small at init
-    print(f"hope {shape}: CMS output change / input {change:.5f}, recall error per repeat {recall}")
-    # At the defaults (W_13: effective step 0.01 at init; W_2: its own gate at 1e-5,
-    # docs/memory_architectures.md) a fresh CMS moves by 8e-5 (quickstart) and 2.8e-5 (440m) of
-    # its input and its recall barely moves (1.0001 -> 0.9992): the updates start small on
-    # purpose (larger initial W_2 steps made training worse at the tlm_cpu scale) and matter once
-    # the outer loop has learned to use them (validation loss 5.10 with them, 5.41 without;
-    # recall 1.0).
-    assert 1e-5 < change < 1e-3
-    assert recall[-1] < recall[0]
+    print(f"hope {shape} {list(overrides)}: CMS output change / input {change:.5f}, recall error "
+          f"per repeat {recall}")  # fmt: skip
+    return change, recall
+
+
+@pytest.mark.parametrize("shape", FAST)
+def test_hope_cms_update_rule_recalls_in_context(shape):
+    """The CMS update rule itself, with W_2's gate open (``hope.w2_rate_init`` 0.5): the
+    repeated pairs are recalled at least 10 % better by the last repeat (measured 1.003 -> 0.720
+    at quickstart, 1.0005 -> 0.831 at 440m); without updates the error stays flat."""
+    change, recall = _hope_cms(shape, "--model.hope.w2_rate_init", "0.5")
+    assert change > 1e-4
+    assert recall[-1] < 0.9 * recall[0]
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="at the defaults (W_2's gate at 1e-5) a fresh CMS moves by 3e-5 to 8e-5 of its input "
+    "and recalls 1.0001 -> 0.9992 (quickstart), 1.0005 -> 0.9934 (440m): the updates start "
+    "small on purpose and matter once the outer loop has learned to use them",
+)
+@pytest.mark.parametrize("shape", SHAPES)
+def test_hope_cms_moves_the_block_and_recalls(shape):
+    """At the default config the in-context updates matter from the start: the repeated pairs
+    are recalled at least 10 % better by the last repeat."""
+    change, recall = _hope_cms(shape)
+    assert change > 1e-5
+    assert recall[-1] < 0.9 * recall[0]

@@ -11,14 +11,16 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
 import yaml
-from launch_helpers import MAIN, common_args, job_env, popen_job, reseal
+from launch_helpers import MAIN, ROOT, common_args, job_env, popen_job, reseal
 
+from tapered_megatron.checkpoint_layout import write_manifest
 from tapered_megatron.export.__main__ import main as export_main
 
 pytestmark = pytest.mark.distributed
@@ -175,6 +177,50 @@ def test_an_lr_that_overflows_the_weights_leaves_only_finite_checkpoints(corpus,
     assert "Traceback" not in log
 
 
+def test_overwritten_bytes_in_an_exported_shard_are_refused_by_our_loaders(
+    trained, tmp_path, capsys
+):
+    """An export carries ``manifest.json`` (size and sha256 of every file); 256 bytes
+    overwritten in one of its shards (same size, still a valid safetensors file) make
+    perplexity (a real process), generate, zero-shot, our ``load_model`` and
+    ``from_pretrained`` refuse it in one line naming the shard, before any weight is used."""
+    import transformers
+
+    from tapered_megatron.eval.zeroshot import main as zeroshot_main
+    from tapered_megatron.export.load import ExportError, load_model
+    from tapered_megatron.generate import main as generate_main
+
+    out = tmp_path / "export"
+    argv = ["--checkpoint", str(trained / "ckpt"), "--out", str(out), "--max_shard_size", "20KB"]
+    assert export_main(argv) == 0
+    files = json.loads((out / "manifest.json").read_text())["files"]
+    assert sorted(files) == sorted(p.name for p in out.iterdir() if p.name != "manifest.json")
+    load_model(model=out)  # the export as written loads
+    shard = sorted(out.glob("model-*.safetensors"))[1]
+    data = bytearray(shard.read_bytes())
+    end = len(data) - 8  # inside the last tensor's bytes, the header untouched
+    data[end - 256 : end] = bytes(255 - b for b in data[end - 256 : end])
+    shard.write_bytes(bytes(data))
+    capsys.readouterr()
+
+    cmd = [sys.executable, "-m", "tapered_megatron.eval.perplexity", "--model", str(out)]
+    p = subprocess.run(cmd, cwd=ROOT, env=job_env(), capture_output=True, text=True, timeout=300)
+    err = [line for line in p.stderr.splitlines() if line.startswith("error: ")]
+    assert p.returncode == 2 and len(err) == 1 and "Traceback" not in p.stderr, p.stderr[-3000:]
+    assert shard.name in err[0] and "sha256" in err[0] and "refused" in err[0], err[0]
+    for tool, args in [
+        (generate_main, ["--model", str(out), "--prompt", "1 2 3", "--max-new-tokens", "2"]),
+        (zeroshot_main, ["--model", str(out), "--output", str(tmp_path / "zeroshot")]),
+    ]:
+        assert tool(args) == 2, tool
+        lines = capsys.readouterr().err.strip().splitlines()
+        assert len(lines) == 1 and shard.name in lines[0] and "sha256" in lines[0], lines
+    with pytest.raises(ExportError, match=f"{shard.name}: sha256 differs"):
+        load_model(model=out)
+    with pytest.raises(ValueError, match=f"{shard.name}: sha256 differs"):
+        transformers.AutoModelForCausalLM.from_pretrained(out, trust_remote_code=True)
+
+
 def test_a_plugin_named_by_a_saved_config_is_never_imported(corpus, trained, tmp_path, capsys):
     """``model.plugins`` of a checkpoint's ``config.yaml`` or an export's ``config.json`` is
     not imported by resume, export, generate, perplexity or ``from_pretrained``; each says in one
@@ -198,6 +244,7 @@ def test_a_plugin_named_by_a_saved_config_is_never_imported(corpus, trained, tmp
     raw = json.loads((out / "config.json").read_text())
     raw["tapered_config"]["model"].update(arch="received_arch", plugins=[str(plugin)])
     (out / "config.json").write_text(json.dumps(raw))
+    write_manifest(out)  # the export's sender, too, lists what it sends
     capsys.readouterr()
 
     rc, log = run(corpus, run_dir, RESUME)

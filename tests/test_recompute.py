@@ -1,6 +1,7 @@
 """Activation recomputation (``train.recompute``): ``selective`` and ``full`` give gradients
 bitwise equal to ``none`` (fp32) for every architecture (and grouped-query attention), with
-dropout, in one process and on two tensor-parallel ranks; ``selective`` runs each module's core
+dropout, in one process and on two tensor-parallel ranks (with and without sequence
+parallelism); ``selective`` runs each module's core
 again in backward (and only the cores); the recomputation replays the tracker's TP-local stream;
 the ``train.checkpoint_activations`` alias."""
 
@@ -148,21 +149,23 @@ def _tp_worker(rank: int, world: int) -> dict[str, bool]:
     init_model_parallel(tp=world, pp=1)
     out = {}
     for case in sorted(CASES):
-        model_parallel_seed(3)
-        want = _step(_cfg(case, "none", "--parallel.tp", "2"))
-        for mode in ("selective", "full"):
+        for sp in ("false", "true"):
+            layout = ("--parallel.tp", "2", "--parallel.sequence_parallel", sp)
             model_parallel_seed(3)
-            got = _step(_cfg(case, mode, "--parallel.tp", "2"))
-            out[f"{case} {mode}"] = torch.equal(got[0], want[0]) and all(
-                torch.equal(got[1][n], g) for n, g in want[1].items()
-            )
+            want = _step(_cfg(case, "none", *layout))
+            for mode in ("selective", "full"):
+                model_parallel_seed(3)
+                got = _step(_cfg(case, mode, *layout))
+                out[f"{case} {mode} sp={sp}"] = torch.equal(got[0], want[0]) and all(
+                    torch.equal(got[1][n], g) for n, g in want[1].items()
+                )
     return out
 
 
 @pytest.mark.slow
 @pytest.mark.distributed
 def test_recompute_gradients_equal_none_on_tp2_ranks():
-    """Two real TP ranks: every architecture's selective and full gradients (each rank's
-    shards) bitwise equal to its ``none`` run."""
+    """Two real TP ranks, with and without sequence parallelism: every architecture's selective
+    and full gradients (each rank's shards) bitwise equal to its ``none`` run."""
     for rank, result in enumerate(run_workers(_tp_worker, 2)):
         assert all(result.values()), f"rank {rank}: {result}"

@@ -1,5 +1,6 @@
 """Tensor parallelism in real processes: TP=2 equals TP=1 (logits, loss, every gradient,
-through both the logits path and the fused chunked LM-head loss)."""
+through both the logits path and the fused chunked LM-head loss), with and without sequence
+parallelism."""
 
 from __future__ import annotations
 
@@ -28,6 +29,8 @@ CASES = {
     "transformer": ["--model.arch", "transformer"],
     "gated_elementwise": ["--model.arch", "gated_attention", "--model.gate", "elementwise"],
     "gated_headwise": ["--model.arch", "gated_attention", "--model.gate", "headwise"],
+    # sequence parallelism (the reference, one process, builds the plain model)
+    "transformer_sp": ["--model.arch", "transformer", "--parallel.sequence_parallel", "true"],
 }
 
 

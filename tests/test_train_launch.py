@@ -59,6 +59,9 @@ SLOW_LAYOUTS = {
     "dp2-zero1": (2, "zero1.json", []),  # also covered by the mpirun and two-node tests
     "pp2-dp2": (4, "pipeline.json", ["--parallel.pp", "2"]),
     "tp2-pp2": (4, "pipeline.json", ["--parallel.pp", "2", "--parallel.tp", "2"]),
+    "tp2-sp": (2, "zero1.json", ["--parallel.tp", "2", "--parallel.sequence_parallel", "true"]),
+    "tp2-pp2-sp": (4, "pipeline.json", ["--parallel.pp", "2", "--parallel.tp", "2",
+                                        "--parallel.sequence_parallel", "true"]),
     "tp2-dp2-zero2": (4, "zero2.json", ["--parallel.tp", "2"]),
     "tp2-dp2-zero3": (4, "zero3.json", ["--parallel.tp", "2"]),  # zero.Init over the DP group
     "pp2-sublayer": (2, "pipeline.json", ["--parallel.pp", "2", "--parallel.pipeline_unit",
@@ -67,7 +70,7 @@ SLOW_LAYOUTS = {
     "dp2-actckpt": (2, "zero1.json", ["--train.checkpoint_activations", "true"]),
     "pp2-actckpt": (2, "pipeline.json", ["--parallel.pp", "2",
                                          "--train.checkpoint_activations", "true"]),
-    "compiled": (1, "zero0.json", ["--train.compile", "true"]),
+    "compiled": (1, "zero0.json", ["--train.compile", "true"]),  # with evaluation
 }  # fmt: skip
 
 
@@ -97,6 +100,19 @@ def test_layout_matches_single_process(name, corpus, reference, tmp_path):
 @pytest.mark.parametrize("name", list(SLOW_LAYOUTS))
 def test_layout_matches_single_process_more(name, corpus, reference, tmp_path):
     _layout_case(name, SLOW_LAYOUTS[name], corpus, reference, tmp_path)
+
+
+def test_compiled_run_matches_single_process(corpus, reference, tmp_path, monkeypatch):
+    """``train.compile`` (DeepSpeed's ``engine.compile``, torch's default inductor backend):
+    inductor writes the kernels of the run into its cache, and the first 3 iterations follow the
+    eager reference (loss and gradient norm)."""
+    cache = tmp_path / "inductor"
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(cache))  # inherited by the rank
+    extra = ["--train.compile", "true", "--train.exit_interval", "3"]
+    launch_ranks(1, corpus, tmp_path, "zero0.json", extra, timeout=900)  # compiling: minutes
+    assert list(cache.rglob("*.py")), "nothing compiled"
+    assert_close(losses(tmp_path), [r["loss"] for r in reference[:3]])
+    assert_close(grad_norms(tmp_path), [r["grad_norm"] for r in reference[:3]])
 
 
 def test_resume_is_bitwise_single_process(corpus, reference, tmp_path):

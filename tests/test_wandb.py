@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 from launch_helpers import MAIN, common_args, job_env, metrics, popen_job
+from wandb.proto import wandb_internal_pb2  # a dev dependency: a broken install fails here
 
 pytestmark = pytest.mark.distributed
 
@@ -50,8 +51,6 @@ def records(path: Path, header: int) -> list[bytes]:
 def wandb_run(save_dir: Path) -> tuple[dict[tuple[str, int], float], dict]:
     """The scalars ``{(tag, step): value}`` and the config of the one offline run under
     ``save_dir``, read from its ``.wandb`` file with wandb's own record protobuf."""
-    from wandb.proto import wandb_internal_pb2
-
     (path,) = save_dir.glob("wandb/offline-run-*/run-*.wandb")
     assert path.read_bytes()[:4] == b":W&B"
     scalars, config = {}, {}
@@ -90,7 +89,6 @@ def tensorboard_scalars(folder: Path) -> dict[tuple[str, int], float]:
 @pytest.fixture(scope="module")
 def offline_run(corpus, tmp_path_factory) -> Path:
     """A tiny run logging to an offline wandb run; its output directory."""
-    pytest.importorskip("wandb")
     out = tmp_path_factory.mktemp("wandb")
     rc, log = run(corpus, out, [*RUN, *WANDB])
     assert rc == 0, log[-3000:]

@@ -22,6 +22,7 @@ import numpy as np
 import torch
 
 from tapered_megatron.export.load import (
+    DTYPES,
     PLUGINS_HELP,
     ExportError,
     LoadedModel,
@@ -34,7 +35,10 @@ _TEXT_FILE = re.compile(r"\.(jsonl|json|txt)(\.gz)?$")
 
 
 def add_model_args(ap: argparse.ArgumentParser) -> None:
-    """``--model`` / ``--checkpoint`` / ``--tag`` / ``--tokenizer-model`` / ``--device``."""
+    """``--model`` / ``--checkpoint`` / ``--tag`` / ``--tokenizer-model`` / ``--device`` /
+    ``--dtype`` / ``--plugins``."""
+    from deepspeed.accelerator import get_accelerator
+
     src = ap.add_mutually_exclusive_group(required=True)
     src.add_argument("--model", help="export directory (python -m tapered_megatron.export)")
     src.add_argument("--checkpoint", help="training checkpoint directory (train.save_dir)")
@@ -46,8 +50,14 @@ def add_model_args(ap: argparse.ArgumentParser) -> None:
     )
     ap.add_argument(
         "--device",
-        default="cuda" if torch.cuda.is_available() else "cpu",
-        help="torch device (default: cuda if available, else cpu)",
+        default=get_accelerator().device_name(),
+        help="torch device (default: DeepSpeed's accelerator, e.g. cuda on a GPU, else cpu)",
+    )
+    ap.add_argument(
+        "--dtype",
+        choices=list(DTYPES),
+        default="float32",
+        help="weights and compute dtype (default float32; bfloat16 halves memory on a GPU)",
     )
     ap.add_argument("--plugins", nargs="+", default=[], help=PLUGINS_HELP)
 
@@ -85,7 +95,7 @@ def load_with_tokens(
 
 def load_from_args(a: argparse.Namespace) -> LoadedModel:
     """The model named by ``--model`` / ``--checkpoint``, on ``--device``, in eval mode."""
-    loaded = load_model(a.model, a.checkpoint, a.tag, tuple(a.plugins))
+    loaded = load_model(a.model, a.checkpoint, a.tag, tuple(a.plugins), a.dtype)
     if a.tokenizer_model:
         check_tokenizer(a.tokenizer_model, loaded.cfg)
         loaded.tokenizer_model = a.tokenizer_model

@@ -27,8 +27,10 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from deepspeed.accelerator import get_accelerator
+
 from tapered_megatron.eval.common import fail
-from tapered_megatron.export.load import PLUGINS_HELP, ExportError
+from tapered_megatron.export.load import DTYPES, PLUGINS_HELP, ExportError, check_export
 from tapered_megatron.models import ArchitectureError, load_plugins
 from tapered_megatron.resources import resource
 
@@ -47,14 +49,16 @@ def run_harness(
     batch_size: int | str = 8,
     device: str = "cpu",
     include_path: Path = TASKS_DIR,
+    dtype: str = "float32",
 ) -> dict[str, Any]:
-    """``lm_eval.simple_evaluate`` with the ``hf`` backend on an export; the harness's results."""
+    """``lm_eval.simple_evaluate`` with the ``hf`` backend on an export, its weights in
+    ``dtype``; the harness's results."""
     import lm_eval
     from lm_eval.tasks import TaskManager
 
     return lm_eval.simple_evaluate(
         model="hf",
-        model_args=f"pretrained={model_dir},trust_remote_code=True,dtype=float32",
+        model_args=f"pretrained={model_dir},trust_remote_code=True,dtype={dtype}",
         tasks=tasks,
         limit=limit,
         batch_size=batch_size,
@@ -113,7 +117,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tasks", default=None, help="comma-separated (default: the local tasks)")
     ap.add_argument("--limit", type=int, default=None, help="items per task (default: all)")
     ap.add_argument("--batch-size", default="8", help="harness batch size (or 'auto')")
-    ap.add_argument("--device", default="cpu")
+    ap.add_argument(
+        "--device",
+        default=get_accelerator().device_name(),
+        help="torch device (default: DeepSpeed's accelerator, e.g. cuda on a GPU, else cpu)",
+    )
+    ap.add_argument("--dtype", choices=list(DTYPES), default="float32", help="weights dtype")
     ap.add_argument("--include-path", default=str(TASKS_DIR), help="task definitions folder")
     ap.add_argument("--output", required=True, help="folder for zeroshot.json and zeroshot.md")
     ap.add_argument("--plugins", nargs="+", default=[], help=PLUGINS_HELP)
@@ -142,11 +151,13 @@ def main(argv: list[str] | None = None) -> int:
                     log=_stderr,
                     plugins=tuple(a.plugins),
                 )
-            elif not (Path(a.model) / "tokenizer.json").is_file():
-                raise ExportError(
-                    f"--model {a.model}: no tokenizer.json (export with --tokenizer-model)"
-                )
-            results = run_harness(model_dir, tasks, a.limit, batch, a.device, include)
+            else:
+                check_export(a.model)
+                if not (Path(a.model) / "tokenizer.json").is_file():
+                    raise ExportError(
+                        f"--model {a.model}: no tokenizer.json (export with --tokenizer-model)"
+                    )
+            results = run_harness(model_dir, tasks, a.limit, batch, a.device, include, a.dtype)
         summary = summarise(results)
     except (ExportError, ArchitectureError, OSError) as e:
         return fail(e)

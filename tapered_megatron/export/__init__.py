@@ -3,7 +3,8 @@
 Command line::
 
     python -m tapered_megatron.export --checkpoint DIR [--tag global_stepN] --out OUT \\
-        [--tokenizer-model tok.model] [--overwrite]
+        [--tokenizer-model tok.model] [--dtype float32|bfloat16] [--max_shard_size 5GB] \\
+        [--overwrite]
 
 From Python: :func:`export_checkpoint` (writes ``OUT``), :func:`load_model` (an export or a
 checkpoint as our own single-process module, for evaluation), :func:`consolidate` (the full

@@ -30,6 +30,7 @@ import json
 import re
 import sys
 import tempfile
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -183,35 +184,57 @@ def _pipeline_shards(tag_dir: Path, cfg: Config, tp: int) -> list[dict[str, torc
 
 
 def consolidate(ref: CheckpointRef) -> dict[str, torch.Tensor]:
-    """Full fp32 weights (single-process names and shapes) of a checkpoint of any layout.
+    """Full fp32 weights (single-process names and shapes) of a checkpoint of any layout, all
+    in memory (:func:`weights` reads them one at a time)."""
+    return dict(weights(ref))
 
-    DeepSpeed's messages (printed on stdout while its files load) go to stderr, so tools can
-    keep stdout for their results."""
+
+def weights(ref: CheckpointRef) -> Mapping[str, torch.Tensor]:
+    """The full fp32 weights of a checkpoint as a mapping in the model's parameter order.
+
+    From the universal copy (the default) each tensor is read from its own file when asked for
+    and nothing is kept, so a writer that takes them one by one holds one tensor at a time;
+    otherwise DeepSpeed's files are consolidated in memory first. DeepSpeed's messages (printed
+    on stdout while its files load) go to stderr, so tools can keep stdout for their results."""
+    if has_universal(ref.tag_dir):
+        return UniversalWeights(ref.tag_dir, ref.cfg)
     with contextlib.redirect_stdout(sys.stderr):
         return _consolidate(ref)
 
 
-def _universal(tag_dir: Path, cfg: Config) -> dict[str, torch.Tensor]:
-    """The fp32 master weights from the checkpoint's layout-free ``universal/`` copy (already
-    full and keyed by single-process name; read as plain tensors, never as pickled objects)."""
-    out = {}
-    for name, p in build_model(cfg, device="meta").named_parameters():
-        f = tag_dir / UNIVERSAL / f"{name}.pt"
+class UniversalWeights(Mapping[str, torch.Tensor]):
+    """The fp32 master weights of a checkpoint's layout-free ``universal/`` copy, read on
+    access: full tensors keyed by single-process name, plain tensors (never pickled objects),
+    memory-mapped so only the master copy is read."""
+
+    def __init__(self, tag_dir: Path, cfg: Config) -> None:
+        self.tag_dir = tag_dir
+        model = build_model(cfg, device="meta")
+        self.shapes = {n: tuple(p.shape) for n, p in model.named_parameters()}
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        if name not in self.shapes:
+            raise KeyError(name)
+        f = self.tag_dir / UNIVERSAL / f"{name}.pt"
         if not f.is_file():
             raise ExportError(f"{f}: missing; is the checkpoint complete and from this version?")
         w = _load(f)["fp32"]
-        if tuple(w.shape) != tuple(p.shape):
-            raise ExportError(f"{f}: shape {tuple(w.shape)}, config.yaml gives {tuple(p.shape)}")
-        out[name] = w.float().contiguous()
-    return out
+        if tuple(w.shape) != self.shapes[name]:
+            raise ExportError(f"{f}: shape {tuple(w.shape)}, config.yaml gives {self.shapes[name]}")
+        return w.float().contiguous()
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.shapes)
+
+    def __len__(self) -> int:
+        return len(self.shapes)
 
 
 def _consolidate(ref: CheckpointRef) -> dict[str, torch.Tensor]:
-    """The universal copy's fp32 masters when the checkpoint has one (every layout; the only
-    fp32 source of a bf16/fp16 ZeRO-0 or pipeline run), else DeepSpeed's own files."""
+    """The full weights from DeepSpeed's own files (a checkpoint without the universal copy;
+    with one, :class:`UniversalWeights` reads its fp32 masters, the only fp32 source of a
+    bf16/fp16 ZeRO-0 or pipeline run)."""
     tag_dir, cfg = ref.tag_dir, ref.cfg
-    if has_universal(tag_dir):
-        return _universal(tag_dir, cfg)
     files = sorted(tag_dir.glob("*model_states.pt"))
     if not files:
         raise ExportError(f"{tag_dir}: no DeepSpeed model files (*model_states.pt)")

@@ -1,6 +1,8 @@
 """Load an exported model directory or a training checkpoint as our own module.
 
-``load_model(model=OUT)`` reads ``config.json`` + ``model.safetensors`` of an export;
+``load_model(model=OUT)`` reads ``config.json`` and the weights of an export (``model.safetensors``
+or the shards ``model.safetensors.index.json`` lists), after checking every file against the
+export's ``manifest.json`` (:func:`check_export`);
 ``load_model(checkpoint=DIR, tag=T)`` consolidates a training checkpoint in memory. Both give a
 :class:`LoadedModel` with the single-process :class:`~tapered_megatron.models.LanguageModel`,
 its :class:`~tapered_megatron.config.Config` and the tokenizer the model was trained with (when
@@ -17,12 +19,15 @@ from typing import Any
 
 import torch
 
+from tapered_megatron.checkpoint_layout import EXPORT_MANIFEST, manifest_problem
 from tapered_megatron.config import Config, ConfigError, config_from_dict
 from tapered_megatron.export.errors import ExportError
 from tapered_megatron.models import LanguageModel, build_model
 
 WEIGHTS = "model.safetensors"
+WEIGHTS_INDEX = "model.safetensors.index.json"  # Hugging Face's index of a sharded model
 CONFIG = "config.json"
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}  # --dtype of export and eval
 PLUGINS_HELP = (
     "model.plugins to import: modules or .py files defining the model's architecture (the ones a "
     "checkpoint or export names are never imported: importing runs their code)"
@@ -39,6 +44,30 @@ class LoadedModel:
     tokenizer_model: str | None  # sentencepiece model the run was trained with, if known
     source: str  # the export directory or checkpoint tag directory
     iteration: int | None = None  # training iteration (checkpoints and exports)
+
+
+def check_export(model_dir: str | Path) -> None:
+    """Refuse an export whose files differ from its ``manifest.json`` (one line naming the
+    file; streamed sha256, as a checkpoint's ``complete`` is checked). An export written
+    without a manifest has nothing to check."""
+    why = manifest_problem(Path(model_dir), record=EXPORT_MANIFEST)
+    if why is not None:
+        raise ExportError(f"{why}; refused (export the checkpoint again or fetch a good copy)")
+
+
+def weight_files(model_dir: str | Path) -> list[Path]:
+    """The safetensors files of an export: ``model.safetensors``, or the shards its index
+    ``model.safetensors.index.json`` lists (plain file names inside the directory)."""
+    d = Path(model_dir)
+    if (d / WEIGHTS).is_file():
+        return [d / WEIGHTS]
+    if not (d / WEIGHTS_INDEX).is_file():
+        raise ExportError(f"--model {d}: no {WEIGHTS} and no {WEIGHTS_INDEX}")
+    names = sorted(set(json.loads((d / WEIGHTS_INDEX).read_text())["weight_map"].values()))
+    for name in names:
+        if Path(name).name != name or not (d / name).is_file():
+            raise ExportError(f"{d / WEIGHTS_INDEX}: lists {name!r}, not a file of {d}")
+    return [d / n for n in names]
 
 
 def read_export_config(
@@ -91,16 +120,21 @@ def _reset_rope(module: torch.nn.Module) -> None:
             m.cos, m.sin = rope_tables(m.head_dim, m.cos.shape[0], m.theta)
 
 
-def load_export(model_dir: str | Path, plugins: tuple[str, ...] = ()) -> LoadedModel:
-    """Our module from an export directory (``config.json`` + ``model.safetensors``);
-    ``plugins`` as for :func:`read_export_config`."""
+def load_export(
+    model_dir: str | Path, plugins: tuple[str, ...] = (), dtype: str = "float32"
+) -> LoadedModel:
+    """Our module from an export directory (``config.json`` + its weights, checked against its
+    manifest first) in ``dtype`` (whatever the export stores); ``plugins`` as for
+    :func:`read_export_config`."""
     from safetensors.torch import load_file
 
     d = Path(model_dir)
+    check_export(d)
     cfg, raw = read_export_config(d, plugins)
-    if not (d / WEIGHTS).is_file():
-        raise ExportError(f"--model {d}: no {WEIGHTS}")
-    module = module_from_state(cfg, load_file(str(d / WEIGHTS)))
+    state: dict[str, torch.Tensor] = {}
+    for f in weight_files(d):
+        state.update(load_file(str(f)))
+    module = module_from_state(cfg, state).to(DTYPES[dtype])
     tok = d / TOKENIZER_MODEL
     return LoadedModel(
         module, cfg, str(tok) if tok.is_file() else None, str(d), raw.get("iteration")
@@ -112,18 +146,21 @@ def load_model(
     checkpoint: str | Path | None = None,
     tag: str | None = None,
     plugins: tuple[str, ...] = (),
+    dtype: str = "float32",
 ) -> LoadedModel:
-    """An export directory (``model``) or a training checkpoint (``checkpoint`` [+ ``tag``]);
-    ``plugins`` (``--plugins``) define an architecture from outside the package (the saved
-    configuration's own list is never imported)."""
+    """An export directory (``model``) or a training checkpoint (``checkpoint`` [+ ``tag``]) in
+    ``dtype`` (``--dtype``); ``plugins`` (``--plugins``) define an architecture from outside the
+    package (the saved configuration's own list is never imported)."""
     if (model is None) == (checkpoint is None):
         raise ExportError("give exactly one of --model OUT or --checkpoint DIR")
+    if dtype not in DTYPES:
+        raise ExportError(f"--dtype {dtype}: choose one of {', '.join(DTYPES)}")
     if model is not None:
-        return load_export(model, plugins)
+        return load_export(model, plugins, dtype)
     from tapered_megatron.export.consolidate import consolidate, resolve_checkpoint
 
     ref = resolve_checkpoint(checkpoint, tag, plugins)
-    module = module_from_state(ref.cfg, consolidate(ref))
+    module = module_from_state(ref.cfg, consolidate(ref)).to(DTYPES[dtype])
     return LoadedModel(module, ref.cfg, run_tokenizer(ref.cfg), str(ref.tag_dir), ref.iteration)
 
 

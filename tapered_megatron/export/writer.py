@@ -2,10 +2,14 @@
 
 ``OUT/`` after :func:`export_checkpoint`:
 
-* ``model.safetensors``: full fp32 weights under the single-process names (see
-  :mod:`tapered_megatron.export.consolidate`); embedding and LM-head keep the padded vocabulary
-  rows of training (``config.json``: ``padded_vocab_size``), logits are returned over
-  ``vocab_size`` only;
+* ``model.safetensors``: full weights (fp32, or bf16 with ``--dtype bfloat16``) under the
+  single-process names (see :mod:`tapered_megatron.export.consolidate`); embedding and LM-head
+  keep the padded vocabulary rows of training (``config.json``: ``padded_vocab_size``), logits
+  are returned over ``vocab_size`` only. A model larger than ``--max_shard_size`` is split as
+  Hugging Face's ``save_pretrained`` splits it (``huggingface_hub``'s planner): shards
+  ``model-00001-of-0000N.safetensors`` and the index ``model.safetensors.index.json``. Tensors
+  are read from the checkpoint and written one at a time, straight into their shard, so the
+  export holds about one tensor in memory, never the whole model;
 * ``config.json``: :class:`~tapered_megatron.hf.configuration.TaperedConfig` (the run's whole
   configuration, the taper widths, ``auto_map`` to the two code files below, ``training``:
   iteration, tokens and source tag);
@@ -13,7 +17,10 @@
   is this package's, never copied), for ``trust_remote_code=True``;
 * ``tokenizer.json`` + ``tokenizer_config.json`` (fast tokenizer, checked to encode exactly as
   sentencepiece) and ``tokenizer.model`` (the sentencepiece model), when the run's tokenizer is
-  known; ``generation_config.json``; ``README.md``, the model card.
+  known; ``generation_config.json``; ``README.md``, the model card;
+* ``manifest.json``: the size and sha256 of every other file (the format of a checkpoint's
+  ``complete``, :func:`~tapered_megatron.checkpoint_layout.write_manifest`), checked by our
+  loaders before they read anything else.
 
 Everything is written into a temporary directory beside ``OUT`` and renamed into place at the
 end, so a failure leaves no partial ``OUT``.
@@ -28,15 +35,23 @@ import shutil
 import struct
 import sys
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
+from tapered_megatron.checkpoint_layout import write_manifest
 from tapered_megatron.config import Config
-from tapered_megatron.export.consolidate import CheckpointRef, consolidate, resolve_checkpoint
-from tapered_megatron.export.load import ExportError, check_tokenizer, run_tokenizer
+from tapered_megatron.export.consolidate import CheckpointRef, resolve_checkpoint, weights
+from tapered_megatron.export.load import (
+    DTYPES,
+    WEIGHTS_INDEX,
+    ExportError,
+    check_tokenizer,
+    run_tokenizer,
+)
+from tapered_megatron.models import build_model
 
 CONFIG_STUB = '''"""Config of a tapered-megatron export (the code is tapered_megatron's)."""
 
@@ -51,6 +66,95 @@ from tapered_megatron.hf.modeling import TaperedForCausalLM
 __all__ = ["TaperedForCausalLM"]
 '''
 TOKENIZER_CHECK_DOCS = 200  # sample-corpus documents the fast tokenizer is checked on
+MAX_SHARD_SIZE = "5GB"  # per safetensors file; Hugging Face's size strings or bytes
+_SAFETENSORS_DTYPE = {torch.float32: "F32", torch.bfloat16: "BF16"}
+_WRITE_CHUNK = 1 << 20  # elements converted and written at a time
+
+
+def write_safetensors(
+    path: Path, specs: Mapping[str, torch.Tensor], read: Callable[[str], torch.Tensor]
+) -> None:
+    """Write the safetensors file ``path`` holding the tensors of ``specs`` (name -> a meta
+    tensor of the shape and dtype to write), each obtained from ``read(name)`` only when its
+    bytes are written and released after: the header (all shapes, dtypes and offsets) goes
+    first, then the tensors' bytes in the header's order. Reads back with ``safetensors``."""
+    header: dict[str, object] = {}
+    offset = 0
+    for name, m in specs.items():
+        n = m.numel() * m.element_size()
+        entry = {"dtype": _SAFETENSORS_DTYPE[m.dtype], "shape": list(m.shape)}
+        header[name] = {**entry, "data_offsets": [offset, offset + n]}
+        offset += n
+    header["__metadata__"] = {"format": "pt"}
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)  # the data starts 8-byte aligned, as safetensors writes it
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(raw)) + raw)
+        for name, m in specs.items():
+            t = read(name).detach()
+            if tuple(t.shape) != tuple(m.shape):
+                raise ExportError(f"{name}: shape {tuple(t.shape)}, expected {tuple(m.shape)}")
+            for part in t.reshape(-1).split(_WRITE_CHUNK):  # converted piece by piece
+                f.write(part.to(m.dtype).contiguous().view(torch.uint8).numpy().data)
+            del t
+
+
+def check_weight_options(dtype: str, max_shard_size: int | str) -> int:
+    """Check ``--dtype`` and ``--max_shard_size`` (bytes, or a size as ``save_pretrained``
+    reads it: ``5GB``, ``500MB``, ``2GiB``); the shard size in bytes."""
+    from transformers.utils.hub import convert_file_size_to_int
+
+    if dtype not in DTYPES:
+        raise ExportError(f"--dtype {dtype}: choose one of {', '.join(DTYPES)}")
+    size = str(max_shard_size).strip()
+    try:
+        limit = int(size) if size.isdigit() else convert_file_size_to_int(size)
+    except ValueError:
+        limit = 0
+    if limit <= 0:
+        raise ExportError(
+            f"--max_shard_size {max_shard_size}: give bytes or a size such as 5GB, 500MB or 2GiB"
+        )
+    return limit
+
+
+def write_weights(
+    folder: Path,
+    cfg: Config,
+    state: Mapping[str, torch.Tensor],
+    dtype: str = "float32",
+    max_shard_size: int | str = MAX_SHARD_SIZE,
+) -> int:
+    """Write the full weights ``state`` of a model of ``cfg`` into ``folder`` as
+    ``save_pretrained`` lays them out: ``model.safetensors``, or shards of at most
+    ``max_shard_size`` (a tensor larger than that alone in its shard) and the index
+    ``model.safetensors.index.json``. ``state`` is read one tensor at a time (a lazy mapping
+    such as :func:`~tapered_megatron.export.consolidate.weights` is never held whole). Returns
+    the number of parameters."""
+    from huggingface_hub import split_torch_state_dict_into_shards
+
+    limit = check_weight_options(dtype, max_shard_size)
+    model = build_model(cfg, device="meta")
+    specs = {
+        n: torch.empty(p.shape, dtype=DTYPES[dtype], device="meta")
+        for n, p in model.named_parameters()
+    }
+    if set(state) != set(specs):
+        missing, extra = sorted(set(specs) - set(state)), sorted(set(state) - set(specs))
+        raise ExportError(
+            f"weights do not match the configuration: missing {missing[:4]}, unexpected {extra[:4]}"
+        )
+    split = split_torch_state_dict_into_shards(specs, max_shard_size=limit)
+    for filename, names in split.filename_to_tensors.items():
+        write_safetensors(folder / filename, {n: specs[n] for n in names}, state.__getitem__)
+    n_params = sum(m.numel() for m in specs.values())
+    if split.is_sharded:
+        index = {
+            "metadata": {"total_parameters": n_params, **split.metadata},
+            "weight_map": split.tensor_to_filename,
+        }
+        (folder / WEIGHTS_INDEX).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
+    return n_params
 
 
 def _prepare_out(out: Path, overwrite: bool) -> Path:
@@ -136,8 +240,10 @@ class Provenance:
         return cls(str(ref.tag_dir), ref.iteration, ref.consumed_samples, val)
 
 
-def model_card(cfg: Config, prov: Provenance, n_params: int, tokenizer: str) -> str:
-    """The ``README.md`` of an export."""
+def model_card(
+    cfg: Config, prov: Provenance, n_params: int, tokenizer: str, weights_note: str
+) -> str:
+    """The ``README.md`` of an export (``weights_note``: the weight files' dtype and layout)."""
     m, plan, val = cfg.model, cfg.taper_plan, prov.val
     tokens = prov.consumed_samples * m.seq_len
     arch = m.arch + (f" (gate {m.gate})" if m.arch == "gated_attention" else "")
@@ -178,7 +284,7 @@ samples x {m.seq_len}) |
 
 ## Weights
 
-`model.safetensors`, fp32, unsharded. Names: `embedding.embed.weight` [padded vocab, d_model];
+{weights_note}. Names: `embedding.embed.weight` [padded vocab, d_model];
 per layer `layers.N.mixer_norm.weight`, `layers.N.mixer.*` (attention: `qkv.weight`, fused
 head-major `[q | gate | k | v]` per head, or with fewer key/value heads (grouped-query)
 `q.weight` `[q | gate]` per head and `kv.weight` `[k | v]` per key/value head; and
@@ -205,14 +311,16 @@ or `python -m tapered_megatron.generate --model OUT --prompt "..."`,
 def write_export(
     out: str | Path,
     cfg: Config,
-    state: dict[str, torch.Tensor],
+    state: Mapping[str, torch.Tensor],
     prov: Provenance,
     tokenizer_model: str | None = None,
     overwrite: bool = False,
+    dtype: str = "float32",
+    max_shard_size: int | str = MAX_SHARD_SIZE,
 ) -> Path:
     """Write full weights ``state`` of a model of ``cfg`` as the export directory ``out``
-    (atomically: into a temporary sibling, renamed at the end)."""
-    from safetensors.torch import save_file
+    (atomically: into a temporary sibling, renamed at the end); ``dtype`` and
+    ``max_shard_size`` as for :func:`write_weights`."""
     from transformers import GenerationConfig
 
     from tapered_megatron.hf.configuration import TaperedConfig
@@ -223,14 +331,15 @@ def write_export(
         check_tokenizer(tokenizer_model, cfg)
     tmp = _prepare_out(out, overwrite)
     try:
-        save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        n_params = write_weights(tmp, cfg, state, dtype, max_shard_size)
         training = {
             "iteration": prov.iteration,
             "tokens": prov.consumed_samples * cfg.model.seq_len,
             "source": prov.source,
         }
         ids = special_ids(tokenizer_model)
-        TaperedConfig.from_run_config(cfg, training=training, **ids).save_pretrained(str(tmp))
+        config = TaperedConfig.from_run_config(cfg, dtype=dtype, training=training, **ids)
+        config.save_pretrained(str(tmp))
         GenerationConfig(**ids).save_pretrained(str(tmp))
         (tmp / "configuration_tapered.py").write_text(CONFIG_STUB)
         (tmp / "modeling_tapered.py").write_text(MODELING_STUB)
@@ -248,8 +357,13 @@ def write_export(
                     f"{len(bad)} check texts, first {bad[0][:40]!r}"
                 )
                 print(f"warning: {tok_note}", file=sys.stderr)
-        n_params = sum(t.numel() for t in state.values())
-        (tmp / "README.md").write_text(model_card(cfg, prov, n_params, tok_note))
+        shards = sorted(tmp.glob("model*.safetensors"))
+        where = f"`{shards[0].name}`, unsharded"
+        if len(shards) > 1:
+            where = f"{len(shards)} shards `model-0000K-of-...safetensors` (`{WEIGHTS_INDEX}`)"
+        card = model_card(cfg, prov, n_params, tok_note, f"{where}, {dtype}")
+        (tmp / "README.md").write_text(card)
+        write_manifest(tmp)
         _publish(tmp)
         if out.exists():
             shutil.rmtree(out)
@@ -268,18 +382,23 @@ def export_checkpoint(
     overwrite: bool = False,
     log: Callable[[str], None] = print,
     plugins: tuple[str, ...] = (),
+    dtype: str = "float32",
+    max_shard_size: int | str = MAX_SHARD_SIZE,
 ) -> Path:
     """Consolidate ``checkpoint`` (any layout) into the export directory ``out``. Input is
     checked (checkpoint, tag, tokenizer, ``out``) before anything is read or written; ``plugins``
-    as for :func:`~tapered_megatron.export.consolidate.resolve_checkpoint`."""
+    as for :func:`~tapered_megatron.export.consolidate.resolve_checkpoint`, ``dtype`` and
+    ``max_shard_size`` as for :func:`write_weights`. Tensors stream from the checkpoint's
+    universal copy when it has one (:func:`~tapered_megatron.export.consolidate.weights`)."""
     ref = resolve_checkpoint(checkpoint, tag, plugins)
     tok = tokenizer_model or run_tokenizer(ref.cfg)
     if tok is not None:
         check_tokenizer(tok, ref.cfg)
+    check_weight_options(dtype, max_shard_size)
     shutil.rmtree(_prepare_out(Path(out), overwrite))  # fail on a bad --out before the work
-    state = consolidate(ref)
-    write_export(out, ref.cfg, state, Provenance.of(ref), tok, overwrite)
-    n_params = sum(t.numel() for t in state.values())
+    state = weights(ref)
+    write_export(out, ref.cfg, state, Provenance.of(ref), tok, overwrite, dtype, max_shard_size)
+    n_params = sum(p.numel() for p in build_model(ref.cfg, device="meta").parameters())
     log(
         f"exported {ref.tag_dir} ({ref.cfg.model.arch}, {n_params:,} parameters, iteration "
         f"{ref.iteration}) to {out}"

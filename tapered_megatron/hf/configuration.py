@@ -59,8 +59,9 @@ class TaperedConfig(PreTrainedConfig):
         super().__post_init__(**kwargs)
 
     @classmethod
-    def from_run_config(cls, cfg: Config, **kwargs: Any) -> TaperedConfig:
-        """The config of a model trained with ``cfg`` (widths and padding as ``cfg`` gives them)."""
+    def from_run_config(cls, cfg: Config, dtype: str = "float32", **kwargs: Any) -> TaperedConfig:
+        """The config of a model trained with ``cfg`` (widths and padding as ``cfg`` gives them)
+        whose weights are stored in ``dtype``."""
         return cls(
             tapered_config=cfg.to_dict(),
             taper_widths=list(cfg.taper_plan.widths),
@@ -70,7 +71,7 @@ class TaperedConfig(PreTrainedConfig):
                 "AutoConfig": "configuration_tapered.TaperedConfig",
                 "AutoModelForCausalLM": "modeling_tapered.TaperedForCausalLM",
             },
-            dtype="float32",
+            dtype=dtype,
             **kwargs,
         )
 

@@ -16,6 +16,7 @@ model is unaffected by padding on the right, which is all batched scoring needs;
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any, ClassVar
 
 import torch
@@ -24,6 +25,7 @@ from transformers import GenerationMixin, PreTrainedModel
 from transformers.cache_utils import DynamicCache
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
+from tapered_megatron.checkpoint_layout import EXPORT_MANIFEST, manifest_problem
 from tapered_megatron.hf.configuration import TaperedConfig
 from tapered_megatron.models import LanguageModel, build_model, resolve_architecture
 from tapered_megatron.models.attention import Attention
@@ -110,6 +112,16 @@ class TaperedForCausalLM(PreTrainedModel, GenerationMixin):
         if isinstance(module, RotaryEmbedding):
             cos, sin = rope_tables(module.head_dim, module.cos.shape[0], module.theta)
             module.cos, module.sin = cos.to(module.cos.device), sin.to(module.sin.device)
+
+    @classmethod
+    def from_pretrained(cls, pretrained_model_name_or_path: Any, *args: Any, **kwargs: Any) -> Any:
+        """Hugging Face's ``from_pretrained``, after checking a local export directory against
+        its ``manifest.json`` (a changed file is refused in one line naming it)."""
+        folder = Path(str(pretrained_model_name_or_path))
+        why = manifest_problem(folder, record=EXPORT_MANIFEST) if folder.is_dir() else None
+        if why is not None:
+            raise ValueError(f"{why}; refused")
+        return super().from_pretrained(pretrained_model_name_or_path, *args, **kwargs)
 
     def get_input_embeddings(self) -> torch.nn.Module:
         return self.embedding.embed

@@ -8,7 +8,9 @@ grouped-query attention (``model.kv_heads`` below ``model.heads``) the projectio
 over TP when the TP size divides ``kv_heads``, else replicated, each rank computing the head its
 query heads read); both enter the TP region once. RoPE is applied
 to q and k; attention is ``F.scaled_dot_product_attention(..., is_causal=True)`` (flash / fused
-kernels where the backend has them); the output projection is row-parallel.
+kernels where the backend has them); the output projection is row-parallel. Under sequence
+parallelism the fused projection all-gathers the sequence shards and the output projection
+reduce-scatters them.
 """
 
 from __future__ import annotations
@@ -20,7 +22,13 @@ from typing import TYPE_CHECKING, Literal
 import torch
 import torch.nn.functional as F
 
-from tapered_megatron.models.base import Architecture, Counts, TokenMixer, register_architecture
+from tapered_megatron.models.base import (
+    Architecture,
+    Counts,
+    TokenMixer,
+    register_architecture,
+    sequence_parallel,
+)
 from tapered_megatron.models.layers import RotaryEmbedding
 from tapered_megatron.models.mlp import SwiGLU
 from tapered_megatron.parallel import (
@@ -39,10 +47,13 @@ class Attention(TokenMixer):
     attention when ``model.kv_heads`` is below ``model.heads`` (query head ``i`` reads key/value
     head ``i // (heads / kv_heads)``)."""
 
+    takes_sequence_shards = True
+
     def __init__(self, cfg: Config, layer: int) -> None:
         super().__init__(cfg, layer)
         m = cfg.model
         tp = get_tensor_model_parallel_world_size()
+        self.sequence_parallel = sp = sequence_parallel(cfg)
         self.heads = m.heads // tp  # local query heads
         self.kv_heads = max(m.kv_heads // tp, 1)  # local key/value heads (replicated below tp)
         self.grouped = m.kv_heads != m.heads
@@ -60,10 +71,13 @@ class Attention(TokenMixer):
         else:  # one fused head-major [q | gate | k | v] projection
             self.qkv = ColumnParallelLinear(
                 m.d_model, m.heads * (3 * hd + g), std=m.init_std,
-                out_blocks=(m.heads, 3 * hd + g),
+                out_blocks=(m.heads, 3 * hd + g), sequence_parallel=sp,
             )  # fmt: skip
         self.out = RowParallelLinear(
-            m.heads * m.head_dim, m.d_model, std=m.init_std / math.sqrt(2 * m.layers)
+            m.heads * m.head_dim,
+            m.d_model,
+            std=m.init_std / math.sqrt(2 * m.layers),
+            sequence_parallel=sp,
         )
         self.rope = RotaryEmbedding(m.head_dim, m.seq_len, m.rope_theta)
 
@@ -76,20 +90,22 @@ class Attention(TokenMixer):
         self, x: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """This rank's q, gate ``[b, s, heads, .]`` and k, v ``[b, s, kv_heads, head_dim]`` of
-        ``x`` (before RoPE)."""
-        b, s, _ = x.shape
+        ``x`` (before RoPE; under sequence parallelism of the whole sequence, gathered)."""
         hd = self.head_dim
         if not self.grouped:
-            y = self.qkv(x).view(b, s, self.heads, -1)
-            return y.split((hd, self.gate_dim, hd, hd), dim=-1)
-        x = column_input(x)
+            y = self.qkv(x)
+            b, s = y.shape[:2]  # the whole sequence (x may be this rank's part of it)
+            return y.view(b, s, self.heads, -1).split((hd, self.gate_dim, hd, hd), dim=-1)
+        x = column_input(x, self.sequence_parallel)
+        b, s, _ = x.shape
         q, g = self.q(x).view(b, s, self.heads, -1).split((hd, self.gate_dim), dim=-1)
         k, v = self.kv(x).view(b, s, self.kv_heads, 2 * hd).split((hd, hd), dim=-1)
         return q, g, k, v
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, s, _ = x.shape
-        o = self.recomputed(self.core, *self.project(x))
+        q, g, k, v = self.project(x)
+        b, s = q.shape[:2]  # the whole sequence (x may be this rank's part of it)
+        o = self.recomputed(self.core, q, g, k, v)
         return self.out(o.reshape(b, s, self.heads * self.head_dim))
 
     def core(

@@ -28,6 +28,13 @@ Protocol of the two module classes (what the block, the unit table and the count
     :mod:`tapered_megatron.parallel` (heads and ``d_ff(l)`` split over TP ranks; input and output
     of ``forward`` are the full, replicated ``[b, s, d_model]``).
 
+``takes_sequence_shards`` (class attribute, default ``False``)
+    Under sequence parallelism (:func:`sequence_parallel`) a module that sets it takes and returns
+    this rank's part of the sequence ``[b, s/tp, d_model]``: its first column-parallel layer
+    all-gathers the input and its last row-parallel layer reduce-scatters the output (built with
+    ``sequence_parallel=True``). Any other module gets the whole sequence from the block, as
+    without sequence parallelism (the memory architectures' scans need it).
+
 ``forward(self, x: Tensor[b, s, d_model]) -> Tensor[b, s, d_model]``
     ``x`` is the normalised block input; return the branch output (the block adds the residual).
     Strictly causal along ``s``. One tensor in, one tensor out (pipeline units pass only the
@@ -59,7 +66,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, fields, is_dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 from torch import nn
@@ -103,6 +110,15 @@ class Counts:
         )
 
 
+def sequence_parallel(cfg: Config) -> bool:
+    """Whether modules built now split the sequence outside the TP regions:
+    ``parallel.sequence_parallel`` with a TP group of several ranks (a tool that builds the
+    model in one process gets the plain model)."""
+    from tapered_megatron.parallel import get_tensor_model_parallel_world_size
+
+    return cfg.parallel.sequence_parallel and get_tensor_model_parallel_world_size() > 1
+
+
 class Recomputed:
     """Mixin of modules with a core that ``train.recompute = selective`` recomputes in backward
     (an attention core, a memory scan or update): they run it as ``self.recomputed(fn, *args)``.
@@ -121,6 +137,8 @@ class Recomputed:
 
 class BlockPart(Recomputed, nn.Module):
     """Common base of the two halves of a block (see the protocol in the module docstring)."""
+
+    takes_sequence_shards: ClassVar[bool] = False
 
     def __init__(self, cfg: Config, layer: int) -> None:
         super().__init__()

@@ -32,14 +32,16 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tapered_megatron.models.base import Counts, Recomputed
+from tapered_megatron.models.base import Counts, Recomputed, sequence_parallel
 from tapered_megatron.models.layers import RMSNorm
 from tapered_megatron.models.registry import resolve_architecture
 from tapered_megatron.parallel import (
     ColumnParallelLinear,
     VocabParallelEmbedding,
-    copy_to_tp_region,
+    gather_from_sequence_parallel_region,
+    get_rng_tracker,
     init_parameters,
+    scatter_to_sequence_parallel_region,
     vocab_parallel_cross_entropy,
     vocab_parallel_linear_cross_entropy_mean,
 )
@@ -55,12 +57,16 @@ HALVES = ("mixer", "mlp")
 
 
 class Embedding(nn.Module):
-    """Token ids ``[b, s]`` -> residual stream ``[b, s, d]`` (vocab-parallel embedding)."""
+    """Token ids ``[b, s]`` -> residual stream ``[b, s, d]`` (vocab-parallel embedding; under
+    sequence parallelism this rank's part of the sequence, ``[b, s/tp, d]``)."""
 
     def __init__(self, cfg: Config) -> None:
         super().__init__()
         m = cfg.model
-        self.embed = VocabParallelEmbedding(cfg.padded_vocab_size, m.d_model, std=m.init_std)
+        sp = sequence_parallel(cfg)
+        self.embed = VocabParallelEmbedding(
+            cfg.padded_vocab_size, m.d_model, std=m.init_std, sequence_parallel=sp
+        )
         init_parameters(self, cfg.train.seed, "embedding.")
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
@@ -85,6 +91,11 @@ class Block(nn.Module):
     ``mlp_norm``, ``mlp``), so a sub-layer unit's weights are the whole block's. Activation
     recomputation starts from ``cfg.train.recompute`` (:func:`set_recompute` changes it):
     ``full`` recomputes the whole unit in backward, ``selective`` the cores of its modules.
+
+    Under sequence parallelism ``h`` is this rank's part of the sequence: the norms, residual
+    adds and dropout (from the TP-local stream of the RNG tracker, so each rank draws its own
+    mask) work on it; a half whose module ``takes_sequence_shards`` gets the normed shard, any
+    other the whole sequence (gathered before it, this rank's part kept after it).
     """
 
     def __init__(self, cfg: Config, layer: int, halves: tuple[str, ...] = HALVES) -> None:
@@ -94,11 +105,12 @@ class Block(nn.Module):
         self.layer, self.halves = layer, tuple(halves)
         self.dropout = m.dropout
         self.recompute_full = cfg.train.recompute == "full"
+        self.sequence_parallel = sp = sequence_parallel(cfg)
         if "mixer" in halves:
-            self.mixer_norm = RMSNorm(m.d_model, m.norm_eps)
+            self.mixer_norm = RMSNorm(m.d_model, m.norm_eps, sequence_parallel=sp)
             self.mixer = arch.mixer(cfg, layer)
         if "mlp" in halves:
-            self.mlp_norm = RMSNorm(m.d_model, m.norm_eps)
+            self.mlp_norm = RMSNorm(m.d_model, m.norm_eps, sequence_parallel=sp)
             self.mlp = arch.mlp(cfg, layer)
         init_parameters(self, cfg.train.seed, f"layers.{layer}.")
 
@@ -109,15 +121,24 @@ class Block(nn.Module):
 
     def _forward(self, h: torch.Tensor) -> torch.Tensor:
         if "mixer" in self.halves:
-            h = h + self._drop(self.mixer(self.mixer_norm(h)))
+            h = h + self._drop(self._branch(self.mixer, self.mixer_norm(h)))
         if "mlp" in self.halves:
-            h = h + self._drop(self.mlp(self.mlp_norm(h)))
+            h = h + self._drop(self._branch(self.mlp, self.mlp_norm(h)))
         return h
 
+    def _branch(self, module: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        if not self.sequence_parallel or module.takes_sequence_shards:
+            return module(x)
+        whole = gather_from_sequence_parallel_region(x, grad_partial=False)
+        return scatter_to_sequence_parallel_region(module(whole))
+
     def _drop(self, branch: torch.Tensor) -> torch.Tensor:
-        if self.dropout > 0 and self.training:
-            return F.dropout(branch, self.dropout, training=True)
-        return branch
+        if not (self.dropout > 0 and self.training):
+            return branch
+        if self.sequence_parallel:
+            with get_rng_tracker().fork():
+                return F.dropout(branch, self.dropout, training=True)
+        return F.dropout(branch, self.dropout, training=True)
 
     @classmethod
     def counts(
@@ -153,17 +174,22 @@ class HeadOutput(NamedTuple):
 
 
 class Head(nn.Module):
-    """Final RMSNorm and the untied LM head (column-parallel over the padded vocabulary)."""
+    """Final RMSNorm and the untied LM head (column-parallel over the padded vocabulary). Under
+    sequence parallelism the norm works on this rank's part of the sequence and its output is
+    all-gathered into the TP region."""
 
     def __init__(self, cfg: Config) -> None:
         super().__init__()
         m = cfg.model
-        self.norm = RMSNorm(m.d_model, m.norm_eps)
-        self.proj = ColumnParallelLinear(m.d_model, cfg.padded_vocab_size, std=m.init_std)
+        sp = sequence_parallel(cfg)
+        self.norm = RMSNorm(m.d_model, m.norm_eps, sequence_parallel=sp)
+        self.proj = ColumnParallelLinear(
+            m.d_model, cfg.padded_vocab_size, std=m.init_std, sequence_parallel=sp
+        )
         init_parameters(self, cfg.train.seed, "head.")
 
     def forward(self, h: torch.Tensor) -> HeadOutput:
-        return HeadOutput(copy_to_tp_region(self.norm(h)), self.proj.weight)
+        return HeadOutput(self.proj.enter(self.norm(h)), self.proj.weight)
 
     @classmethod
     def counts(cls, cfg: Config, dtype_bytes: int = 2) -> Counts:

@@ -7,6 +7,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tapered_megatron.parallel import copy_to_tp_region
+
 
 class _RMSNormFn(torch.autograd.Function):
     """RMSNorm with a hand-written backward: about half the kernels of autograd's decomposition
@@ -34,17 +36,25 @@ class _RMSNormFn(torch.autograd.Function):
 
 
 class RMSNorm(nn.Module):
-    """``x / rms(x) * g`` over the last dimension (gain ``g`` starts at one, no bias)."""
+    """``x / rms(x) * g`` over the last dimension (gain ``g`` starts at one, no bias).
 
-    def __init__(self, dim: int, eps: float = 1e-5) -> None:
+    ``sequence_parallel``: ``x`` is this rank's part of the sequence, so the gain's gradient is
+    summed over the TP group. The flag is the module's (loaders such as ``from_pretrained`` may
+    replace the parameter object); the gain also carries it as Megatron's parameter attribute.
+    """
+
+    def __init__(self, dim: int, eps: float = 1e-5, sequence_parallel: bool = False) -> None:
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim))
+        self.sequence_parallel = sequence_parallel
+        self.weight.sequence_parallel = sequence_parallel
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        w = copy_to_tp_region(self.weight) if self.sequence_parallel else self.weight
         if torch.compiler.is_compiling():
-            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
-        return _RMSNormFn.apply(x, self.weight, self.eps)
+            return F.rms_norm(x, w.shape, w, self.eps)
+        return _RMSNormFn.apply(x, w, self.eps)
 
 
 def silu_parts(z: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

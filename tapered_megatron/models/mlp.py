@@ -9,13 +9,8 @@ import torch
 import torch.nn.functional as F
 
 from tapered_megatron.autocast import autocast_off, autocast_operands
-from tapered_megatron.models.base import Counts, MLPSlot
-from tapered_megatron.parallel import (
-    ColumnParallelLinear,
-    RowParallelLinear,
-    copy_to_tp_region,
-    reduce_from_tp_region,
-)
+from tapered_megatron.models.base import Counts, MLPSlot, sequence_parallel
+from tapered_megatron.parallel import ColumnParallelLinear, RowParallelLinear
 
 if TYPE_CHECKING:
     from tapered_megatron.config import Config
@@ -62,28 +57,37 @@ class SwiGLU(MLPSlot):
     W1 and W3 are fused into one column-parallel weight ``w13`` of full shape ``[2 d_ff, d]``
     (W1 rows first), split per block so each TP rank holds ``d_ff(l)/tp`` columns of both;
     W2 is row-parallel. ``d_ff`` may be given explicitly (e.g. by a chain of MLP levels); the
-    output projection's init std is scaled by ``1/sqrt(2 L)`` (GPT-2 / Megatron habit).
+    output projection's init std is scaled by ``1/sqrt(2 L)`` (GPT-2 / Megatron habit). Under
+    sequence parallelism ``w13`` all-gathers the sequence shards and ``w2`` reduce-scatters them.
     """
+
+    takes_sequence_shards = True
 
     def __init__(self, cfg: Config, layer: int, d_ff: int | None = None) -> None:
         super().__init__(cfg, layer)
         m = cfg.model
         self.d_ff = d_ff if d_ff is not None else cfg.taper_plan.widths[layer]
         std_out = m.init_std / math.sqrt(2 * m.layers)
+        sp = self.takes_sequence_shards and sequence_parallel(cfg)
         self.w13 = ColumnParallelLinear(
-            m.d_model, 2 * self.d_ff, std=m.init_std, out_blocks=(2, self.d_ff), split_dim=1
+            m.d_model,
+            2 * self.d_ff,
+            std=m.init_std,
+            out_blocks=(2, self.d_ff),
+            split_dim=1,
+            sequence_parallel=sp,
         )
-        self.w2 = RowParallelLinear(self.d_ff, m.d_model, std=std_out)
+        self.w2 = RowParallelLinear(self.d_ff, m.d_model, std=std_out, sequence_parallel=sp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if torch.compiler.is_compiling():
             gate, up = self.w13(x).chunk(2, dim=-1)
             return self.w2(F.silu(gate) * up)
         # the same as above: enter the TP region, both projections, leave it
-        operands = autocast_operands(copy_to_tp_region(x), self.w13.weight, self.w2.weight)
+        operands = autocast_operands(self.w13.enter(x), self.w13.weight, self.w2.weight)
         with autocast_off(x.device):
             y = _SwiGLUFn.apply(*operands)
-        return reduce_from_tp_region(y)
+        return self.w2.leave(y)
 
     @classmethod
     def counts(

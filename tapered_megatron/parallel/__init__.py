@@ -22,8 +22,11 @@ from tapered_megatron.parallel.layers import (
 )
 from tapered_megatron.parallel.mappings import (
     copy_to_tp_region,
+    gather_from_sequence_parallel_region,
     gather_from_tp_region,
     reduce_from_tp_region,
+    reduce_scatter_to_sequence_parallel_region,
+    scatter_to_sequence_parallel_region,
     scatter_to_tp_region,
 )
 from tapered_megatron.parallel.random import (
@@ -60,6 +63,7 @@ __all__ = [
     "column_input",
     "copy_to_tp_region",
     "destroy_model_parallel",
+    "gather_from_sequence_parallel_region",
     "gather_from_tp_region",
     "get_data_parallel_group",
     "get_data_parallel_rank",
@@ -81,7 +85,9 @@ __all__ = [
     "param_generator",
     "param_seed",
     "reduce_from_tp_region",
+    "reduce_scatter_to_sequence_parallel_region",
     "row_layout",
+    "scatter_to_sequence_parallel_region",
     "scatter_to_tp_region",
     "set_rng_state",
     "shard",

@@ -16,7 +16,10 @@ Layers: :class:`ColumnParallelLinear` (output features split, or replicated wher
 of key/value heads is smaller than the TP size; input replicated),
 :class:`RowParallelLinear` (input features split; partial outputs summed), and
 :class:`VocabParallelEmbedding` (vocabulary rows split). No biases (as in the paper, arXiv
-2606.23670).
+2606.23670). With ``sequence_parallel`` (Megatron's sequence parallelism) their input or output
+outside the TP region is this rank's part of the sequence: a column-parallel layer all-gathers
+its input (reduce-scatter of the gradient), a row-parallel layer and the embedding
+reduce-scatter their output (all-gather of the gradient).
 """
 
 from __future__ import annotations
@@ -32,8 +35,10 @@ from torch import nn
 
 from tapered_megatron.parallel.mappings import (
     copy_to_tp_region,
+    gather_from_sequence_parallel_region,
     gather_from_tp_region,
     reduce_from_tp_region,
+    reduce_scatter_to_sequence_parallel_region,
     scatter_to_tp_region,
 )
 from tapered_megatron.parallel.random import param_generator
@@ -211,9 +216,13 @@ def _write_zero3_partition(p: nn.Parameter, local: torch.Tensor) -> None:
     part.narrow(0, 0, piece.numel()).copy_(piece.to(part.dtype))
 
 
-def column_input(x: torch.Tensor) -> torch.Tensor:
+def column_input(x: torch.Tensor, sequence_parallel: bool = False) -> torch.Tensor:
     """``x`` entering the TP region of column-parallel layers: identity forward, the gradient
-    all-reduced over TP backward. Several layers on one input (``shared_input``) enter once."""
+    all-reduced over TP backward; with ``sequence_parallel`` ``x`` is this rank's part of the
+    sequence, all-gathered (the gradient reduce-scattered). Several layers on one input
+    (``shared_input``) enter once."""
+    if sequence_parallel:
+        return gather_from_sequence_parallel_region(x)
     return copy_to_tp_region(x)
 
 
@@ -232,6 +241,7 @@ class ColumnParallelLinear(nn.Module):
             heads of its rank need; the gradient is summed over TP, so the copies stay equal.
         shared_input: ``x`` has entered the TP region already (:func:`column_input`, once
             for several layers on the same input: one gradient all-reduce for all of them).
+        sequence_parallel: the input is this rank's part of the sequence, all-gathered here.
     """
 
     def __init__(
@@ -245,11 +255,13 @@ class ColumnParallelLinear(nn.Module):
         gather_output: bool = False,
         replicate: bool = False,
         shared_input: bool = False,
+        sequence_parallel: bool = False,
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
     ) -> None:
         super().__init__()
         tp = get_tensor_model_parallel_world_size()
+        self.sequence_parallel = sequence_parallel
         layout = row_layout((out_features, in_features), out_blocks, split_dim, replicate)
         self.in_features, self.out_features, self.gather_output = (
             in_features,
@@ -273,8 +285,13 @@ class ColumnParallelLinear(nn.Module):
         w = copy_to_tp_region(self.weight).reshape(layout.view_shape)
         return w.narrow(layout.view_dim, self.pick, 1).reshape(-1, self.in_features)
 
+    def enter(self, x: torch.Tensor) -> torch.Tensor:
+        """``x`` as this layer multiplies it: the whole sequence, replicated over TP ranks, whose
+        gradient is summed over them (as is, when it entered the region already)."""
+        return x if self.shared_input else column_input(x, self.sequence_parallel)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.linear(x if self.shared_input else column_input(x), self.local_weight())
+        y = F.linear(self.enter(x), self.local_weight())
         return gather_from_tp_region(y) if self.gather_output else y
 
     def extra_repr(self) -> str:
@@ -285,7 +302,8 @@ class RowParallelLinear(nn.Module):
     """``y = x W^T``, W's input features split over TP ranks; partial outputs are all-reduced.
 
     ``input_is_parallel`` (default): ``x`` is already this rank's slice (the output of a
-    :class:`ColumnParallelLinear`); otherwise it is scattered first.
+    :class:`ColumnParallelLinear`); otherwise it is scattered first. ``sequence_parallel``: the
+    sum is reduce-scattered, each rank keeping its part of the sequence.
     """
 
     def __init__(
@@ -295,6 +313,7 @@ class RowParallelLinear(nn.Module):
         *,
         std: float,
         input_is_parallel: bool = True,
+        sequence_parallel: bool = False,
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
     ) -> None:
@@ -303,13 +322,21 @@ class RowParallelLinear(nn.Module):
         layout = col_layout((out_features, in_features))
         self.in_features, self.out_features = in_features, out_features
         self.input_is_parallel = input_is_parallel
+        self.sequence_parallel = sequence_parallel
         w = torch.empty(layout.local_shape(tp), device=device, dtype=dtype)
         self.weight = _mark(nn.Parameter(w), layout, std)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.input_is_parallel:
             x = scatter_to_tp_region(x)
-        return reduce_from_tp_region(F.linear(x, self.weight))
+        return self.leave(F.linear(x, self.weight))
+
+    def leave(self, partial: torch.Tensor) -> torch.Tensor:
+        """Sum this rank's partial output over the TP group (all-reduce, or reduce-scatter to
+        sequence shards)."""
+        if self.sequence_parallel:
+            return reduce_scatter_to_sequence_parallel_region(partial)
+        return reduce_from_tp_region(partial)
 
     def extra_repr(self) -> str:
         return f"in={self.in_features}, out={self.out_features}, local={tuple(self.weight.shape)}"
@@ -320,6 +347,7 @@ class VocabParallelEmbedding(nn.Module):
 
     Each rank looks up the ids in its row range (others give zeros); the sum over ranks is the
     full embedding. ``num_embeddings`` must be divisible by the TP size (use the padded vocab).
+    ``sequence_parallel``: the sum is reduce-scattered, each rank keeping its part of the sequence.
     """
 
     def __init__(
@@ -328,11 +356,13 @@ class VocabParallelEmbedding(nn.Module):
         embedding_dim: int,
         *,
         std: float,
+        sequence_parallel: bool = False,
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
     ) -> None:
         super().__init__()
         tp, rank = get_tensor_model_parallel_world_size(), get_tensor_model_parallel_rank()
+        self.sequence_parallel = sequence_parallel
         layout = row_layout((num_embeddings, embedding_dim))
         local = layout.local_shape(tp)
         self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
@@ -347,6 +377,8 @@ class VocabParallelEmbedding(nn.Module):
         outside = (ids < self.vocab_start) | (ids >= self.vocab_end)
         local = (ids - self.vocab_start).masked_fill(outside, 0)
         out = F.embedding(local, self.weight).masked_fill(outside.unsqueeze(-1), 0.0)
+        if self.sequence_parallel:
+            return reduce_scatter_to_sequence_parallel_region(out)
         return reduce_from_tp_region(out)
 
     def extra_repr(self) -> str:

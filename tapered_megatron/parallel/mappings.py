@@ -1,4 +1,5 @@
-"""Autograd-aware communication across the tensor-parallel group (Megatron's four mappings).
+"""Autograd-aware communication across the tensor-parallel group: Megatron's four mappings and
+the three of sequence parallelism.
 
 =====================  ==========================  ==========================
 function               forward                     backward
@@ -9,7 +10,20 @@ scatter_to_tp_region   keep this rank's last-dim   all-gather along last dim
 gather_from_tp_region  all-gather along last dim   keep this rank's slice
 =====================  ==========================  ==========================
 
-All four are identities when the TP size is 1, so single-process models pay nothing.
+Under sequence parallelism the activations outside the TP regions are split along the sequence
+(dimension 1 of ``[b, s, d]``) over the TP group; the mappings between the two forms:
+
+==========================================  ==========================  ==========================
+function                                    forward                     backward
+==========================================  ==========================  ==========================
+scatter_to_sequence_parallel_region         keep this rank's s-slice    all-gather along s
+gather_from_sequence_parallel_region        all-gather along s          reduce-scatter along s
+                                                                        (``grad_partial``, the
+                                                                        default) or keep the slice
+reduce_scatter_to_sequence_parallel_region  reduce-scatter along s      all-gather along s
+==========================================  ==========================  ==========================
+
+All are identities when the TP size is 1, so single-process models pay nothing.
 """
 
 from __future__ import annotations
@@ -47,6 +61,36 @@ def _gather_last(x: torch.Tensor) -> torch.Tensor:
     parts = [torch.empty_like(x) for _ in range(tp)]
     dist.all_gather(parts, x, group=get_tensor_model_parallel_group())
     return torch.cat(parts, dim=-1)
+
+
+def _split_seq(x: torch.Tensor) -> torch.Tensor:
+    tp = get_tensor_model_parallel_world_size()
+    if x.shape[1] % tp:
+        raise ValueError(
+            f"sequence parallelism splits the sequence over {tp} TP ranks, but this input has "
+            f"{x.shape[1]} positions; use a sequence length divisible by parallel.tp"
+        )
+    return x.chunk(tp, dim=1)[get_tensor_model_parallel_rank()].contiguous()
+
+
+def _gather_seq(x: torch.Tensor) -> torch.Tensor:
+    x = x.contiguous()
+    parts = [torch.empty_like(x) for _ in range(get_tensor_model_parallel_world_size())]
+    dist.all_gather(parts, x, group=get_tensor_model_parallel_group())
+    return torch.cat(parts, dim=1)
+
+
+def _reduce_scatter_seq(x: torch.Tensor) -> torch.Tensor:
+    tp = get_tensor_model_parallel_world_size()
+    if x.shape[1] % tp:
+        raise ValueError(
+            f"sequence parallelism splits the sequence over {tp} TP ranks, but this input has "
+            f"{x.shape[1]} positions; use a sequence length divisible by parallel.tp"
+        )
+    parts = [c.contiguous() for c in x.chunk(tp, dim=1)]
+    out = torch.empty_like(parts[0])
+    dist.reduce_scatter(out, parts, group=get_tensor_model_parallel_group())
+    return out
 
 
 class _Copy(torch.autograd.Function):
@@ -89,6 +133,37 @@ class _Gather(torch.autograd.Function):
         return _split_last(g)
 
 
+class _ScatterSeq(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return _split_seq(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        return _gather_seq(g)
+
+
+class _GatherSeq(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, grad_partial):
+        ctx.grad_partial = grad_partial
+        return _gather_seq(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        return (_reduce_scatter_seq(g) if ctx.grad_partial else _split_seq(g)), None
+
+
+class _ReduceScatterSeq(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return _reduce_scatter_seq(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        return _gather_seq(g)
+
+
 def copy_to_tp_region(x: torch.Tensor) -> torch.Tensor:
     """Enter a TP region: identity forward, all-reduce of the gradient backward."""
     return x if get_tensor_model_parallel_world_size() == 1 else _Copy.apply(x)
@@ -107,3 +182,27 @@ def scatter_to_tp_region(x: torch.Tensor) -> torch.Tensor:
 def gather_from_tp_region(x: torch.Tensor) -> torch.Tensor:
     """All-gather the last dimension; backward keeps this rank's slice of the gradient."""
     return x if get_tensor_model_parallel_world_size() == 1 else _Gather.apply(x)
+
+
+def scatter_to_sequence_parallel_region(x: torch.Tensor) -> torch.Tensor:
+    """Keep this rank's part of the sequence of a replicated ``[b, s, ...]``; backward
+    all-gathers the gradient (e.g. the output of a module that ran on the whole sequence)."""
+    return x if get_tensor_model_parallel_world_size() == 1 else _ScatterSeq.apply(x)
+
+
+def gather_from_sequence_parallel_region(
+    x: torch.Tensor, grad_partial: bool = True
+) -> torch.Tensor:
+    """All-gather the sequence shards ``[b, s/tp, ...]`` into ``[b, s, ...]`` (entering a TP
+    region). Backward reduce-scatters the gradient when each rank holds a partial sum of it
+    (``grad_partial``: a column-parallel region follows), else keeps this rank's slice (the
+    region after it all-reduces its input gradient itself)."""
+    if get_tensor_model_parallel_world_size() == 1:
+        return x
+    return _GatherSeq.apply(x, grad_partial)
+
+
+def reduce_scatter_to_sequence_parallel_region(x: torch.Tensor) -> torch.Tensor:
+    """Leave a TP region: sum the partial results over the TP group and keep this rank's part
+    of the sequence; backward all-gathers the gradient."""
+    return x if get_tensor_model_parallel_world_size() == 1 else _ReduceScatterSeq.apply(x)

@@ -8,7 +8,7 @@
   the accelerator's alike (the TP ranks of a stage see the same stream, so replicated regions
   such as the dropout on each block's output draw the same mask on every TP rank; TP ranks get a
   separate named stream for TP-local randomness such as dropout inside a split region, Megatron's
-  habit).
+  habit: the block's dropout under sequence parallelism).
 * :class:`RNGStatesTracker` keeps named streams (a CPU and an accelerator generator state each);
   ``with get_rng_tracker().fork():`` runs a block under the TP-local stream on both generators
   and restores the default ones afterwards.

@@ -216,6 +216,7 @@ def analyse(
     zero_stage: int = 1,
     recompute: str | None = None,
     tp: int | None = None,
+    sequence_parallel: bool | None = None,
     micro_batch_size: int | None = None,
     profiled: bool = False,
     methods: Sequence[str] = METHODS,
@@ -226,11 +227,11 @@ def analyse(
     The trainer (through :class:`~tapered_megatron.pipeline.module.BalancedPipelineModule`) and
     the planner both call this, so they choose the same stages for the same run. ``gpu_mem`` is
     the per-device cap in GiB (default: the device's memory); ``recompute`` (``none``,
-    ``selective``, ``full``), ``tp`` and ``micro_batch_size`` default to the config's;
-    ``profiled`` uses per-unit times measured on this machine (cached) instead of the analytic
-    FLOP model. Under ZeRO-3 (``zero_stage`` 3,
-    ``pp`` 1) ``zero3`` holds DeepSpeed's buffer sizes (default: ``ds_configs/zero3.json``'s)
-    and the stage memory adds :func:`~tapered_megatron.pipeline.cost.zero3_stage_bytes`.
+    ``selective``, ``full``), ``tp``, ``sequence_parallel`` and ``micro_batch_size`` default to
+    the config's; ``profiled`` uses per-unit times measured on this machine (cached) instead of
+    the analytic FLOP model. Under ZeRO-3 (``zero_stage`` 3, ``pp`` 1) ``zero3`` holds
+    DeepSpeed's buffer sizes (default: ``ds_configs/zero3.json``'s) and the stage memory adds
+    :func:`~tapered_megatron.pipeline.cost.zero3_stage_bytes`.
     """
     dev = device if isinstance(device, costlib.Device) else costlib.resolve_device(device)
     m = micro_batches if micro_batches is not None else default_micro_batches(cfg, pp, dp)
@@ -243,6 +244,9 @@ def analyse(
         zero_stage=zero_stage,
         precision=dev.precision,
         recompute=recompute or cfg.train.recompute,
+        sequence_parallel=(
+            cfg.parallel.sequence_parallel if sequence_parallel is None else sequence_parallel
+        ),
         pipeline=pp > 1,
         zero3=zero3 or costlib.Zero3(),
     )

@@ -16,10 +16,13 @@ first pass (Hope's teach signal: the record's ``first_pass_config``) adds one mo
 unit at the first-pass config's FLOPs, with its all-reduces. ``efficiency`` is the
 achieved fraction of the device's dense peak per unit kind (mixer / MLP / block / head /
 embedding; documented defaults per device, the CPU ones calibrated here), scaled for mixers by
-the architecture record's ``mixer_efficiency``; ``launch`` is a small fixed per-pass overhead.
-The last term is tensor-parallel communication: ring all-reduces of the residual stream (one per
-sub-layer per pass) over NVLink inside a node, the network beyond. Alternatively the per-unit
-compute times (and the bytes autograd really saves) are *profiled* on the actual device
+the architecture record's ``mixer_efficiency``; ``launch`` is a fixed per-pass overhead per
+block half (small on a GPU; PyTorch's per-op cost on a CPU). The last term is tensor-parallel
+communication: ring all-reduces of the residual stream (one per sub-layer per pass) over NVLink
+inside a node, the network beyond. Under sequence parallelism each becomes a reduce-scatter and an
+all-gather (the same ring time); a half whose module runs on the whole sequence (the memory
+architectures') adds one all-gather per pass. Alternatively the per-unit compute times (and the
+bytes autograd really saves) are *profiled* on the actual device
 (:mod:`tapered_megatron.pipeline.profile`), cached on disk keyed by config and device; both feed
 the same solver.
 
@@ -42,9 +45,12 @@ Memory of stage ``j`` under 1F1B with ``M`` micro-batches (stage ``j`` of ``P`` 
   0.19.8).
   ZeRO-1 divides the optimizer term by ``dp``, ZeRO-2 also the gradients, ZeRO-3 everything.
 * activations: the counted bytes per token x ``b * s``; tensor parallelism shards everything
-  but the unit's input and its norm's input (replicated without sequence parallelism). With
-  ``full`` recompute a block/sub-block keeps only its input per micro-batch in flight; with
-  ``selective`` it keeps all but its cores' ``core_bytes`` (inside the TP region, so sharded).
+  but each half's input and its norm's input (replicated). Sequence parallelism shards the
+  norm's input too (and the dropout mask); the whole-sequence input the half's TP region
+  multiplies stays replicated (the all-gathered tensor the column-parallel layer keeps). With
+  ``full`` recompute a block/sub-block keeps only its input per micro-batch in flight (a
+  sequence shard under sequence parallelism); with ``selective`` it keeps all but its cores'
+  ``core_bytes`` (inside the TP region, so sharded).
 * transient: while one unit runs backward, its activation gradients (about the size of what it
   saved; under checkpointing its recomputed activations) live next to everything in flight.
   The head's fused loss keeps its fp32 weight gradient per micro-batch in flight and works
@@ -64,7 +70,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from tapered_megatron.config import Config
-    from tapered_megatron.models.base import Counts
+    from tapered_megatron.models.base import Architecture, Counts
 
 GiB = 1024**3
 
@@ -112,7 +118,7 @@ class Device:
     gpus_per_node: int = 8
     mem_bw: float = 3.35e12  # HBM bytes/s (optimizer step is memory bound)
     overhead_bytes: float = 2.0 * GiB  # CUDA context, allocator slack, comm buffers
-    launch_s: float = 20e-6  # fixed per-unit per-pass cost (kernel launches, hooks)
+    launch_s: float = 20e-6  # fixed per-pass cost of a block half or unit (launches, hooks)
     efficiency: dict[str, float] = field(default_factory=lambda: dict(GPU_EFFICIENCY))
     # Full-size fp32 temporaries of torch's AdamW step: its multi-tensor (foreach) path, the
     # default on CUDA, holds one (``exp_avg_sq_sqrt``); the single-tensor path, the default on
@@ -137,12 +143,14 @@ DEVICES: dict[str, Device] = {
         gpus_per_node=1,
         mem_bw=20e9,
         overhead_bytes=0.0,
-        launch_s=50e-6,
+        launch_s=0.75e-3,
         adam_temporaries=2,
         lazy_pages=True,
-        # calibrated once on this machine class (fp32, one thread, thread CPU time) against
-        # profiled units: attention ~0.4, SwiGLU ~0.6, head + vocab cross-entropy ~0.55
-        efficiency={"embedding": 0.05, "mixer": 0.4, "mlp": 0.6, "layer": 0.55, "head": 0.55},
+        # calibrated on this machine class (fp32, one thread, thread CPU time, against its
+        # measured matmul peak) from the profiled units of scripts/bench_balance.py's model:
+        # time = 3 (flops / (peak eff) + launch_s per block half); the fixed 0.75 ms per pass is
+        # PyTorch's per-op cost of a block half's few dozen ops, which dominates narrow units
+        efficiency={"embedding": 0.05, "mixer": 0.6, "mlp": 0.8, "layer": 0.72, "head": 0.77},
     ),
 }
 
@@ -231,6 +239,7 @@ class RunShape:
     zero_stage: int = 1
     precision: str = "bf16"  # bf16 | fp32
     recompute: str = "none"  # train.recompute: none | selective | full
+    sequence_parallel: bool = False  # parallel.sequence_parallel (with tp > 1)
     pipeline: bool = True  # DeepSpeed PipelineEngine (bf16 -> BF16_Optimizer fp32 grad buffer)
     zero3: Zero3 = Zero3()  # DeepSpeed's ZeRO-3 buffer sizes (zero_stage 3 only)
 
@@ -299,6 +308,20 @@ def tp_local_params(c: Counts, cfg: Config, tp: int) -> float:
     return (c.params - c.kv_params) / tp + kv
 
 
+def launch_time(device: Device, kind: str) -> float:
+    """The fixed cost of one pass of a unit of ``kind``: ``launch_s`` per block half (a whole
+    layer has two, the mixer's and the MLP slot's)."""
+    return device.launch_s * (2 if kind == "layer" else 1)
+
+
+def whole_sequence_halves(arch: Architecture, kind: str) -> int:
+    """Halves of a unit of ``kind`` of architecture ``arch`` whose module runs on the whole
+    sequence under sequence parallelism (the block gathers its input and keeps this rank's part
+    of its output)."""
+    halves = {"layer": (arch.mixer, arch.mlp), "mixer": (arch.mixer,), "mlp": (arch.mlp,)}
+    return sum(not m.takes_sequence_shards for m in halves.get(kind, ()))
+
+
 def unit_costs(
     cfg: Config,
     shape: RunShape,
@@ -329,6 +352,7 @@ def unit_costs(
     tp_bw = device.intra_bw if shape.tp <= device.gpus_per_node else device.inter_bw
     tp_ar = ring_all_reduce(tok * cfg.model.d_model * elem, shape.tp, tp_bw)
     vocab_local = cfg.padded_vocab_size / shape.tp
+    sp = shape.sequence_parallel and shape.tp > 1
     out = []
     for i, (u, f) in enumerate(zip(table, first_units, strict=True)):
         c = u.counts(elem)
@@ -344,22 +368,26 @@ def unit_costs(
             t = float(measured_times[i])
         else:
             t = passes * c.flops * tok / (shape.tp * device.peak_flops * eff)
-            t += passes * device.launch_s
+            t += passes * launch_time(device, u.kind)
             if shape.recompute == "selective":
                 t += c.core_flops * tok / (shape.tp * device.peak_flops * eff)
             if f is not None:  # the first pass's forward of this unit
                 t += f.counts(elem).flops * tok / (shape.tp * device.peak_flops * eff)
-                t += device.launch_s
-        comm = TP_ALL_REDUCES[u.kind] * (passes - 1 + (f is not None)) * tp_ar
-        # Without sequence parallelism the unit's input (and its norm's input) are replicated
-        # on every TP rank; everything inside the mixer / MLP / head is sharded.
+                t += launch_time(device, u.kind)
+        # all-reduces, or under sequence parallelism reduce-scatter + all-gather pairs (the same
+        # ring time) and an all-gather more for each half that runs on the whole sequence
+        per_pass = TP_ALL_REDUCES[u.kind] + (0.5 * whole_sequence_halves(arch, u.kind) if sp else 0)
+        comm = per_pass * (passes - 1 + (f is not None)) * tp_ar
+        # Each half's input and its norm's input are replicated on every TP rank; under
+        # sequence parallelism only the input its TP region multiplies (gathered) is, the
+        # norm's is a sequence shard. Everything inside the mixer / MLP / head is sharded.
         subunits = 2 if u.kind == "layer" else 1
-        resid = min(2 * subunits * input_bytes, act_bytes) * tok
+        resid = min((1 if sp else 2) * subunits * input_bytes, act_bytes) * tok
         full = resid + (act_bytes * tok - resid) / shape.tp
         # While a unit runs backward, gradients of its activations (about the size of what it
         # saved) are alive next to everything held for the micro-batches in flight; a
         # checkpointed unit first re-creates its activations. Either way: one unit's worth.
-        act = input_bytes * tok if recompute else full
+        act = input_bytes * tok / (shape.tp if sp else 1) if recompute else full
         if shape.recompute == "selective" and measured_act is None:
             act -= c.core_bytes * tok / shape.tp
         peak = full

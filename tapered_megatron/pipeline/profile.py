@@ -95,7 +95,7 @@ def _time_once(module: torch.nn.Module, make_input: Any, loss: Any) -> float:
     return dt
 
 
-def _saved_bytes(module: torch.nn.Module, x: torch.Tensor, loss: Any) -> float:
+def saved_bytes(module: torch.nn.Module, x: torch.Tensor, loss: Any) -> float:
     """Bytes autograd keeps for backward in one forward (unique storages, parameters and the
     input excluded): the activation memory of one micro-batch."""
     skip = {p.untyped_storage().data_ptr() for p in module.parameters()}
@@ -153,7 +153,7 @@ def measure_units(
                 dt = _time_once(module, make, loss)
                 if rep >= 2:  # two warm-up rounds
                     times[i].append(dt)
-        act = [_saved_bytes(m, make(), loss) / (b * s) for m, make, loss in runs]
+        act = [saved_bytes(m, make(), loss) / (b * s) for m, make, loss in runs]
     return {"time": [statistics.median(t) for t in times], "act_bytes": act}
 
 
@@ -161,7 +161,9 @@ def profile_units(
     cfg: Config, unit: str, micro_batch_size: int, recompute: str
 ) -> dict[str, list[float]]:
     """Cached :func:`measure_units` (see the module docstring for the cache key)."""
-    cfg1 = cfg.with_overrides(["--parallel.tp", "1", "--parallel.pp", "1"])
+    cfg1 = cfg.with_overrides(
+        ["--parallel.tp", "1", "--parallel.pp", "1", "--parallel.sequence_parallel", "false"]
+    )
     payload = {
         "what": "units-v4",
         "model": cfg1.to_dict()["model"],

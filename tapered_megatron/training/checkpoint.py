@@ -42,6 +42,7 @@ from tapered_megatron.checkpoint_layout import (
     manifest,
     manifest_problem,
     resume_candidates,
+    saved_bytes,
     saved_layout,
     tag_files,
     tag_of,
@@ -49,6 +50,13 @@ from tapered_megatron.checkpoint_layout import (
 )
 from tapered_megatron.config import Config, ConfigError
 from tapered_megatron.parallel.random import set_rng_state
+
+# Bytes per parameter in a DeepSpeed checkpoint: the module's weights plus Adam's fp32 moments
+# (and, with fp16/bf16 weights, the fp32 master copy).
+_FP32_CKPT_BYTES = 4 + 8
+_HALF_CKPT_BYTES = 2 + 12
+# ... plus, with train.universal_checkpoint, the layout-free copy: fp32 weight + two moments.
+_UNIVERSAL_CKPT_BYTES = 12
 
 
 def layout_record(cfg: Config, layout: Any) -> dict[str, Any]:
@@ -116,10 +124,32 @@ def _write_failure(error: Exception) -> bool:
     return bool(frames) and Path(frames[-1].filename) == Path(torch.serialization.__file__)
 
 
+def checkpoint_bytes(cfg: Config, half: bool) -> int:
+    """The size of the next checkpoint in ``train.save_dir``: that of the newest complete one
+    there (its manifest's files, every rank's), else the model's parameters x (weight +
+    optimizer state) bytes (``half``: fp16/bf16 weights beside fp32 masters), plus the universal
+    copy when ``train.universal_checkpoint`` is on."""
+    from tapered_megatron.models import count_model
+
+    saved = saved_bytes(Path(cfg.train.save_dir))
+    if saved is not None:
+        return saved
+    per_param = _HALF_CKPT_BYTES if half else _FP32_CKPT_BYTES
+    if cfg.train.universal_checkpoint:
+        per_param += _UNIVERSAL_CKPT_BYTES
+    return int(count_model(cfg).params_total) * per_param
+
+
+def size_text(n: int) -> str:
+    """``n`` bytes in the largest binary unit that keeps a digit before the point, and exactly."""
+    for unit, shift in (("GiB", 30), ("MiB", 20), ("KiB", 10)):
+        if n >= 1 << shift:
+            return f"{n / (1 << shift):.1f} {unit} ({n:,} bytes)"
+    return f"{n:,} bytes"
+
+
 def _save_failed(cfg: Config, engine: Any, tag_dir: Path, error: Exception) -> SaveFailed:
     """Remove the partial ``tag_dir`` and say why it failed in one line."""
-    from tapered_megatron.training.preflight import checkpoint_bytes, size_text
-
     shutil.rmtree(tag_dir, ignore_errors=True)
     save_dir = tag_dir.parent
     if isinstance(error, OSError):

@@ -194,6 +194,11 @@ def resolve(cfg: Config, ds_config: dict[str, Any], world_size: int) -> tuple[di
             f"ds_config pipeline.stages={stages!r} disagrees with parallel.pp={pp}; "
             'set it to "auto" or pass --parallel.pp'
         )
+    if cfg.parallel.sequence_parallel and pp > 1:
+        # The stages exchange sequence shards, already 1/tp of the tensor and different on each
+        # TP rank: DeepSpeed sends them whole instead of partitioning one rank's tensor over the
+        # TP group (its default, which sequence parallelism replaces).
+        ds.setdefault("pipeline", {}).update(pipe_partitioned=False, grad_partitioned=False)
     for half in ("fp16", "bf16"):
         sec = ds.get(half)
         if isinstance(sec, dict) and sec.get("enabled") == "auto":

@@ -26,12 +26,6 @@ import yaml
 from tapered_megatron import checkpoint_layout as layout_files
 from tapered_megatron.config import Config, ConfigError, load_saved_config
 
-# Bytes per parameter in a DeepSpeed checkpoint: the module's weights plus Adam's fp32 moments
-# (and, with fp16/bf16 weights, the fp32 master copy).
-_FP32_CKPT_BYTES = 4 + 8
-_HALF_CKPT_BYTES = 2 + 12
-# ... plus, with train.universal_checkpoint, the layout-free copy: fp32 weight + two moments.
-_UNIVERSAL_CKPT_BYTES = 12
 # Sections whose values fix the parameter shapes: a checkpoint of another shape cannot load.
 _SHAPE_SECTIONS = ("model", "taper")
 # Keys of those sections a resumed run may change (training-time only: no weight depends on them).
@@ -151,37 +145,15 @@ def _existing_ancestor(path: Path) -> Path:
     return p
 
 
-def checkpoint_bytes(cfg: Config, half: bool) -> int:
-    """The size of the next checkpoint in ``train.save_dir``: that of the newest complete one
-    there (its manifest's files, every rank's), else the model's parameters x (weight +
-    optimizer state) bytes (``half``: fp16/bf16 weights beside fp32 masters), plus the universal
-    copy when ``train.universal_checkpoint`` is on."""
-    from tapered_megatron.models import count_model
-
-    saved = layout_files.saved_bytes(Path(cfg.train.save_dir))
-    if saved is not None:
-        return saved
-    per_param = _HALF_CKPT_BYTES if half else _FP32_CKPT_BYTES
-    if cfg.train.universal_checkpoint:
-        per_param += _UNIVERSAL_CKPT_BYTES
-    return int(count_model(cfg).params_total) * per_param
-
-
 def half_precision(ds_config: dict[str, Any]) -> bool:
     """Whether the DeepSpeed config trains in fp16 or bf16."""
     return any(ds_config.get(h, {}).get("enabled") is True for h in ("fp16", "bf16"))
 
 
-def size_text(n: int) -> str:
-    """``n`` bytes in the largest binary unit that keeps a digit before the point, and exactly."""
-    for unit, shift in (("GiB", 30), ("MiB", 20), ("KiB", 10)):
-        if n >= 1 << shift:
-            return f"{n / (1 << shift):.1f} {unit} ({n:,} bytes)"
-    return f"{n:,} bytes"
-
-
 def check_save_dir(cfg: Config, ds_config: dict[str, Any]) -> None:
     """``train.save_dir`` is (or can be made) a writable directory with room for a checkpoint."""
+    from tapered_megatron.training.checkpoint import checkpoint_bytes, size_text
+
     save = Path(cfg.train.save_dir)
     base = _existing_ancestor(save)
     if not base.is_dir():

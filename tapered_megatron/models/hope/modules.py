@@ -145,8 +145,10 @@ class CMSLevel(SwiGLU):
     ``forward`` is the plain SwiGLU (static weights); :meth:`forward_updating` adds the in-context
     updates. An updating level with ``hope.rate = learned`` owns its rate gate ``rate_w`` [d],
     ``rate_b`` [1] (replicated over TP ranks), and with ``hope.step_norm = split`` also ``W_2``'s
-    gate ``w2_rate_w``, ``w2_rate_b``.
+    gate ``w2_rate_w``, ``w2_rate_b``. It runs on the whole sequence (its updates need it).
     """
+
+    takes_sequence_shards = False
 
     def __init__(self, cfg, layer: int, d_ff: int, period: int) -> None:
         super().__init__(cfg, layer, d_ff=d_ff)
@@ -355,7 +357,7 @@ def teach_pass(model: nn.Module, input_ids: torch.Tensor) -> None:
     mask[:, -1] = 0
     weight = head.proj.weight.detach()
     with torch.enable_grad():
-        x = head.norm(h).detach().requires_grad_()
+        x = head.proj.enter(head.norm(h)).detach().requires_grad_()  # the whole sequence
         loss = vocab_parallel_linear_cross_entropy_mean(copy_to_tp_region(x), weight, target, mask)
         (grad,) = torch.autograd.grad(loss, x)
     ms = reduce_from_tp_region(weight.float().pow(2).sum())
