@@ -31,7 +31,12 @@ CASES = {
     "gated_headwise": ["--model.arch", "gated_attention", "--model.gate", "headwise"],
     # sequence parallelism (the reference, one process, builds the plain model)
     "transformer_sp": ["--model.arch", "transformer", "--parallel.sequence_parallel", "true"],
-}
+    # selective recompute of the attention core on the gathered projections
+    "transformer_sp_selective": [
+        "--model.arch", "transformer", "--parallel.sequence_parallel", "true",
+        "--train.recompute", "selective",
+    ],
+}  # fmt: skip
 
 
 def _cfg(case: str):
