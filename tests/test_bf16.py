@@ -236,7 +236,7 @@ def test_planned_ds_config_trains_in_bf16(kind, corpus, tmp_path):
     cfg = load_config(
         "quickstart", ["--train.micro_batch_size", "4", "--train.global_batch_size", "8"]
     )
-    best = Candidate(1, pp, 1, zero, 4, 2, False, "layer")
+    best = Candidate(1, pp, 1, zero, 4, 2, "none", "layer")
     ds = ds_config(cfg, best, costlib.get_device("h100"))
     assert ds["bf16"]["enabled"]
     assert ("data_types" in ds) == (zero >= 1)  # fp32 accumulation wherever DeepSpeed takes it

@@ -192,7 +192,7 @@ def test_zero3_settings_are_the_repo_config() -> None:
     assert costlib.Zero3.from_ds_config(ds) == costlib.Zero3()
     assert costlib.Zero3.from_ds_config({}).reduce_bucket_size == 5 * 10**8
     cfg = load_config("transformer_760m")
-    best = Candidate(1, 1, 8, 3, 1, 1, False, "layer")
+    best = Candidate(1, 1, 8, 3, 1, 1, "none", "layer")
     out = ds_config(cfg, best, costlib.get_device("h100"))
     assert costlib.Zero3.from_ds_config(out) == costlib.Zero3()
 
