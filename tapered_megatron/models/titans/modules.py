@@ -66,6 +66,8 @@ class TitansOptions:
     conv_size: int = at_least(1, 4)  # short causal depthwise convolution on q, k, v
     window: int = at_least(1, 64)  # attention window (MAG / MAL); MAC: segment length
     persistent_tokens: int = at_least(0, 0)  # learned key/value pairs before every attention
+    # per-token clip of the memory gradient's Frobenius norm over all layers; 0: no clip
+    memory_clip: float = at_least(0.0, 1.0)
 
 
 def _validate(cfg: Config) -> None:
@@ -160,6 +162,9 @@ class NeuralMemory(nn.Module):
 
     ``forward(x [B, S, d]) -> [B, S, H_local, head_dim]`` (the raw read-out ``M_t(q_t)``);
     :meth:`segment` continues from a given state (MAC), :meth:`queries` gives read-only queries.
+    ``in_context = False`` switches the memory rule off: every token reads the memory it starts
+    from (the learned weights ``M_0``), no update, no forgetting (the memory probe,
+    :func:`tapered_megatron.models.base.in_context_memory`).
     """
 
     def __init__(self, cfg) -> None:
@@ -167,7 +172,7 @@ class NeuralMemory(nn.Module):
         dm = _dims(cfg)
         t = cfg.model.titans
         std = cfg.model.init_std
-        self.dims, self.chunk_size = dm, t.chunk_size
+        self.dims, self.chunk_size, self.max_norm = dm, t.chunk_size, t.memory_clip
         self.compiled = cfg.train.compile
         inner = dm.heads * dm.head_dim
         tp = get_tensor_model_parallel_world_size()
@@ -186,6 +191,9 @@ class NeuralMemory(nn.Module):
         self.memory = nn.ParameterList(
             _per_head((dm.heads, o, i), fn=_normal_fan_in) for o, i in dm.mem_layers
         )
+        self.in_context = True
+        # training forwards' per-token clip activity: [(clipped, counted)] (diagnostics())
+        self.clip_tally: list[torch.Tensor] = []
 
     def gate_values(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """theta, eta, alpha, each [B, H_local, S]."""
@@ -233,11 +241,24 @@ class NeuralMemory(nn.Module):
         """Learn from and read out ``x`` [B, S, d], continuing from ``state`` and conv ``tail``
         (None: the start of a sequence); returns the read-out [B, S, H, D], state and tail."""
         q, k, v, tail = self.project(x, tail)
+        if not self.in_context:
+            state = self.initial_state(x.dtype) if state is None else state
+            return mlp_read(state.weights, q).transpose(1, 2), state, tail
         theta, eta, alpha = self.gate_values(x)
+        tally = self.clip_tally if self.training else None
         y, state = memory_scan(
-            q, k, v, theta, eta, alpha, list(self.memory), self.chunk_size, state, self.compiled
-        )
+            q, k, v, theta, eta, alpha, list(self.memory), self.chunk_size, state, self.compiled,
+            tally, self.max_norm,
+        )  # fmt: skip
         return y.transpose(1, 2), state, tail
+
+    def diagnostics(self) -> dict[str, torch.Tensor]:
+        """``memory_clip``: (tokens x heads whose memory gradient the per-token clip scaled
+        down, tokens x heads) over the training forwards since the last call, which resets it
+        (:func:`tapered_megatron.models.base.take_diagnostics`)."""
+        out = {"memory_clip": self.clip_tally[0]} if self.clip_tally else {}
+        self.clip_tally.clear()
+        return out
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.segment(x, None, None)[0]
