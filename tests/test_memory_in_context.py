@@ -33,7 +33,10 @@ SHAPES = FAST + [pytest.param(s, marks=pytest.mark.slow) for s in SLOW]
 
 def _cfg(arch: str, shape: str):
     preset = "quickstart" if shape == "quickstart" else f"{arch}_{shape}"
-    return load_config(preset, ["--model.arch", arch, "--model.seq_len", str(2 * PAIRS * REPEATS)])
+    # Hope's association rule (the presets' teach signal needs the whole model's first pass)
+    own = ["--model.hope.update", "association"] if arch == "hope_attention" else []
+    over = ["--model.arch", arch, "--model.seq_len", str(2 * PAIRS * REPEATS), *own]
+    return load_config(preset, over)
 
 
 def _structured(d: int, batch: int = 2) -> torch.Tensor:

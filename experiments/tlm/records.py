@@ -68,6 +68,8 @@ def run_record(settings: driver.Settings, run: grid.Run) -> dict[str, Any]:
     }
     align = d / "alignment.json"
     out["alignment"] = json.loads(align.read_text()) if align.exists() else None
+    probe = d / "memory_probe.json"
+    out["memory_probe"] = json.loads(probe.read_text())["probes"] if probe.exists() else None
     zs = d / "zeroshot" / "zeroshot.json"
     out["zeroshot"] = json.loads(zs.read_text()) if zs.exists() else None
     if out["zeroshot"] and "model" in out["zeroshot"]:
