@@ -51,7 +51,6 @@ if TYPE_CHECKING:
     from tapered_megatron.config import Config
 
 GATE_BIAS_INIT = {"theta": -3.0, "eta": 2.0}  # alpha: per head, see alpha_half_lives
-ALPHA_HALF_LIFE = (0.25, 16.0)  # initial forgetting half-lives, in windows, log-spaced over heads
 GATE_SPREAD_WIDTH = 512  # the gates' init std is held at its value for this width above it
 
 
@@ -68,11 +67,20 @@ class TitansOptions:
     persistent_tokens: int = at_least(0, 0)  # learned key/value pairs before every attention
     # per-token clip of the memory gradient's Frobenius norm over all layers; 0: no clip
     memory_clip: float = at_least(0.0, 1.0)
+    # initial forgetting half-lives of the first and last head, in windows (log-spaced between)
+    forget_half_lives: tuple[float, float] = (0.25, 16.0)
 
 
 def _validate(cfg: Config) -> None:
-    """Persistent tokens need an attention (not lmm); MAC segments start at chunk starts."""
+    """Persistent tokens need an attention (not lmm); MAC segments start at chunk starts;
+    forgetting half-lives positive, first <= last."""
     t = cfg.model.titans
+    lo, hi = t.forget_half_lives
+    if not 0 < lo <= hi:
+        raise ConfigError(
+            f"model.titans.forget_half_lives: {list(t.forget_half_lives)} must be two positive "
+            "numbers of windows, the first no larger than the second (e.g. 0.25 16)"
+        )
     if t.variant == "lmm" and t.persistent_tokens:
         raise ConfigError(
             "model.titans.persistent_tokens: variant lmm has no attention to prepend them to; "
@@ -105,10 +113,10 @@ def _uniform_fan_in(shape: tuple[int, ...], gen: torch.Generator) -> torch.Tenso
     return torch.empty(shape).uniform_(-bound, bound, generator=gen)
 
 
-def alpha_half_lives(heads: int, window: int) -> list[float]:
-    """Initial forgetting half-lives per head, in tokens: log-spaced from ``ALPHA_HALF_LIFE[0]``
-    to ``ALPHA_HALF_LIFE[1]`` windows (one head: their geometric mean)."""
-    lo, hi = (f * window for f in ALPHA_HALF_LIFE)
+def alpha_half_lives(heads: int, window: int, spread: tuple[float, float]) -> list[float]:
+    """Initial forgetting half-lives per head, in tokens: log-spaced from ``spread[0]`` to
+    ``spread[1]`` windows (``titans.forget_half_lives``; one head: their geometric mean)."""
+    lo, hi = (f * window for f in spread)
     if heads == 1:
         return [math.sqrt(lo * hi)]
     return [lo * (hi / lo) ** (h / (heads - 1)) for h in range(heads)]
@@ -124,9 +132,11 @@ def gate_std(init_std: float, d_model: int) -> float:
     return init_std * math.sqrt(min(d_model, GATE_SPREAD_WIDTH) / d_model)
 
 
-def gate_bias_init(heads: int, window: int) -> torch.Tensor:
-    """Full gate bias ``[theta (heads) | eta (heads) | alpha (heads)]`` (logits)."""
-    alpha = torch.tensor([1.0 - 2.0 ** (-1.0 / t) for t in alpha_half_lives(heads, window)])
+def gate_bias_init(heads: int, window: int, spread: tuple[float, float]) -> torch.Tensor:
+    """Full gate bias ``[theta (heads) | eta (heads) | alpha (heads)]`` (logits); ``spread``:
+    the forgetting half-lives' range in windows (:func:`alpha_half_lives`)."""
+    halves = alpha_half_lives(heads, window, spread)
+    alpha = torch.tensor([1.0 - 2.0 ** (-1.0 / t) for t in halves])
     return torch.cat(
         (
             torch.full((heads,), GATE_BIAS_INIT["theta"]),
@@ -185,8 +195,10 @@ class NeuralMemory(nn.Module):
         self.gates = ColumnParallelLinear(
             dm.d, 3 * dm.heads, std=gate_std(std, dm.d), out_blocks=(3, dm.heads), split_dim=1
         )
-        heads, window = dm.heads, t.window
-        self.gate_bias = _per_head((3 * heads,), fn=lambda s, g: gate_bias_init(heads, window))
+        heads, window, spread = dm.heads, t.window, t.forget_half_lives
+        self.gate_bias = _per_head(
+            (3 * heads,), fn=lambda s, g: gate_bias_init(heads, window, spread)
+        )
         mark_split(self.gate_bias, row_layout((3 * dm.heads,), (3, dm.heads), 1))
         self.memory = nn.ParameterList(
             _per_head((dm.heads, o, i), fn=_normal_fan_in) for o, i in dm.mem_layers
