@@ -66,11 +66,11 @@ def test_titans_memory_off_is_the_rule_without_steps_or_forgetting():
 
 @pytest.fixture(scope="module")
 def held_out(tmp_path_factory):
-    """Held-out sample-corpus tokens as an indexed dataset (ids below the tiny vocabulary)."""
+    """Random tokens below the tiny vocabulary as an indexed dataset (two documents)."""
     from tapered_megatron.data import write_indexed_dataset
 
     rng = np.random.default_rng(0)
-    docs = [rng.integers(0, VOCAB, 300).tolist() for _ in range(4)]
+    docs = [rng.integers(0, VOCAB, 300).tolist() for _ in range(2)]
     prefix = str(tmp_path_factory.mktemp("probe") / "held_text_document")
     write_indexed_dataset(prefix, docs)
     return prefix

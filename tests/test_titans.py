@@ -190,7 +190,8 @@ def test_scan_continues_from_a_state():
 
 @pytest.mark.parametrize(
     "depth, from_state, max_norm", [(2, False, MAX_GRAD_NORM), (3, True, MAX_GRAD_NORM),
-                                    (2, True, 0.5), (2, False, 0.0)]
+                                    (2, False, 0.0),
+                                    pytest.param(2, True, 0.5, marks=pytest.mark.slow)]
 )  # fmt: skip
 def test_scan_gradients_match_finite_differences(depth, from_state, max_norm):
     """The scan's hand-written backward against finite differences in fp64: two sequences
