@@ -187,12 +187,14 @@ def enumerate_candidates(cfg: Config, gpus: int, gpus_per_node: int) -> list[Can
     arch = resolve_architecture(m.arch)
     # without SP: the same time and more memory, unless a half runs on the whole sequence
     sp_off_too = not (arch.mixer.takes_sequence_shards and arch.mlp.takes_sequence_shards)
+    # a first pass of the whole model (Hope's teach signal) runs only without a pipeline
+    whole_model_pass = arch.first_pass_config(cfg) is not None
     out = []
     for tp in _divisors(gpus):
         if tp > gpus_per_node or tp_problem(cfg, tp):
             continue
         for pp in _divisors(gpus // tp):
-            if pp > m.layers:
+            if pp > m.layers or (pp > 1 and whole_model_pass):
                 continue
             dp = gpus // (tp * pp)
             sps = (False,)

@@ -183,3 +183,23 @@ def test_teach_first_pass_is_counted():
     ratio_measured = measured["teach"] / measured["association"]
     assert ratio_counted == pytest.approx(ratio_measured, rel=0.08)
     assert ratio_counted > 1.15
+
+
+def test_architectures_presets_match_parameters_at_every_reproduction_scale(capsys):
+    """``models.summary --compare``: at 440m / 760m / 1.3b and the reproduction's cpu scale
+    every architecture's preset has its transformer's parameters within 2 % (the MLP width
+    gives back what the mixer adds); training FLOPs per token are stated, not matched (Hope's
+    in-context updates and teach-signal pass cost more than their parameters say)."""
+    assert summary.main(["--compare", "440m", "760m", "1.3b", "cpu", "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    archs = ("transformer", "gated_attention", "titans", "hope_attention")
+    assert sorted((r["scale"], r["arch"]) for r in rows) == sorted(
+        (s, a) for s in ("440m", "760m", "1.3b", "cpu") for a in archs
+    )
+    for r in rows:
+        assert abs(r["params_ratio"] - 1) <= 0.02, r
+        if r["arch"] == "transformer":
+            assert r["params_ratio"] == r["flops_ratio"] == 1.0
+    assert all(r["flops_ratio"] > 1.5 for r in rows if r["arch"] == "hope_attention")
+    assert summary.main(["--compare", "9x"]) == 2
+    assert "no preset transformer_9x" in capsys.readouterr().err

@@ -53,6 +53,16 @@ def test_enumeration_respects_deepspeed_rules() -> None:
         assert c.micro_batch_size * c.grad_accum * c.dp == cfg.train.global_batch_size
 
 
+def test_enumeration_keeps_a_whole_model_first_pass_unpipelined() -> None:
+    """Hope's teach signal needs a first pass of the whole model: its presets get pp = 1 only
+    (the config check refuses pp > 1), while association keeps the pipeline layouts."""
+    teach = load_config("hope_attention_440m")
+    assert teach.model.hope.update == "teach"
+    assert {c.pp for c in enumerate_candidates(teach, 64, 8)} == {1}
+    association = teach.with_overrides(["--model.hope.update", "association"])
+    assert max(c.pp for c in enumerate_candidates(association, 64, 8)) > 1
+
+
 def test_plan_7b_on_64_gpus_fits_and_fills_templates() -> None:
     cfg = load_config("transformer_7b")
     dev = costlib.get_device("h100")
@@ -122,8 +132,11 @@ def test_cluster_ds_configs_are_valid(name: str, monkeypatch) -> None:
 def test_planner_and_balancer_choose_the_same_stages(preset) -> None:
     """A run launched with the planner's overrides gets the planner's stage boundaries from the
     trainer's balancer (same device and memory cap): one cost model, TP communication included.
-    PP 4 and 8 on 64 GPUs, whole layers and sub-layers, with and without recomputation."""
+    PP 4 and 8 on 64 GPUs, whole layers and sub-layers, with and without recomputation (Hope
+    under association: its teach signal runs without a pipeline)."""
     cfg = load_config(preset)
+    if cfg.model.arch == "hope_attention":
+        cfg = cfg.with_overrides(["--model.hope.update", "association"])
     dev = costlib.get_device("h100")
     cap = 0.9 * 80 * costlib.GiB
     tp = cfg.parallel.tp

@@ -10,6 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+import torch.utils.checkpoint
 from arch_args import for_arch
 
 from tapered_megatron.config import ConfigError, load_config
@@ -103,6 +104,23 @@ def test_selective_hope_records_its_updates_once():
         model(ids, ids).backward()
         seen.append([m.last_updates for m in cms])
     assert seen[0] == seen[1] and any(any(u) for u in seen[0])
+
+
+def test_selective_titans_tallies_its_memory_clip_once():
+    """Titans' ``memory_clip`` tally (clipped and all token-heads) after a selective forward +
+    backward: that of ``none``, not doubled by the recomputed scan (recomputed whole: torch's
+    early stop, which ends a recomputation at its last saved tensor, off)."""
+    from tapered_megatron.models.titans.modules import NeuralMemory
+
+    ids = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(0))
+    seen = []
+    for mode in ("none", "selective"):
+        model = build_model(_cfg("titans", mode, "--model.titans.memory_clip", "0.05")).train()
+        with torch.utils.checkpoint.set_checkpoint_early_stop(False):
+            model(ids, ids).backward()
+        seen.append([m.clip_tally[0] for m in model.modules() if isinstance(m, NeuralMemory)])
+    assert seen[0] and all(torch.equal(a, b) for a, b in zip(*seen, strict=True))
+    assert all(0 < t[0] < t[1] for t in seen[0])  # the clip scaled some token-heads, not all
 
 
 def _tracker_dropout_grads(recompute: bool) -> torch.Tensor:

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from tiny_memory import assert_causal, assert_learns_real_text, tiny_cfg
 
 from tapered_megatron.config import load_config
-from tapered_megatron.models import build_model, count_model, lm_loss
+from tapered_megatron.models import build_model, count_model, lm_loss, take_diagnostics
 from tapered_megatron.models.titans import (
     MAX_GRAD_NORM,
     MemoryState,
@@ -92,10 +92,11 @@ def _mlp(weights: list[torch.Tensor], x: torch.Tensor) -> torch.Tensor:
     return x
 
 
-def token_rule(q, k, v, theta, eta, alpha, m, s, chunk: int = 1):
+def token_rule(q, k, v, theta, eta, alpha, m, s, chunk: int = 1, max_norm: float = MAX_GRAD_NORM):
     """The Titans rule written plainly, one token at a time from memory ``m`` and momentum ``s``
     (per layer ``[B, H, out, in]``), gradients by autograd (each token's gradient clipped to
-    Frobenius norm ``MAX_GRAD_NORM``, as the rule says). Returns the read-outs and final m, s.
+    Frobenius norm ``max_norm``, as the rule says; 0: not clipped). Returns the read-outs and
+    final m, s.
 
     ``chunk > 1``: gradients w.r.t. the weights at the start of each chunk of ``chunk`` tokens
     (the rule the chunk-parallel form implements), everything else per token.
@@ -108,7 +109,8 @@ def token_rule(q, k, v, theta, eta, alpha, m, s, chunk: int = 1):
         loss = (_mlp(wg, k[:, :, t]) - v[:, :, t]).pow(2).sum()
         grads = torch.autograd.grad(loss, wg)
         norm = torch.sqrt(sum(g.pow(2).sum((-1, -2)) for g in grads))[..., None, None]
-        grads = [g * torch.clamp(MAX_GRAD_NORM / norm, max=1.0) for g in grads]
+        if max_norm:
+            grads = [g * torch.clamp(max_norm / norm, max=1.0) for g in grads]
         s = [
             eta[:, :, t, None, None] * sl - theta[:, :, t, None, None] * g
             for sl, g in zip(s, grads)
@@ -118,10 +120,13 @@ def token_rule(q, k, v, theta, eta, alpha, m, s, chunk: int = 1):
     return torch.stack(ys, dim=2), m, s
 
 
-def token_by_token(q, k, v, theta, eta, alpha, weights, chunk: int = 1) -> torch.Tensor:
+def token_by_token(
+    q, k, v, theta, eta, alpha, weights, chunk: int = 1, max_norm: float = MAX_GRAD_NORM
+) -> torch.Tensor:
     """:func:`token_rule` from the learned weights and zero momentum (a sequence start)."""
     m = [w.unsqueeze(0).expand(q.shape[0], -1, -1, -1).clone() for w in weights]
-    return token_rule(q, k, v, theta, eta, alpha, m, [torch.zeros_like(w) for w in m], chunk)[0]
+    s = [torch.zeros_like(w) for w in m]
+    return token_rule(q, k, v, theta, eta, alpha, m, s, chunk, max_norm)[0]
 
 
 def _memory_inputs(seq: int = 24, depth: int = 3):
@@ -137,12 +142,15 @@ def _memory_inputs(seq: int = 24, depth: int = 3):
     return q, k, v, theta, eta, alpha, [w.detach() for w in mem.memory]
 
 
-@pytest.mark.parametrize("depth", [2, 3])
-def test_chunk_size_one_equals_token_by_token(depth):
+@pytest.mark.parametrize("depth, max_norm", [(2, MAX_GRAD_NORM), (3, MAX_GRAD_NORM), (2, 0.0)])
+def test_chunk_size_one_equals_token_by_token(depth, max_norm):
+    """Also without the clip (``model.titans.memory_clip 0``), which changes the read-out."""
     args = _memory_inputs(depth=depth)
-    ref = token_by_token(*args)
-    got, _ = memory_scan(*args, chunk_size=1)
+    ref = token_by_token(*args, max_norm=max_norm)
+    got, _ = memory_scan(*args, chunk_size=1, max_norm=max_norm)
     torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
+    if not max_norm:
+        assert (got - memory_scan(*args, chunk_size=1)[0]).norm() > 1e-3 * got.norm()
 
 
 def test_chunked_rule_and_its_approximation_error():
@@ -180,12 +188,16 @@ def test_scan_continues_from_a_state():
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
 
 
-@pytest.mark.parametrize("depth, from_state", [(2, False), (3, True)])
-def test_scan_gradients_match_finite_differences(depth, from_state):
+@pytest.mark.parametrize(
+    "depth, from_state, max_norm", [(2, False, MAX_GRAD_NORM), (3, True, MAX_GRAD_NORM),
+                                    (2, False, 0.0),
+                                    pytest.param(2, True, 0.5, marks=pytest.mark.slow)]
+)  # fmt: skip
+def test_scan_gradients_match_finite_differences(depth, from_state, max_norm):
     """The scan's hand-written backward against finite differences in fp64: two sequences
     sharing the initial state (or each continuing from its own state, as MAC's segments), a
     ragged last chunk, the final state as an output too, and the per-token clip both active
-    and inactive (small and large values in turn)."""
+    and inactive (small and large values in turn), at two clip norms and without the clip."""
     g = torch.Generator().manual_seed(0)
     bsz, heads, seq, dim, hidden = 2, 2, 7, 3, 4
 
@@ -206,7 +218,7 @@ def test_scan_gradients_match_finite_differences(depth, from_state):
 
     def scan(q, k, v, theta, eta, alpha, *layers):
         state = MemoryState(list(layers)) if from_state else None
-        y, end = memory_scan(q, k, v, theta, eta, alpha, list(layers), 3, state)
+        y, end = memory_scan(q, k, v, theta, eta, alpha, list(layers), 3, state, max_norm=max_norm)
         return (y, *end.layers)
 
     # the first chunk's gradients (at the initial weights) fall on both sides of the clip
@@ -218,7 +230,7 @@ def test_scan_gradients_match_finite_differences(depth, from_state):
         grads = torch.autograd.grad(loss, wg)
         norms.append(torch.sqrt(sum(x.pow(2).sum((-1, -2)) for x in grads)))  # per sequence, head
     norms = torch.stack(norms)
-    assert norms.min() < MAX_GRAD_NORM < norms.max()
+    assert norms.min() < (max_norm or MAX_GRAD_NORM) < norms.max()
     assert torch.autograd.gradcheck(scan, inputs, atol=1e-7, rtol=1e-5, fast_mode=depth > 2)
 
 
@@ -579,3 +591,39 @@ def test_compiled_model_matches_eager(arch, overrides):
     torch.testing.assert_close(loss, ref, rtol=1e-5, atol=1e-5)
     for (name, a), b in zip(eager.named_parameters(), model.parameters()):
         assert ((a.grad - b.grad).norm() / a.grad.norm()).item() < 1e-4, name
+
+
+def test_clip_tally_counts_the_tokens_the_clip_scales_down():
+    """One chunk (every gradient at the initial weights): the tally's clipped count equals the
+    number of (token, head) gradients whose Frobenius norm exceeds the clip, counted from
+    autograd's per-token gradients; the mixer's ``diagnostics()`` reports and resets it."""
+    q, k, v, theta, eta, alpha, w = _memory_inputs(seq=24)
+    v = v * torch.linspace(0.1, 20.0, 24)[:, None]  # both sides of the clip
+    tally: list[torch.Tensor] = []
+    memory_scan(q, k, v, theta, eta, alpha, w, 24, clip_tally=tally)
+    m = [x.unsqueeze(0).expand(q.shape[0], -1, -1, -1).clone() for x in w]
+    clipped = 0
+    for t in range(24):
+        wg = [x.clone().requires_grad_() for x in m]
+        loss = (_mlp(wg, k[:, :, t]) - v[:, :, t]).pow(2).sum()
+        norm = torch.sqrt(sum(g.pow(2).sum((-1, -2)) for g in torch.autograd.grad(loss, wg)))
+        clipped += int((norm > MAX_GRAD_NORM).sum())
+    n = q.shape[0] * q.shape[1] * 24
+    assert 0 < clipped < n
+    assert tally[0].tolist() == [clipped, n]
+    memory_scan(q, k, v, theta, eta, alpha, w, 24, clip_tally=tally)  # added to the tally
+    assert tally[0].tolist() == [2 * clipped, 2 * n]
+    unclipped: list[torch.Tensor] = []
+    memory_scan(q, k, v, theta, eta, alpha, w, 24, clip_tally=unclipped, max_norm=0.0)
+    assert unclipped[0].tolist() == [0, n]  # memory_clip 0: no clip
+
+    cfg = tiny_cfg("titans")
+    mixer = TitansMixer(cfg, 0)
+    init_parameters(mixer, 0)
+    x = torch.randn(2, 40, cfg.model.d_model)
+    mixer.eval()(x)
+    assert take_diagnostics(mixer) == {}  # evaluation forwards are not counted
+    mixer.train()(x)
+    mixer.train()(x)
+    share = take_diagnostics(mixer)["memory_clip"]
+    assert 0.0 <= share <= 1.0 and take_diagnostics(mixer) == {}

@@ -8,7 +8,9 @@ Each run lives in ``<out>/runs/<run>/``::
     checkpoints/    ``train.save_dir`` (the final checkpoint is what evaluation loads)
     train.log       the job's output
     done            written after the job exits 0 with a final ``val_loss``: the run is skipped
-    alignment.json  / zeroshot/zeroshot.json: evaluation results, skipped when present
+    alignment.json  / zeroshot/zeroshot.json / memory_probe.json (titans, hope_attention: loss
+                    with the in-context memory on and off, tapered_megatron.eval.memory_probe):
+                    evaluation results, skipped when present
 
 A killed run restarts with ``--resume auto`` (newest complete checkpoint, else a fresh start).
 """
@@ -190,7 +192,8 @@ def _tool_missing(output: str) -> bool:
 
 
 def evaluate_run(settings: Settings, run: Run, phase: str, log: Callable[[str], None]) -> str:
-    """Run one evaluation ``phase`` (``alignment`` | ``zeroshot``) on a trained run.
+    """Run one evaluation ``phase`` (``alignment`` | ``zeroshot`` | ``memory_probe``) on a
+    trained run.
 
     Returns ``"ok"``, ``"skipped"`` (result already there), ``"missing"`` (the tool's module is
     not installed) or ``"failed"``.
@@ -201,6 +204,11 @@ def evaluate_run(settings: Settings, run: Run, phase: str, log: Callable[[str], 
         target = d / "alignment.json"
         args = ["-m", "tapered_megatron.eval.alignment", "--checkpoint", ckpt]
         args += ["--data-path", settings.eval_data()[1], "--tokens"]
+        args += [str(256 if settings.smoke else settings.scale.alignment_tokens), "--json"]
+    elif phase == "memory_probe":  # the validation tokens alignment reads, at 1x and 4x seq_len
+        target = d / "memory_probe.json"
+        args = ["-m", "tapered_megatron.eval.memory_probe", "--checkpoint", ckpt]
+        args += ["--data-path", settings.eval_data()[1], "--max-tokens"]
         args += [str(256 if settings.smoke else settings.scale.alignment_tokens), "--json"]
     elif phase == "zeroshot":
         target = d / "zeroshot" / "zeroshot.json"
@@ -221,7 +229,7 @@ def evaluate_run(settings: Settings, run: Run, phase: str, log: Callable[[str], 
             return "missing"
         log(f"FAILED {phase} on {run.name} (exit {p.returncode}); see {d / f'{phase}.log'}")
         return "failed"
-    if phase == "alignment":
+    if phase in ("alignment", "memory_probe"):
         try:
             result = last_json_line(p.stdout)
         except ValueError:

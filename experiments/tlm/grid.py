@@ -112,8 +112,10 @@ def _preset_scale(name: str, tag: str) -> Scale:
 
 
 SCALES = {
-    # tlm_cpu.yaml: a ~1.3M-parameter model (d_model 128, 6 layers, vocab 2048), 320 x 1024 tokens.
-    "cpu": Scale("cpu", {a: "tlm_cpu" for a in ARCHS}, (), 16384, 200),
+    # tlm_cpu.yaml: a ~1.3M-parameter model (d_model 128, 6 layers, vocab 2048), 320 x 1024 tokens;
+    # <arch>_cpu.yaml: the same recipe, each architecture's settings (budget-matched d_ff; titans:
+    # 512-token sequences, a 64-token window, persistent tokens; hope: the teach-signal update)
+    "cpu": Scale("cpu", {a: f"{a}_cpu" for a in ARCHS}, (), 16384, 200),
     "440m": _preset_scale("440m", "440m"),
     "760m": _preset_scale("760m", "760m"),
     "1.3b": _preset_scale("1.3b", "1.3b"),
@@ -169,11 +171,16 @@ def plan_runs(experiments: Iterable[str], seeds: int) -> list[Run]:
     return [Run(v, s) for s in range(1, seeds + 1) for v in variants]
 
 
+MEMORY_ARCHS = ("titans", "hope_attention")  # in-context memory: the memory probe's runs
+
+
 def evaluation_phases(experiments: Iterable[str]) -> dict[str, list[Variant]]:
-    """Which variants each evaluation phase covers: (e) alignment, (f) zero-shot of (c)."""
+    """Which variants each evaluation phase covers: (e) alignment, (f) zero-shot of (c), the
+    memory probe of (c)'s memory architectures."""
     phases: dict[str, list[Variant]] = {}
     if "alignment" in experiments:
         phases["alignment"] = experiment_variants("alignment")
     if "archs" in experiments:
         phases["zeroshot"] = experiment_variants("archs")
+        phases["memory_probe"] = [v for v in experiment_variants("archs") if v.arch in MEMORY_ARCHS]
     return phases

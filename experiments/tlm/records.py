@@ -24,6 +24,7 @@ def _window_means(recs: list[dict[str, Any]], width: int) -> list[list[float]]:
 def run_record(settings: driver.Settings, run: grid.Run) -> dict[str, Any]:
     """The saved summary of one finished run (what RESULTS.md is computed from)."""
     from tapered_megatron.config import load_config
+    from tapered_megatron.models import count_model
 
     d = settings.run_dir(run)
     job = driver.job_part(json.loads((d / "cmd.json").read_text())["command"])
@@ -31,6 +32,7 @@ def run_record(settings: driver.Settings, run: grid.Run) -> dict[str, Any]:
     preset = over[over.index("--config") + 1]
     del over[over.index("--config") : over.index("--config") + 2]
     cfg = load_config(preset, over)
+    counts = count_model(cfg)
     tokens_per_iter = (cfg.train.global_batch_size or cfg.train.micro_batch_size) * (
         cfg.model.seq_len
     )
@@ -61,6 +63,8 @@ def run_record(settings: driver.Settings, run: grid.Run) -> dict[str, Any]:
         "iterations": recs[-1]["iteration"],
         "eval_tokens": cfg.eval.iters * tokens_per_iter,
         "lr": cfg.train.lr,
+        "params": counts.params_total,
+        "train_flops_per_token": counts.train_flops_per_token,
         "val_curve": curve,
         "train_curve": _window_means(recs, 10),
         "final_val_loss": curve[-1][2],
@@ -68,6 +72,8 @@ def run_record(settings: driver.Settings, run: grid.Run) -> dict[str, Any]:
     }
     align = d / "alignment.json"
     out["alignment"] = json.loads(align.read_text()) if align.exists() else None
+    probe = d / "memory_probe.json"
+    out["memory_probe"] = json.loads(probe.read_text())["probes"] if probe.exists() else None
     zs = d / "zeroshot" / "zeroshot.json"
     out["zeroshot"] = json.loads(zs.read_text()) if zs.exists() else None
     if out["zeroshot"] and "model" in out["zeroshot"]:

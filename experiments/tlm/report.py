@@ -18,8 +18,10 @@ from experiments.tlm.prose import reading
 from experiments.tlm.records import load_records
 from experiments.tlm.stats import by_variant, late_drop_ratio
 from experiments.tlm.tables import (
+    ARCH_NOTES,
     table_alignment,
     table_archs,
+    table_budget_and_memory,
     table_controlled,
     table_sweep,
     table_zeroshot,
@@ -105,6 +107,20 @@ def render(records: list[dict[str, Any]], meta: dict[str, Any]) -> str:
         if table is None:
             continue
         lines += [f"## {title}", "", *table, ""]
+        if key == "archs" and any("params" in r for r in records):  # runs of these settings
+            lines += [
+                "The architectures as run here, each one line on what is ours:",
+                "",
+                *(f"- {a}: {note}" for a, note in ARCH_NOTES.items()),
+                "",
+                "Budgets and the memory probe: parameters and training FLOPs per token of each "
+                "configuration (against the transformer's), and what switching the in-context "
+                "memory off at evaluation costs (validation tokens; mean ± std over seeds; about "
+                "0 means the trained model does not use its memory, a static network).",
+                "",
+                *table_budget_and_memory(by, scale),
+                "",
+            ]
         if key in keys:
             lines += [f"![{key}](results/{PLOTS[key]})", ""]
     if "curves" in keys:

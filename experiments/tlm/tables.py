@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from experiments.tlm import grid
-from experiments.tlm.stats import Paired, pm, ppl_stat, rho_stats, signed_pm, zs_stat
+from experiments.tlm.stats import Paired, Stat, pm, ppl_stat, rho_stats, signed_pm, zs_stat
 
 # The paper's 440M validation perplexities (arXiv 2606.23670).
 PAPER_CONTROLLED = {
@@ -130,3 +130,62 @@ def table_zeroshot(by: dict, tasks: list[str], scale: str) -> list[str]:
         rows.append([v.arch, v.label, ref, pm(st), delta, exc, *per_task])
     head = ["architecture", "configuration", "paper 760M avg acc", f"ours ({scale}) avg acc"]
     return _table([*head, "Δ vs uniform (paired)", "beyond seed spread", *tasks], rows)
+
+
+# (c)'s architectures as implemented here: what each adds to or changes from its paper, one line.
+ARCH_NOTES = {
+    "transformer": "Transformer++ (RMSNorm, SwiGLU, RoPE), as the paper.",
+    "gated_attention": "G1 sigmoid output gate per head (Qiu et al. 2025); the MLP width shrunk "
+    "to give the gate's parameters back.",
+    "titans": "MAG: sliding-window attention with 4 persistent tokens, the memory rule re-derived "
+    "from the paper's equations; ours: chunk-start (mini-batch) gradients, a per-token clip of "
+    "each memory gradient (its activity logged as memory_clip), forgetting half-lives spread "
+    "over heads; the MLP width shrunk to give the memory branch's parameters back.",
+    "hope_attention": "attention + a Continuum Memory System of SwiGLU levels splitting the MLP "
+    "width; ours: updates inside the sequence at period boundaries, every level taught by the "
+    "final layer's error signal (teach; not each level's own), normalised, clipped steps; "
+    "1.7-2.1x the transformer's training FLOPs per token at equal parameters.",
+}
+
+
+def _against(r: dict, ref: dict | None, key: str) -> str:
+    """`` (1.02x)``: ``r[key]`` over the transformer's ``ref[key]`` where that was recorded."""
+    return f" ({r[key] / ref[key]:.2f}x)" if ref and key in ref else ""
+
+
+def _probe(runs: dict | None, i: int) -> str:
+    gaps = {
+        s: r["memory_probe"][i]["gap"] for s, r in (runs or {}).items() if r.get("memory_probe")
+    }
+    return pm(Stat(gaps), 3)
+
+
+def table_budget_and_memory(by: dict, scale: str) -> list[str]:
+    """(c)'s budgets and memory probe: per configuration its parameters and training FLOPs per
+    token (as run, and against the transformer's of the same configuration), its validation
+    perplexity and, for the memory architectures, what switching the in-context memory off at
+    evaluation costs (nats; at the training length and at 4x it)."""
+    rows = []
+    for v in grid.experiment_variants("archs"):
+        runs = by.get(v.key)
+        ref = by.get(grid.Variant("transformer", v.schedule, v.ratio, v.reverse).key)
+        r = next(iter(runs.values())) if runs else None
+        r0 = next(iter(ref.values())) if ref else None
+        if r is None or "params" not in r:
+            rows.append([v.arch, v.label, "—", "—", pm(ppl_stat(runs)), "—", "—"])
+            continue
+        mem, flops = v.arch in grid.MEMORY_ARCHS, "train_flops_per_token"
+        rows.append(
+            [
+                v.arch,
+                v.label,
+                f"{r['params'] / 1e6:.3f}M{_against(r, r0, 'params')}",
+                f"{r[flops] / 1e6:.1f}M{_against(r, r0, flops)}",
+                pm(ppl_stat(runs)),
+                _probe(runs, 0) if mem else "—",
+                _probe(runs, 1) if mem else "—",
+            ]
+        )
+    head = ["architecture", "configuration", "params", "train FLOPs/token"]
+    head += [f"val ppl ({scale})", "memory off − on (nats)", "at 4x the sequence"]
+    return _table(head, rows)

@@ -4,13 +4,15 @@ Command line (the last stdout line with ``--json`` is one JSON object with at le
 ``perplexity`` and ``tokens``)::
 
     python -m tapered_megatron.eval.perplexity --model OUT|--checkpoint DIR --data-path PREFIX \\
-        [--split valid] [--data-split 969,30,1] [--seq-len N] [--max-tokens N] [--json]
+        [--split valid] [--data-split 969,30,1] [--seq-len N] [--max-tokens N] [--memory off]
+        [--json]
 
 The split's documents are one token stream cut into windows of ``seq_len`` (see
 :func:`tapered_megatron.eval.common.windows`): every token but the first is predicted once, with
 up to ``seq_len - 1`` tokens of context. ``loss`` is the mean next-token cross-entropy over all
 those tokens (natural log, over the model's padded vocabulary as in training), ``perplexity``
-its exponential.
+its exponential. ``--memory off`` evaluates with the in-context memory's updates switched off
+(Titans, Hope; :mod:`tapered_megatron.eval.memory_probe` compares both).
 
 From Python (e.g. a training loop): :func:`perplexity_of` takes any callable ``model(inputs,
 labels) -> mean loss`` (our module, or a DeepSpeed engine around it) and ``(inputs, labels)``
@@ -35,6 +37,7 @@ from tapered_megatron.eval.common import (
     windows,
 )
 from tapered_megatron.export.load import ExportError
+from tapered_megatron.models import in_context_memory
 
 
 @dataclass(frozen=True)
@@ -76,6 +79,12 @@ def main(argv: list[str] | None = None) -> int:
         "Loss and perplexity of a model over a dataset split.",
     )
     ap.add_argument("--max-tokens", type=int, default=None, help="stop after this many tokens")
+    ap.add_argument(
+        "--memory",
+        choices=("on", "off"),
+        default="on",
+        help="off: the in-context memory keeps its learned weights (no updates in the sequence)",
+    )
     ap.add_argument("--json", action="store_true", help="last stdout line: one JSON object")
     a = ap.parse_args(argv)
     try:
@@ -86,7 +95,12 @@ def main(argv: list[str] | None = None) -> int:
 
     seq_len = a.seq_len or loaded.cfg.model.seq_len
     t0 = time.perf_counter()
-    with tqdm(total=len(stream) - 1, unit="tok", file=sys.stderr, disable=None) as bar:
+    with (
+        tqdm(total=len(stream) - 1, unit="tok", file=sys.stderr, disable=None) as bar,
+        in_context_memory(loaded.module, a.memory == "on") as n,
+    ):
+        if a.memory == "off" and not n:
+            return fail(ValueError("--memory off: the model has no in-context memory"))
         result = perplexity_of(
             loaded.module, windows(stream, seq_len, a.batch_size, a.device), bar.update
         )
@@ -102,6 +116,7 @@ def main(argv: list[str] | None = None) -> int:
                 "perplexity": result.perplexity,
                 "tokens": result.tokens,
                 "seq_len": seq_len,
+                "memory": a.memory,
                 "split": split,
                 "source": loaded.source,
                 "tokens_per_s": result.tokens / seconds,

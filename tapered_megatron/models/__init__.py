@@ -18,7 +18,9 @@ from tapered_megatron.models.base import (
     Counts,
     MLPSlot,
     TokenMixer,
+    in_context_memory,
     register_architecture,
+    take_diagnostics,
 )
 from tapered_megatron.models.counters import LayerCounts, ModelCounts, count_model
 from tapered_megatron.models.language_model import (
@@ -58,12 +60,14 @@ __all__ = [
     "build_model",
     "canonical_parameters",
     "count_model",
+    "in_context_memory",
     "lm_loss",
     "load_plugins",
     "pipeline_layer_specs",
     "register_architecture",
     "resolve_architecture",
     "set_recompute",
+    "take_diagnostics",
     "unit_prefixes",
     "units",
 ]

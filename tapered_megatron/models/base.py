@@ -18,6 +18,12 @@ the only list of architectures (``model.arch`` accepts exactly its keys). A reco
 * an optional first pass of the whole model before each forward (Hope's teach signal; it needs
   the whole model in one process).
 
+A module whose weights learn inside the sequence (Titans' memory, Hope's CMS) carries a boolean
+``in_context`` (True); :func:`in_context_memory` switches those updates off for a probe. A
+module may report training diagnostics through ``diagnostics() -> {name: (sum, count)}``
+(Titans: the share of tokens its memory's gradient clip acts on), which the trainer logs
+(:func:`take_diagnostics`).
+
 Protocol of the two module classes (what the block, the unit table and the counters rely on):
 
 ``__init__(self, cfg: Config, layer: int)``
@@ -64,7 +70,8 @@ Architectures outside the package are files or modules named in ``model.plugins`
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, fields, is_dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -225,3 +232,31 @@ def register_architecture(arch: Architecture) -> Architecture:
         raise TypeError(f"architecture {arch.name!r}: options must be a dataclass")
     ARCHITECTURES[arch.name] = arch
     return arch
+
+
+@contextmanager
+def in_context_memory(model: nn.Module, on: bool) -> Iterator[int]:
+    """Within the block, the in-context updates of every module of ``model`` that has them (an
+    ``in_context`` attribute) are ``on`` or off: off, each such module keeps its learned weights
+    for the whole sequence. Yields how many modules that is (0: no in-context memory); the
+    previous settings are restored on exit."""
+    mods = [m for m in model.modules() if isinstance(getattr(m, "in_context", None), bool)]
+    before = [m.in_context for m in mods]
+    for m in mods:
+        m.in_context = on
+    try:
+        yield len(mods)
+    finally:
+        for m, b in zip(mods, before):
+            m.in_context = b
+
+
+def take_diagnostics(model: nn.Module) -> dict[str, float]:
+    """The training diagnostics of ``model``'s modules (each ``diagnostics()``, which resets
+    it): per name, the sum over modules of their ``(sum, count)`` pairs, as ``sum / count``."""
+    totals: dict[str, torch.Tensor] = {}
+    for m in model.modules():
+        if callable(getattr(m, "diagnostics", None)):
+            for name, pair in m.diagnostics().items():
+                totals[name] = totals[name] + pair if name in totals else pair
+    return {name: float(t[0] / t[1].clamp_min(1)) for name, t in totals.items()}

@@ -1,10 +1,13 @@
 """Print a model's parameters, FLOPs and activation bytes per layer, with its taper plan.
 
     python -m tapered_megatron.models.summary --config transformer_760m [overrides] [--json]
+    python -m tapered_megatron.models.summary --compare 440m 760m 1.3b [--json]
 
 Counts come from :func:`tapered_megatron.models.count_model`; the model is also built on the
 meta device (no memory) and its parameter count printed beside the counted one, so multi-billion
-presets are summarised without allocating.
+presets are summarised without allocating. ``--compare`` prints the built-in architectures'
+presets ``<arch>_<scale>`` side by side: parameters and training FLOPs per token (forward and
+backward, Hope's teach-signal pass included), each as a ratio to the transformer's.
 """
 
 from __future__ import annotations
@@ -13,7 +16,8 @@ import argparse
 import json
 import sys
 
-from tapered_megatron.config import ConfigError, load_config
+from tapered_megatron.config import PRESET_DIR, ConfigError, load_config
+from tapered_megatron.models.base import ARCHITECTURES
 from tapered_megatron.models.counters import count_model
 from tapered_megatron.models.language_model import meta_param_count
 from tapered_megatron.models.registry import ArchitectureError
@@ -26,6 +30,34 @@ def _fmt(x: float) -> str:
     return f"{x:.0f}"
 
 
+def compare(scales: list[str]) -> list[dict]:
+    """One row per scale and built-in architecture with a preset ``<arch>_<scale>``: its
+    parameters and training FLOPs per token, and their ratios to ``transformer_<scale>``'s."""
+    archs = [n for n, a in ARCHITECTURES.items() if a.mixer.__module__.startswith("tapered_m")]
+    presets = {p.stem for p in PRESET_DIR.glob("*.yaml")}
+    rows = []
+    for scale in scales:
+        if f"transformer_{scale}" not in presets:
+            raise ConfigError(f"--compare {scale}: no preset transformer_{scale}; pick a scale "
+                              "with presets (440m, 760m, 1.3b, 7b, 30b, cpu)")  # fmt: skip
+        base = count_model(load_config(f"transformer_{scale}"))
+        for arch in archs:
+            if f"{arch}_{scale}" not in presets:
+                continue
+            c = count_model(load_config(f"{arch}_{scale}"))
+            rows.append(
+                {
+                    "scale": scale,
+                    "arch": arch,
+                    "params": c.params_total,
+                    "params_ratio": c.params_total / base.params_total,
+                    "train_flops_per_token": c.train_flops_per_token,
+                    "flops_ratio": c.train_flops_per_token / base.train_flops_per_token,
+                }
+            )
+    return rows
+
+
 def main(argv: list[str] | None = None) -> int:
     """CLI entry; returns the exit status."""
     ap = argparse.ArgumentParser(prog="python -m tapered_megatron.models.summary")
@@ -34,7 +66,30 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--dtype-bytes", type=int, default=2, help="activation element size (2 bf16, 4 fp32)"
     )
+    ap.add_argument(
+        "--compare",
+        nargs="+",
+        metavar="SCALE",
+        help="the architectures' presets <arch>_<SCALE> side by side (params, FLOPs per token)",
+    )
     a, rest = ap.parse_known_args(argv)
+    if a.compare:
+        try:
+            rows = compare(a.compare)
+        except ConfigError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+        if a.json:
+            print(json.dumps(rows))
+            return 0
+        print(f"{'scale':>6} {'architecture':<16} {'params':>14} {'x transformer':>13} "
+              f"{'train FLOP/token':>16} {'x transformer':>13}")  # fmt: skip
+        for r in rows:
+            print(
+                f"{r['scale']:>6} {r['arch']:<16} {r['params']:>14,} {r['params_ratio']:>13.3f} "
+                f"{_fmt(r['train_flops_per_token']):>16} {r['flops_ratio']:>13.3f}"
+            )
+        return 0
     try:
         cfg = load_config(a.config, rest)
         counts = count_model(cfg, a.dtype_bytes)

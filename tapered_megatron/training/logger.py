@@ -150,11 +150,14 @@ class TrainLogger:
         stage_ms: list[float] | None = None,
         loss_scale: float | None = None,
         skipped_steps: int = 0,
+        diagnostics: dict[str, float] | None = None,
     ) -> dict[str, float]:
         """Log one interval ending at iteration ``it``; return the scalars (for tests/bench).
 
         ``loss_scale`` (fp16's dynamic scale) and ``skipped_steps`` (the run's optimizer steps
-        skipped so far: fp16 overflows, non-finite gradients) are logged when given / non-zero.
+        skipped so far: fp16 overflows, non-finite gradients) are logged when given / non-zero;
+        ``diagnostics`` (the model's, :func:`tapered_megatron.models.take_diagnostics`) when
+        given.
         """
         tps = tokens / max(seconds, 1e-9)
         tflops = self.flops_per_token * tps / self.world_size / 1e12
@@ -173,6 +176,7 @@ class TrainLogger:
             out["loss_scale"] = loss_scale
         if skipped_steps or loss_scale is not None:
             out["skipped_steps"] = skipped_steps
+        out.update(diagnostics or {})
         if self.rank != 0:
             return out
         scalars = {f"train/{k}": v for k, v in out.items()}
@@ -182,6 +186,7 @@ class TrainLogger:
         st = " | stages " + "/".join(f"{x:.0f}" for x in stage_ms) + " ms" if stage_ms else ""
         sc = f" | loss scale {loss_scale:g}" if loss_scale is not None else ""
         sk = f" | skipped {skipped_steps}" if "skipped_steps" in out else ""
+        sk += "".join(f" | {k} {v:.3f}" for k, v in (diagnostics or {}).items())
         self.print(
             f"iter {it:>6}/{self.cfg.train.iters} | loss {loss:.4f} | ppl {out['ppl']:.2f} | "
             f"lr {lr:.3e}{gn}{sc}{sk} | {tps:,.0f} tok/s | MFU {100 * out['mfu']:.1f}% | "

@@ -32,7 +32,13 @@ from torch import nn
 from tapered_megatron import checkpoint_layout as layout_files
 from tapered_megatron import parallel
 from tapered_megatron.config import Config, ConfigError
-from tapered_megatron.models import allow_layer_recompiles, build_model, count_model, lm_loss
+from tapered_megatron.models import (
+    allow_layer_recompiles,
+    build_model,
+    count_model,
+    lm_loss,
+    take_diagnostics,
+)
 from tapered_megatron.pipeline.clock import StageClock
 from tapered_megatron.training import checkpoint, optim, reshard
 from tapered_megatron.training.alignment import AlignmentProbe
@@ -363,9 +369,11 @@ class Trainer:
             if cadence.log(it):
                 stages = self._gather_stage_ms(window.iters) if self.pipeline else None
                 scale = self.engine.optimizer.loss_scale if self.engine.fp16_enabled() else None
+                diag = take_diagnostics(self.engine.module)  # this rank's modules, since the last
+                record.update(diag)
                 self.logger.train(
                     it, window.mean_loss, lr, gnorm, *window.take(), stages, scale,
-                    self.engine.skipped_steps,
+                    self.engine.skipped_steps, diag,
                 )  # fmt: skip
             if cadence.evaluate(it):
                 record.update(self._evaluate(it))

@@ -6,7 +6,10 @@ four architectures of Tapered Language Models (arXiv 2606.23670).
 :mod:`~.window` is the kernel (one fold window of an updating level, with its hand-written
 backward, and the choice of the window's length), :mod:`~.modules` the modules
 (:class:`CMSLevel`, :class:`ContinuumMemory`), the teach signal's first pass and the
-architecture's registration. Design and measurements: docs/memory_architectures.md.
+architecture's registration. Ours, beyond the paper: updates inside the sequence at period
+boundaries, normalised and clipped steps, and either the association rule (the default; one pass,
+any parallelism) or the final layer's error signal as every level's error (``hope.update teach``,
+what the presets use). Design and measurements: docs/memory_architectures.md.
 """
 
 from tapered_megatron.models.hope.modules import (

@@ -264,6 +264,8 @@ class ContinuumMemory(MLPSlot):
 
     With ``hope.update = teach`` the levels learn from ``self.teach_signal`` [B, S, d], which
     :func:`teach_pass` sets before the model's forward (without it the chain is static).
+    ``in_context = False`` makes every level static (its learned weights for the whole sequence;
+    the memory probe, :func:`tapered_megatron.models.base.in_context_memory`).
     ``record_updates = True`` makes each forward store, per level, the token positions at which
     that level's weights were updated (``self.last_updates``), for tests and diagnostics.
     """
@@ -280,6 +282,7 @@ class ContinuumMemory(MLPSlot):
             CMSLevel(cfg, layer, w, p) for w, p in zip(self.widths, h.periods)
         )
         self.teach_signal: torch.Tensor | None = None
+        self.in_context = True
         self.record_updates = False
         self.last_updates: list[list[int]] = []
 
@@ -324,7 +327,7 @@ class ContinuumMemory(MLPSlot):
                 f"hope teach signal of shape {tuple(teach.shape)} for input {tuple(u.shape)}: "
                 "it is set by teach_pass(model, input_ids) for this very input"
             )
-        active = self.update == "association" or teach is not None
+        active = self.in_context and (self.update == "association" or teach is not None)
         total = None
         self.last_updates = []
         for level in self.levels:

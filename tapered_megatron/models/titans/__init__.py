@@ -5,7 +5,9 @@ the sequence (Behrouz, Zhong, Mirrokni, "Titans: Learning to Memorize at Test Ti
 :mod:`~.scan` is the memory's kernel (the chunk-parallel scan and its hand-written backward),
 :mod:`~.ops` the fused autograd nodes around it, :mod:`~.attention` the sliding-window attention
 and :mod:`~.modules` the modules (:class:`NeuralMemory`, :class:`TitansMixer`) and the
-architecture's registration. Design and measurements: docs/memory_architectures.md.
+architecture's registration. Ours, beyond the paper's equations: chunk-start (mini-batch)
+gradients, a per-token clip of each memory gradient (``titans.memory_clip``), forgetting
+half-lives spread over heads at init. Design and measurements: docs/memory_architectures.md.
 """
 
 from tapered_megatron.models.titans.attention import window_attention, window_mask

@@ -57,7 +57,6 @@ if TYPE_CHECKING:
     from tapered_megatron.config import Config
 
 GATE_BIAS_INIT = {"theta": -3.0, "eta": 2.0}  # alpha: per head, see alpha_half_lives
-ALPHA_HALF_LIFE = (0.25, 16.0)  # initial forgetting half-lives, in windows, log-spaced over heads
 GATE_SPREAD_WIDTH = 512  # the gates' init std is held at its value for this width above it
 
 
@@ -72,11 +71,22 @@ class TitansOptions:
     conv_size: int = at_least(1, 4)  # short causal depthwise convolution on q, k, v
     window: int = at_least(1, 64)  # attention window (MAG / MAL); MAC: segment length
     persistent_tokens: int = at_least(0, 0)  # learned key/value pairs before every attention
+    # per-token clip of the memory gradient's Frobenius norm over all layers; 0: no clip
+    memory_clip: float = at_least(0.0, 1.0)
+    # initial forgetting half-lives of the first and last head, in windows (log-spaced between)
+    forget_half_lives: tuple[float, float] = (0.25, 16.0)
 
 
 def _validate(cfg: Config) -> None:
-    """Persistent tokens need an attention (not lmm); MAC segments start at chunk starts."""
+    """Persistent tokens need an attention (not lmm); MAC segments start at chunk starts;
+    forgetting half-lives positive, first <= last."""
     t = cfg.model.titans
+    lo, hi = t.forget_half_lives
+    if not 0 < lo <= hi:
+        raise ConfigError(
+            f"model.titans.forget_half_lives: {list(t.forget_half_lives)} must be two positive "
+            "numbers of windows, the first no larger than the second (e.g. 0.25 16)"
+        )
     if t.variant == "lmm" and t.persistent_tokens:
         raise ConfigError(
             "model.titans.persistent_tokens: variant lmm has no attention to prepend them to; "
@@ -109,10 +119,10 @@ def _uniform_fan_in(shape: tuple[int, ...], gen: torch.Generator) -> torch.Tenso
     return torch.empty(shape).uniform_(-bound, bound, generator=gen)
 
 
-def alpha_half_lives(heads: int, window: int) -> list[float]:
-    """Initial forgetting half-lives per head, in tokens: log-spaced from ``ALPHA_HALF_LIFE[0]``
-    to ``ALPHA_HALF_LIFE[1]`` windows (one head: their geometric mean)."""
-    lo, hi = (f * window for f in ALPHA_HALF_LIFE)
+def alpha_half_lives(heads: int, window: int, spread: tuple[float, float]) -> list[float]:
+    """Initial forgetting half-lives per head, in tokens: log-spaced from ``spread[0]`` to
+    ``spread[1]`` windows (``titans.forget_half_lives``; one head: their geometric mean)."""
+    lo, hi = (f * window for f in spread)
     if heads == 1:
         return [math.sqrt(lo * hi)]
     return [lo * (hi / lo) ** (h / (heads - 1)) for h in range(heads)]
@@ -128,9 +138,11 @@ def gate_std(init_std: float, d_model: int) -> float:
     return init_std * math.sqrt(min(d_model, GATE_SPREAD_WIDTH) / d_model)
 
 
-def gate_bias_init(heads: int, window: int) -> torch.Tensor:
-    """Full gate bias ``[theta (heads) | eta (heads) | alpha (heads)]`` (logits)."""
-    alpha = torch.tensor([1.0 - 2.0 ** (-1.0 / t) for t in alpha_half_lives(heads, window)])
+def gate_bias_init(heads: int, window: int, spread: tuple[float, float]) -> torch.Tensor:
+    """Full gate bias ``[theta (heads) | eta (heads) | alpha (heads)]`` (logits); ``spread``:
+    the forgetting half-lives' range in windows (:func:`alpha_half_lives`)."""
+    halves = alpha_half_lives(heads, window, spread)
+    alpha = torch.tensor([1.0 - 2.0 ** (-1.0 / t) for t in halves])
     return torch.cat(
         (
             torch.full((heads,), GATE_BIAS_INIT["theta"]),
@@ -168,6 +180,9 @@ class NeuralMemory(Recomputed, nn.Module):
     :meth:`segment` continues from a given state (MAC), :meth:`queries` gives read-only queries.
     Selective recompute runs the memory scan again in backward (its per-chunk states and
     intermediates are not kept).
+    ``in_context = False`` switches the memory rule off: every token reads the memory it starts
+    from (the learned weights ``M_0``), no update, no forgetting (the memory probe,
+    :func:`tapered_megatron.models.base.in_context_memory`).
     """
 
     def __init__(self, cfg) -> None:
@@ -175,7 +190,7 @@ class NeuralMemory(Recomputed, nn.Module):
         dm = _dims(cfg)
         t = cfg.model.titans
         std = cfg.model.init_std
-        self.dims, self.chunk_size = dm, t.chunk_size
+        self.dims, self.chunk_size, self.max_norm = dm, t.chunk_size, t.memory_clip
         self.compiled = cfg.train.compile
         self.selective_recompute = cfg.train.recompute == "selective"
         inner = dm.heads * dm.head_dim
@@ -189,12 +204,17 @@ class NeuralMemory(Recomputed, nn.Module):
         self.gates = ColumnParallelLinear(
             dm.d, 3 * dm.heads, std=gate_std(std, dm.d), out_blocks=(3, dm.heads), split_dim=1
         )
-        heads, window = dm.heads, t.window
-        self.gate_bias = _per_head((3 * heads,), fn=lambda s, g: gate_bias_init(heads, window))
+        heads, window, spread = dm.heads, t.window, t.forget_half_lives
+        self.gate_bias = _per_head(
+            (3 * heads,), fn=lambda s, g: gate_bias_init(heads, window, spread)
+        )
         mark_split(self.gate_bias, row_layout((3 * dm.heads,), (3, dm.heads), 1))
         self.memory = nn.ParameterList(
             _per_head((dm.heads, o, i), fn=_normal_fan_in) for o, i in dm.mem_layers
         )
+        self.in_context = True
+        # training forwards' per-token clip activity: [(clipped, counted)] (diagnostics())
+        self.clip_tally: list[torch.Tensor] = []
 
     def gate_values(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """theta, eta, alpha, each [B, H_local, S]."""
@@ -242,18 +262,32 @@ class NeuralMemory(Recomputed, nn.Module):
         """Learn from and read out ``x`` [B, S, d], continuing from ``state`` and conv ``tail``
         (None: the start of a sequence); returns the read-out [B, S, H, D], state and tail."""
         q, k, v, tail = self.project(x, tail)
+        if not self.in_context:
+            state = self.initial_state(x.dtype) if state is None else state
+            return mlp_read(state.weights, q).transpose(1, 2), state, tail
         theta, eta, alpha = self.gate_values(x)
+        tally, runs = (self.clip_tally if self.training else None), []
 
         def scan(*args: torch.Tensor) -> tuple[torch.Tensor, ...]:
+            runs.append(None)  # a recomputation in backward tallies nothing (the first run did)
             start = MemoryState(list(args[6:])) if len(args) > 6 else None
             y, end = memory_scan(
-                *args[:6], list(self.memory), self.chunk_size, start, self.compiled
-            )
+                *args[:6], list(self.memory), self.chunk_size, start, self.compiled,
+                tally if len(runs) == 1 else None, self.max_norm,
+            )  # fmt: skip
             return (y, *end.layers)
 
         start = [] if state is None else state.layers
         y, *layers = self.recomputed(scan, q, k, v, theta, eta, alpha, *start)
         return y.transpose(1, 2), MemoryState(layers), tail
+
+    def diagnostics(self) -> dict[str, torch.Tensor]:
+        """``memory_clip``: (tokens x heads whose memory gradient the per-token clip scaled
+        down, tokens x heads) over the training forwards since the last call, which resets it
+        (:func:`tapered_megatron.models.base.take_diagnostics`)."""
+        out = {"memory_clip": self.clip_tally[0]} if self.clip_tally else {}
+        self.clip_tally.clear()
+        return out
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.segment(x, None, None)[0]

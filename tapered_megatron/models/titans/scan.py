@@ -23,8 +23,9 @@ delta_i (a_i . x_t)``, two weight matmuls plus a causally masked ``b x b`` produ
 chunk's gradient factors (the dual form of TTT). At the chunk end ``M`` and ``S`` are
 materialised and carried to the next chunk; the loop over chunks is the scan.
 
-Each token's memory gradient is clipped to Frobenius norm ``MAX_GRAD_NORM`` over all layers
-(free here: ``||delta a^T|| = ||delta|| ||a||``), so the memory can only grow linearly. The state
+Each token's memory gradient is clipped to Frobenius norm ``max_norm`` over all layers
+(``MAX_GRAD_NORM`` unless ``model.titans.memory_clip`` says otherwise; 0: no clip; free here:
+``||delta a^T|| = ||delta|| ||a||``), so the memory can only grow linearly. The state
 and every product of the scan are fp32 (fp64 for fp64 inputs) whatever the activation dtype:
 the state accumulates small decays and updates over thousands of tokens. The backward
 (:class:`_Scan`) walks the chunks in reverse and carries the state's gradient by hand, which
@@ -129,6 +130,7 @@ def _chunk_forward(
     rates: torch.Tensor,
     ends: torch.Tensor,
     mix: torch.Tensor,
+    max_norm: float = MAX_GRAD_NORM,
 ) -> tuple[torch.Tensor, list[torch.Tensor], list[torch.Tensor]]:
     """One chunk of the scan, without autograd: read-out ``M_t(q_t)`` for its tokens, the
     chunk-end state, and what :func:`_chunk_backward` needs.
@@ -161,12 +163,15 @@ def _chunk_forward(
         deltas.append(dms[-1] * dsilu[layer - 1])
     deltas.reverse()
     dms.reverse()
-    # the per-token clip of the full gradient 2 delta a^T: theta_i min(1, 1 / ||.||), with
-    # the factor 2 folded in
+    # the per-token clip of the full gradient 2 delta a^T: theta_i min(1, max_norm / ||.||),
+    # with the factor 2 folded in (max_norm 0: no clip, the factor 2 alone)
     sq = k_sq * deltas[0].pow(2).sum(-1)
     for a, d in zip(acts[1:], deltas[1:]):
         sq = sq + a.pow(2).sum(-1) * d.pow(2).sum(-1)
-    rs = MAX_GRAD_NORM * torch.rsqrt(sq.clamp_min(MAX_GRAD_NORM**2 / 4))
+    if max_norm:
+        rs = max_norm * torch.rsqrt(sq.clamp_min(max_norm**2 / 4))
+    else:
+        rs = torch.full_like(sq, 2.0)
     th = theta * rs
     c = coef * th[..., None, :]
     zs, us, xsilu, scores = [zq], [], [], [qk]
@@ -211,6 +216,7 @@ def _chunk_backward(
     saved: list[torch.Tensor],
     gy: torch.Tensor,
     g_new: list[torch.Tensor],
+    max_norm: float = MAX_GRAD_NORM,
 ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """The gradients of one chunk of the scan (:func:`_chunk_forward`), written by hand.
 
@@ -279,7 +285,12 @@ def _chunk_backward(
     g_coef = gc * th[..., None, :]
     g_ends = gh * th[..., None]
     g_theta = g_th * rs
-    g_sq = torch.where(sq >= MAX_GRAD_NORM**2 / 4, g_th * theta * rs.pow(3) / (-2), 0.0)
+    if max_norm:
+        g_sq = torch.where(
+            sq >= max_norm**2 / 4, g_th * theta * rs.pow(3) / (-2 * max_norm**2), 0.0
+        )
+    else:
+        g_sq = torch.zeros_like(sq)
     g_k_sq = g_sq * deltas[0].pow(2).sum(-1)
     gd[0] = gd[0] + (2 * g_sq * k_sq)[..., None] * deltas[0]
     for layer in range(1, depth):
@@ -327,20 +338,25 @@ class _Scan(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, compiled: bool, *args: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    def forward(
+        ctx, compiled: bool, max_norm: float, clipped: list | None, *args: torch.Tensor
+    ) -> tuple[torch.Tensor, ...]:
         fwd = _compiled("forward") if compiled else _chunk_forward
         per_chunk, layers = args[:9], list(args[9:])
         keep = any(ctx.needs_input_grad)
         states, ys, saved = [layers], [], []
         for chunk in zip(*(t.unbind(2) for t in per_chunk)):
-            y, new, inner = fwd(states[-1], *chunk)
+            y, new, inner = fwd(states[-1], *chunk, max_norm)
             ys.append(y)
             if keep:
                 saved.extend(inner)
+            if clipped is not None and max_norm:  # tokens whose gradient the clip scaled down
+                clipped.append((inner[-3] > max_norm**2 / 4).sum())
             states.append(new)
         if keep:
             kq, _, _, k_sq, theta, coef, rates, ends, mix = per_chunk
-            ctx.compiled, ctx.sizes = compiled, (len(layers), len(saved) // len(ys))
+            ctx.compiled, ctx.max_norm = compiled, max_norm
+            ctx.sizes = (len(layers), len(saved) // len(ys))
             prior = [t for s in states[:-1] for t in s]
             ctx.save_for_backward(kq, k_sq, theta, coef, rates, ends, mix, *prior, *saved)
         return (torch.stack(ys, dim=2), *states[-1])
@@ -360,7 +376,7 @@ class _Scan(torch.autograd.Function):
             for c, g_y in zip(reversed(range(n)), reversed(gy.unbind(2))):
                 state = list(rest[c * depth : (c + 1) * depth])
                 inner = list(rest[n * depth + c * per : n * depth + (c + 1) * per])
-                g_state, g_inputs = bwd(state, *chunks[c], inner, g_y, g_state)
+                g_state, g_inputs = bwd(state, *chunks[c], inner, g_y, g_state, ctx.max_norm)
                 for acc, g in zip(grads, g_inputs):
                     acc.append(g)
         first = rest[:depth]
@@ -368,7 +384,7 @@ class _Scan(torch.autograd.Function):
             g.sum(0, keepdim=True) if s.shape[0] != g.shape[0] else g
             for g, s in zip(g_state, first)
         ]
-        return (None, *(torch.stack(acc[::-1], dim=2) for acc in grads), *g_init)
+        return (None, None, None, *(torch.stack(acc[::-1], dim=2) for acc in grads), *g_init)
 
 
 _COMPILED: dict[str, object] = {}
@@ -395,6 +411,8 @@ def memory_scan(
     chunk_size: int,
     state: MemoryState | None = None,
     compiled: bool = False,
+    clip_tally: list[torch.Tensor] | None = None,
+    max_norm: float = MAX_GRAD_NORM,
 ) -> tuple[torch.Tensor, MemoryState]:
     """Run the Titans memory over a sequence and read it out; chunk-parallel (see module doc).
 
@@ -407,6 +425,10 @@ def memory_scan(
         state: the memory to continue from (e.g. the previous MAC segment's final state).
         compiled: run each chunk through the compiled :func:`_chunk_forward` and
             :func:`_chunk_backward`.
+        clip_tally: where given, ``[t]`` with ``t`` = (tokens x heads whose gradient the
+            per-token clip scaled down, tokens x heads) so far, float64; this call's counts are
+            added (``[]``: started).
+        max_norm: the per-token clip's Frobenius norm (0: no clip).
 
     Returns:
         ``y`` [B, H, S, D] with ``y_t = M_t(q_t)`` (in q's dtype) and the state after the last
@@ -445,6 +467,12 @@ def memory_scan(
         rates = torch.stack((keep, mom), dim=-1)[..., None]
         ends = torch.stack((coef[..., -1, :], s_coef), dim=-1)
         mix = torch.stack((keep[..., -1], mom[..., -1], s_keep), dim=-1)
-        out = _Scan.apply(compiled, kq, vc, qk, k_sq, theta, coef, rates, ends, mix, *state.layers)
+        clipped = None if clip_tally is None else []
+        args = (kq, vc, qk, k_sq, theta, coef, rates, ends, mix, *state.layers)
+        out = _Scan.apply(compiled, max_norm, clipped, *args)
         y = out[0].reshape(bsz, heads, n * b, -1)[:, :, :seq]
+        if clipped is not None:
+            n_clip = sum(clipped) if clipped else q.new_zeros(())
+            counts = torch.stack((n_clip.double(), q.new_tensor(bsz * heads * seq).double()))
+            clip_tally[:] = [clip_tally[0] + counts if clip_tally else counts]
     return y.to(out_dtype), MemoryState(list(out[1:]))
