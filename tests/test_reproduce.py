@@ -659,13 +659,16 @@ def test_smoke_every_path_and_kill_rerun_gives_the_same_tables(tmp_path: Path) -
     a = _driver(tmp_path / "a")
     assert a.returncode == 0, a.stdout + a.stderr
     res_a = tmp_path / "a" / "report"
-    assert check_results(res_a) >= 4 + 16 + 12
+    assert check_results(res_a) >= 7 * 4 + 6 * 16 + 6 * 12
+    # (g) at both sizes, one seed each: a number in every cell, no "not run yet"
+    g = _tables((res_a / "RESULTS.md").read_text())["(g)"]
+    assert len(g) == 4 and all("(1 seed)" in c for row in g for c in row[2:]), g
     for png in ("a_controlled", "b_sweep", "c_archs", "d_curves"):
         assert (res_a / "results" / f"{png}.png").stat().st_size > 1000
     _start_and_kill_after(tmp_path / "b", 10)
     b = _driver(tmp_path / "b")
     assert b.returncode == 0, b.stdout + b.stderr
-    assert "runs already done" in b.stdout and "0 of 29 runs already done" not in b.stdout
+    assert "runs already done" in b.stdout and "0 of 35 runs already done" not in b.stdout
     assert _table_lines(tmp_path / "b" / "report" / "RESULTS.md") == _table_lines(
         res_a / "RESULTS.md"
     )
