@@ -194,7 +194,7 @@ def main(argv: list[str] | None = None) -> int:
 
     t0 = time.time()
     record = out / "command.json"  # what RESULTS.md shows: a subset rerun keeps the full one
-    if set(only) == set(grid.EXPERIMENTS) or not record.exists():
+    if set(only) == set(scale.experiments()) or not record.exists():
         record.write_text(json.dumps({"command": meta["command"]}))
     meta["command"] = json.loads(record.read_text())["command"]
     log(f"reproduce_tlm: {_command(argv)} | {len(runs)} runs, {jobs} at a time | out {out}")

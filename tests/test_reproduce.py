@@ -601,18 +601,20 @@ def _git_head() -> str:
     ).stdout.strip()
 
 
-def _trained_by(d: Path, commit: str | None, done: bool = True) -> None:
-    """Make ``d`` look like a run trained (``done``, else started) by ``commit`` (None: by a
-    driver that recorded nothing)."""
+def _trained_by(d: Path, commit: str | None, done: bool = True, env: dict | None = None) -> None:
+    """Make ``d`` look like a run trained (``done``, else started) by ``commit`` from a clean
+    tree, or by the code of ``env``; by a driver that recorded nothing when both are None."""
     (d / "checkpoints" / "global_step2").mkdir(parents=True)
     if done:
         (d / "done").write_text("{}")
-    if commit:
-        entry = {"commit": commit, "clean": True, "changes": None}
+    entry = {"commit": commit, "clean": True, "changes": None} if commit else env
+    if entry:
         (d / "provenance.json").write_text(json.dumps([entry]))
 
 
-def test_provenance_is_recorded_and_mixed_code_is_refused(tmp_path: Path) -> None:
+def test_provenance_is_recorded_and_mixed_code_is_refused(
+    tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
     from importlib import metadata
 
     env = provenance.environment(REPO)
@@ -622,27 +624,31 @@ def test_provenance_is_recorded_and_mixed_code_is_refused(tmp_path: Path) -> Non
     assert env["python"] == ".".join(map(str, sys.version_info[:3]))
     s = driver.Settings(tmp_path, grid.SCALES["cpu"], ["python"], env=env)
     seed2 = [grid.Run(grid.UNIFORM, 2)]
-    _trained_by(s.run_dir(grid.Run(grid.UNIFORM, 1)), env["commit"])
+    _trained_by(s.run_dir(grid.Run(grid.UNIFORM, 1)), None, env=env)  # this very code
     _trained_by(tmp_path / "runs" / "transformer-uniform-rev-s1", "0" * 40)  # another config
-    if env["clean"]:
-        assert driver.mixed_code_problem(s, seed2) is None
+    assert driver.mixed_code_problem(s, seed2) is None
     other = s.run_dir(grid.Run(grid.UNIFORM, 3))
     _trained_by(other, "0" * 40)
     problem = driver.mixed_code_problem(s, seed2)
-    assert "transformer-uniform has runs trained by code 000000000000 (clean)" in problem
+    assert problem.startswith("transformer-uniform has runs trained by code 000000000000 (clean),")
     assert "--allow-mixed-commits" in problem and "\n" not in problem
     s_mixed = driver.Settings(tmp_path, s.scale, s.launcher, env=env, allow_mixed_commits=True)
     assert driver.mixed_code_problem(s_mixed, seed2) is None
     # a run of the old driver (nothing recorded) counts as another code version
     (other / "provenance.json").unlink()
-    assert "not recorded" in driver.mixed_code_problem(s, seed2)
+    assert "code not recorded," in driver.mixed_code_problem(s, seed2)
     # a run whose checkpoints another code wrote is not resumed by this one
     cos = grid.Run(grid.Variant("transformer", "cosine", (1.5, 0.5)), 1)
     _trained_by(s.run_dir(cos), "1" * 40, done=False)
     assert "111111111111" in driver.mixed_code_problem(s, [cos])
-    p = _driver(tmp_path, "--only", "alignment", "--jobs", "1")
-    assert p.returncode == 2 and len(p.stderr.splitlines()) == 1, p.stderr
-    assert "--allow-mixed-commits" in p.stderr and "111111111111" in p.stderr
+    # the driver's command line: one line, before anything is trained
+    spec = importlib.util.spec_from_file_location("reproduce_tlm", SCRIPT)
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    assert script.main(["--smoke", "--out", str(tmp_path), "--only", "alignment"]) == 2
+    err = capsys.readouterr().err
+    assert len(err.splitlines()) == 1 and "--allow-mixed-commits" in err and "111111111111" in err
+    assert not (tmp_path / "driver.log").exists()
 
 
 def test_a_run_dir_of_another_command_is_refused(tmp_path: Path) -> None:

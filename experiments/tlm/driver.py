@@ -11,7 +11,8 @@ Each run lives in ``<out>/runs/<run>/``::
     checkpoints/    ``train.save_dir`` (the final checkpoint is what evaluation loads)
     train.log       the job's output
     done            written after the job exits 0 with a final ``val_loss``: the run is skipped
-    alignment.json  / zeroshot/zeroshot.json: evaluation results, skipped when present
+    alignment.json  / zeroshot/zeroshot.json: evaluation results, skipped when present (a
+                    zero-shot result of another item limit is redone)
 
 A killed run restarts with ``--resume auto`` (newest complete checkpoint, else a fresh start).
 """
@@ -251,6 +252,10 @@ def evaluate_run(settings: Settings, run: Run, phase: str, log: Callable[[str], 
         args += (["--limit", "8"] if settings.smoke else []) + ["--output", str(d / "zeroshot")]
     else:
         raise ValueError(f"unknown evaluation phase {phase!r}")
+    if phase == "zeroshot" and target.exists():
+        limit = json.loads(target.read_text()).get("limit")
+        if limit != (8 if settings.smoke else None):  # evaluated on other items: again
+            target.unlink()
     if target.exists():
         return "skipped"
     env = settings.job_env()
