@@ -124,6 +124,19 @@ def reading(
             else:
                 text += "; they share the uniform runs, so this count is not a test"
             out.append(text + ".")
+    if "archs" in only or "scale" in only:
+        lines = []
+        for a in grid.SCALE_ARCHS:
+            small = [v for v in grid.scale_variants("") if v.arch == a]
+            large = [v for v in grid.scale_variants(grid.SECOND) if v.arch == a]
+            for i, what in ((1, "cosine 1.5/0.5"), (2, "reverse")):
+                d1, d2 = (ppl_diffs(by, vs[i], vs[0]) for vs in (small, large))
+                if d1.n or d2.n:
+                    second = direction(d2) if d2.n else "not run yet"
+                    lines.append(f"  - {a}, {what}: {direction(d1)} / {second}.")
+        if lines:
+            out.append("- (g) Scale, Δ perplexity vs uniform at the first size / the second:")
+            out += lines
     if "alignment" in only:
         for v in grid.experiment_variants("alignment"):
             rb = rho_stats(by, v, "rho_block")
