@@ -241,7 +241,7 @@ def _widths(recs: list[dict], variant: str) -> str:
 
 
 def _numbers(text: str) -> list[str]:
-    return re.findall(r"[+-]?\d+\.\d+", text)
+    return re.findall(r"[+-]?\d+\.\d+(?![\w.])", text)  # not the paper's "1.3B"
 
 
 def _task_chance() -> dict[str, tuple[int, float]]:

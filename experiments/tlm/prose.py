@@ -36,6 +36,8 @@ def verdict(d: Stat, expect_negative: bool) -> str:
 
 
 def _diff_text(d: Stat) -> str:
+    if d.n < 2:
+        return f"Δ {signed(d.mean)} ppl"
     return f"Δ {signed(d.mean)} ppl, 95 % CI {ci_text(d)}, p {p_text(d.p)}"
 
 
