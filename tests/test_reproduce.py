@@ -674,7 +674,7 @@ def test_smoke_every_path_and_kill_rerun_gives_the_same_tables(tmp_path: Path) -
     _start_and_kill_after(tmp_path / "b", 10)
     b = _driver(tmp_path / "b")
     assert b.returncode == 0, b.stdout + b.stderr
-    assert "runs already done" in b.stdout and "0 of 35 runs already done" not in b.stdout
+    assert "runs already done" in b.stdout and "training: 0 of 35 runs" not in b.stdout
     assert _table_lines(tmp_path / "b" / "report" / "RESULTS.md") == _table_lines(
         res_a / "RESULTS.md"
     )
