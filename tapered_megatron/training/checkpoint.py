@@ -36,6 +36,7 @@ from tapered_megatron.checkpoint_layout import (
     TAPER_PLAN,
     complete_tags,
     digests,
+    entries_problem,
     is_complete,
     is_tag,
     latest_problem,
@@ -365,6 +366,9 @@ def _checked_problem(tag: str, _stamp: tuple) -> str | None:
     """:func:`checkpoint_problem` of the tag directory ``tag`` (``_stamp``: its files' names,
     sizes and mtimes, the key that makes a changed tag be checked again)."""
     tag_dir = Path(tag)
+    why = entries_problem(tag_dir)  # before any file is read: all inside the tag
+    if why is not None:
+        return why
     try:
         safe_load.verify_tag(tag_dir)
     except safe_load.UnsafeFileError as e:
