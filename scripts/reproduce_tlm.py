@@ -7,13 +7,15 @@
 
 Experiments (the paper's, arXiv 2606.23670): (a) ``controlled`` uniform vs
 wider-early/middle/late thirds, (b) ``sweep`` cosine/linear/sigmoid x five ratio pairs,
-(c) ``archs`` four architectures x
-{uniform, cosine 1.5/0.5, reverse}, with (d) validation curves of all of them, (e) ``alignment``
-(rho_block / rho_mlp of the uniform and tapered Transformer) and (f) zero-shot scores of the
-(c) models. Each run is an ordinary ``pretrain/main.py`` job under ``--launcher``; finished runs
-and evaluations are skipped, so the command can be killed and rerun. At the end it copies each
-run's metrics to ``docs/results/runs/<run>/metrics.json`` and writes ``docs/RESULTS.md`` and the
-plots under ``docs/results/`` from those files alone.
+(c) ``archs`` four architectures x {uniform, cosine 1.5/0.5, reverse}, with (d) validation
+curves of all of them, (e) ``alignment`` (rho_block / rho_mlp of the uniform and tapered
+Transformer) and (f) zero-shot scores of the (c) models; and (g) ``scale``: the (c) comparisons
+of the Transformer and Titans again at a second, larger size (cpu scale). ``--headline-seeds``
+gives (c) and (g) more seeds than the rest. Each run is an ordinary ``pretrain/main.py`` job
+under ``--launcher``; finished runs and evaluations are skipped, so the command can be killed and
+rerun. A configuration's runs are trained by one code version (``--allow-mixed-commits`` lets
+them mix). At the end it copies each run's metrics to ``docs/results/runs/<run>/metrics.json``
+and writes ``docs/RESULTS.md`` and the plots under ``docs/results/`` from those files alone.
 
 On a machine without a GPU, scales ``440m`` and up print the launch plan and its cost (GPU-hours
 from the planner) and write the tables' structure instead of running.
@@ -26,7 +28,6 @@ import fcntl
 import importlib.util
 import json
 import os
-import platform
 import shlex
 import signal
 import sys
@@ -36,7 +37,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from experiments.tlm import driver, gpu_plan, grid, records, report
+from experiments.tlm import driver, gpu_plan, grid, provenance, records, report
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -46,11 +47,23 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--tokenizer-model", default="", help="tokenizer of --data-path")
     ap.add_argument("--scale", default="cpu", choices=sorted(grid.SCALES))
     ap.add_argument("--seeds", type=int, default=3, help="seeds per configuration (default 3)")
+    ap.add_argument(
+        "--headline-seeds",
+        type=int,
+        default=0,
+        help="seeds of the (c) archs and (g) scale configurations (default: --seeds)",
+    )
     ap.add_argument("--out", default="runs/tlm", help="where runs live (default runs/tlm)")
     ap.add_argument(
         "--only",
-        default=",".join(grid.EXPERIMENTS),
-        help="comma-separated subset of " + ",".join(grid.EXPERIMENTS),
+        default="",
+        help="comma-separated subset of " + ",".join(grid.EXPERIMENTS) + " (default: all the "
+        "scale has; scale needs a second size, which the cpu scale has)",
+    )
+    ap.add_argument(
+        "--allow-mixed-commits",
+        action="store_true",
+        help="train a configuration whose other runs were trained by other code",
     )
     ap.add_argument("--smoke", action="store_true", help="1 seed, tiny shapes, a few iterations")
     ap.add_argument(
@@ -91,16 +104,19 @@ def _fail(msg: str) -> int:
 def main(argv: list[str] | None = None) -> int:
     """Run (or plan) the experiments; return the exit code."""
     a = parse_args(argv)
-    only = [x.strip() for x in a.only.split(",") if x.strip()]
-    bad = [x for x in only if x not in grid.EXPERIMENTS]
-    if bad or not only:
-        return _fail(f"--only {a.only!r}: choose from {','.join(grid.EXPERIMENTS)}")
-    if a.seeds < 1:
-        return _fail(f"--seeds {a.seeds}: need at least 1")
+    scale = grid.SCALES[a.scale]
+    only = [x.strip() for x in a.only.split(",") if x.strip()] or list(scale.experiments())
+    bad = [x for x in only if x not in scale.experiments()]
+    if bad:
+        return _fail(
+            f"--only {a.only!r}: choose from {','.join(scale.experiments())} (scale {scale.name})"
+        )
+    if a.seeds < 1 or a.headline_seeds < 0:
+        return _fail(f"--seeds {a.seeds} / --headline-seeds {a.headline_seeds}: need at least 1")
     if bool(a.data_path) != bool(a.tokenizer_model):
         return _fail("--data-path and --tokenizer-model go together; give both or neither")
     seeds = 1 if a.smoke else a.seeds
-    scale = grid.SCALES[a.scale]
+    headline_seeds = 1 if a.smoke else (a.headline_seeds or a.seeds)
     out = Path(a.out).resolve()
     vocab = 0
     if a.tokenizer_model:
@@ -124,16 +140,25 @@ def main(argv: list[str] | None = None) -> int:
         vocab_size=vocab,
         smoke=a.smoke,
         threads=max(1, cores // jobs) if plain and scale.name == "cpu" else 0,
+        env=provenance.environment(driver.REPO),
+        allow_mixed_commits=a.allow_mixed_commits,
     )
-    runs = grid.plan_runs(only, seeds)
+    runs = grid.plan_runs(only, seeds, headline_seeds)
+    if not a.report_only and not (scale.gpu and not _has_gpu()):
+        problem = driver.mixed_code_problem(settings, runs)
+        if problem:
+            return _fail(problem)
     default_run = scale.name == "cpu" and not a.smoke and not a.data_path
     results = Path(a.results_dir or (driver.REPO / "docs" if default_run else out / "report"))
     meta = {
         "command": _command(argv),
-        "machine": _machine(),
+        "machine": provenance.versions_label(settings.env),
         "date": datetime.now(timezone.utc).strftime("%Y-%m-%d"),
         "scale": scale.name,
         "seeds": seeds,
+        "headline_seeds": headline_seeds,
+        "second_size": _second_size(settings),
+        "zeroshot_tasks": records.zeroshot_tasks_info(),
         "smoke": a.smoke,
         "only": only,
         "runs_planned": len(runs),
@@ -169,7 +194,7 @@ def main(argv: list[str] | None = None) -> int:
 
     t0 = time.time()
     record = out / "command.json"  # what RESULTS.md shows: a subset rerun keeps the full one
-    if set(only) == set(grid.EXPERIMENTS) or not record.exists():
+    if set(only) == set(scale.experiments()) or not record.exists():
         record.write_text(json.dumps({"command": meta["command"]}))
     meta["command"] = json.loads(record.read_text())["command"]
     log(f"reproduce_tlm: {_command(argv)} | {len(runs)} runs, {jobs} at a time | out {out}")
@@ -230,12 +255,20 @@ def _total_wall(out: Path, this_s: float) -> float:
     return round(sum(past), 1)
 
 
-def _machine() -> str:
-    import torch
+def _second_size(settings: driver.Settings) -> str:
+    """The (g) second size in words, from its resolved config ("" where the scale has none)."""
+    if not settings.scale.second_size:
+        return ""
+    from tapered_megatron.config import load_config
 
+    v = grid.Variant(size=grid.SECOND)
+    over = [*settings.scale.overrides, *grid.shape_overrides(v, settings.scale, settings.smoke)]
+    cfg = load_config(settings.scale.presets["transformer"], over)
+    batch = cfg.train.global_batch_size or cfg.train.micro_batch_size
+    tokens = cfg.train.iters * batch * cfg.model.seq_len
     return (
-        f"{os.cpu_count()}-core {platform.machine()} {platform.system()}, torch {torch.__version__}"
-        + (f", {torch.cuda.get_device_name(0)}" if torch.cuda.is_available() else "")
+        f"d_model {cfg.model.d_model}, {cfg.model.layers} layers, {cfg.model.heads} heads, "
+        f"baseline d_ff {cfg.model.d_ff}; {cfg.train.iters} iterations = {tokens:,} tokens per run"
     )
 
 

@@ -26,7 +26,7 @@ import hashlib
 import json
 import os
 import re
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import Any
 
 COMPLETE = "complete"
@@ -186,15 +186,37 @@ def saved_bytes(save_dir: Path) -> int | None:
     return sum(int(size) for size, _ in files.values()) if files else None
 
 
+def entries_problem(tag_dir: Path, record: str = COMPLETE) -> str | None:
+    """Why the manifest in ``record`` names something other than ``[size, sha256]`` of a file
+    inside ``tag_dir`` (one line), or None; reads no listed file. Each name must be a plain
+    relative path (no ``..``, not absolute) that stays inside ``tag_dir`` once symlinks are
+    resolved, so checking a received manifest never reads a file elsewhere."""
+    root = tag_dir.resolve()
+    for name, entry in (manifest(tag_dir, record) or {}).items():
+        valid = isinstance(entry, list) and len(entry) == 2
+        if not (valid and type(entry[0]) is int and isinstance(entry[1], str)):
+            return f"{tag_dir / record}: lists {name!r} as {entry!r:.60}, not [size, sha256]"
+        rel = PurePosixPath(name)
+        plain = bool(name) and not rel.is_absolute() and str(rel) == name
+        if not (plain and ".." not in rel.parts and (root / name).resolve().is_relative_to(root)):
+            return f"{tag_dir / record}: lists {name!r}, not a file inside {tag_dir}"
+    return None
+
+
 def manifest_problem(
     tag_dir: Path, names: list[str] | None = None, hashes: bool = True, record: str = COMPLETE
 ) -> str | None:
-    """What in ``tag_dir`` differs from its manifest in ``record`` (one line), or None: a listed
-    file missing or of another size, or (``hashes``) of another sha256 (streamed); ``names``
-    limits the check to those files. A directory without a manifest has nothing to check."""
+    """What in ``tag_dir`` differs from its manifest in ``record`` (one line), or None: an entry
+    naming anything but a file inside ``tag_dir`` (:func:`entries_problem`, before any file is
+    read), a listed file missing or of another size, or (``hashes``) of another sha256
+    (streamed); ``names`` limits the size and hash checks to those files. A directory without a
+    manifest has nothing to check."""
     files = manifest(tag_dir, record)
     if files is None:
         return None
+    why = entries_problem(tag_dir, record)
+    if why is not None:
+        return why
     names = list(files if names is None else names)
     for name in names:
         size = files[name][0]

@@ -1,7 +1,8 @@
 /* A full disk under one directory, for tests: LD_PRELOAD this library and every write(2),
  * pwrite(2) or writev(2) to a file under $DISK_FULL_DIR fails with ENOSPC once the process has
- * written $DISK_FULL_AFTER bytes there. Python's file objects and torch.save's C++ streams both
- * write through these calls, so the code under test meets the error where a real disk gives it.
+ * written $DISK_FULL_AFTER bytes there (only in the process whose $RANK is $DISK_FULL_RANK, when
+ * that is set). Python's file objects and torch.save's C++ streams both write through these
+ * calls, so the code under test meets the error where a real disk gives it.
  * Build: cc -shared -fPIC -o disk_full.so disk_full.c -ldl */
 #define _GNU_SOURCE
 #include <dlfcn.h>
@@ -18,8 +19,10 @@ static long long written;
 /* 1 if a write of count bytes to fd may go ahead (counted), 0 if it fails with ENOSPC. */
 static int room(int fd, size_t count) {
     const char *dir = getenv("DISK_FULL_DIR"), *after = getenv("DISK_FULL_AFTER");
+    const char *only = getenv("DISK_FULL_RANK"), *rank = getenv("RANK");
     char link[64], path[4096];
     if (!dir || !after) return 1;
+    if (only && (!rank || strcmp(only, rank) != 0)) return 1;
     snprintf(link, sizeof link, "/proc/self/fd/%d", fd);
     ssize_t n = readlink(link, path, sizeof path - 1);
     if (n < 0) return 1;

@@ -323,6 +323,46 @@ def test_a_full_disk_inside_a_real_save_ends_in_one_line_and_keeps_latest(
     assert (ckpt / "latest").read_text() == "global_step10"
 
 
+@pytest.mark.slow
+def test_a_full_disk_on_one_rank_ends_every_rank_promptly_in_one_line(
+    corpus, disk_full_library, tmp_path
+):
+    """Two ranks; only rank 1's writes into global_step4 fail with ENOSPC (inside DeepSpeed's
+    save of its optimizer states): both ranks end at once (well inside the heartbeat's window and
+    the collective timeout) with exit code 1 and one line naming the directory, the failing
+    rank and the bytes a checkpoint needs; global_step4 is gone and ``latest`` still names
+    global_step2."""
+    from tapered_megatron.checkpoint_layout import saved_bytes
+    from tapered_megatron.training.checkpoint import size_text
+
+    ckpt = tmp_path / "ckpt"
+    env = {"LD_PRELOAD": str(disk_full_library), "DISK_FULL_DIR": str(ckpt / "global_step4")}
+    env.update(DISK_FULL_AFTER="0", DISK_FULL_RANK="1")
+    extra = ["--train.save_interval", "2", "--train.exit_interval", "4", "--eval.interval", "0"]
+    procs = start(corpus, tmp_path, extra, env, n=2)
+    deadline = time.time() + 240
+    while not (ckpt / "global_step4").exists() and time.time() < deadline:
+        if any(p.poll() is not None for p in procs):  # the save began and one rank ended
+            break
+        time.sleep(0.05)
+    saving = time.time()
+    rc, log = finish(procs, tmp_path)
+    took = time.time() - saving
+    assert rc == [1, 1], log[-3000:]
+    assert took < 10, (took, log[-3000:])
+    errors = [line for line in log.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "Traceback" not in log, log[-3000:]
+    need = saved_bytes(ckpt)
+    assert errors[0].startswith(
+        f"error: {ckpt}: writing checkpoint global_step4 failed (rank 1: "
+    ), errors
+    assert f"a checkpoint needs about {size_text(need)}" in errors[0], errors
+    assert "latest still names global_step2" in errors[0], errors
+    assert sorted(p.name for p in ckpt.glob("global_step*")) == ["global_step2"]
+    assert sorted(p.name for p in ckpt.glob("*latest*")) == ["latest"]
+    assert (ckpt / "latest").read_text() == "global_step2"
+
+
 def _start_dp2(corpus: str, out: Path, extra: list[str]) -> list:
     port = str(free_port())
     procs = []

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -20,7 +21,7 @@ import torch
 import yaml
 from launch_helpers import MAIN, ROOT, common_args, job_env, popen_job, reseal
 
-from tapered_megatron.checkpoint_layout import write_manifest
+from tapered_megatron.checkpoint_layout import file_digest, write_manifest
 from tapered_megatron.export.__main__ import main as export_main
 
 pytestmark = pytest.mark.distributed
@@ -219,6 +220,90 @@ def test_overwritten_bytes_in_an_exported_shard_are_refused_by_our_loaders(
         load_model(model=out)
     with pytest.raises(ValueError, match=f"{shard.name}: sha256 differs"):
         transformers.AutoModelForCausalLM.from_pretrained(out, trust_remote_code=True)
+
+
+OUTSIDE = ("relative", "absolute", "symlink")
+
+
+def list_outside(folder: Path, record: str, kind: str, listed: str, outside: Path) -> str:
+    """Make the manifest in ``folder / record`` name a file outside ``folder``, with that
+    file's true size and sha256 (what a sender can write): ``relative`` (``../…``) or
+    ``absolute``, a path to a copy of ``folder / listed`` at ``outside``; ``symlink``,
+    ``listed`` itself replaced by a link to that copy. Returns the entry's name."""
+    shutil.copyfile(folder / listed, outside)
+    name = listed
+    if kind == "symlink":
+        (folder / listed).unlink()
+        (folder / listed).symlink_to(outside)
+    else:
+        name = os.path.relpath(outside, folder) if kind == "relative" else str(outside)
+    marker = json.loads((folder / record).read_text())
+    marker["files"][name] = file_digest(outside)
+    (folder / record).write_text(json.dumps(marker))
+    return name
+
+
+def test_a_checkpoint_manifest_naming_a_file_outside_is_passed_over(
+    corpus, trained, tmp_path, capsys
+):
+    """A ``complete`` whose manifest lists ``../…``, an absolute path or a symlink leading out
+    of the tag (each with the outside file's true digest): the tag is not complete, so
+    ``--resume auto`` falls back to global_step2 with a note (a real run for the symlink,
+    :func:`find_resume` for each) and export refuses it in one line."""
+    from tapered_megatron.config import load_config
+    from tapered_megatron.training.checkpoint import find_resume
+
+    for kind in OUTSIDE:
+        run_dir = copy_run(trained, tmp_path / kind, ("global_step2", "global_step4"))
+        ckpt = run_dir / "ckpt"
+        tag4 = ckpt / "global_step4"
+        name = list_outside(
+            tag4, "complete", kind, "mp_rank_00_model_states.pt", tmp_path / kind / "x.pt"
+        )
+        assert export_main(["--checkpoint", str(ckpt), "--out", str(tmp_path / "x")]) == 2
+        lines = capsys.readouterr().err.strip().splitlines()
+        assert len(lines) == 1 and f"lists {name!r}, not a file inside {tag4}" in lines[0], lines
+        notes: list[str] = []
+        cfg = load_config("quickstart", ["--train.save_dir", str(ckpt), "--train.resume", "auto"])
+        assert find_resume(cfg, notes.append) == (ckpt, "global_step2"), kind
+        assert len(notes) == 1 and f"lists {name!r}, not a file inside" in notes[0], notes
+    rc, log = run(corpus, run_dir, RESUME)
+    assert rc == 0, log[-3000:]
+    notes = [line for line in log.splitlines() if "resuming from the older" in line]
+    assert len(notes) == 1 and "not a file inside" in notes[0], log[-3000:]
+    assert f"resumed from {ckpt / 'global_step2'} at iteration 2" in log
+
+
+def test_an_export_manifest_naming_a_file_outside_is_refused(trained, tmp_path, capsys):
+    """An export whose ``manifest.json`` lists ``../…``, an absolute path or a symlink leading
+    out of it (with the outside file's true digest), or an entry that is not [size, sha256]:
+    generate, ``load_model`` and ``from_pretrained`` refuse it in one line."""
+    import transformers
+
+    from tapered_megatron.export.load import ExportError, load_model
+    from tapered_megatron.generate import main as generate_main
+
+    written = tmp_path / "export"
+    assert export_main(["--checkpoint", str(trained / "ckpt"), "--out", str(written)]) == 0
+    for kind in OUTSIDE:
+        out = tmp_path / kind / "export"
+        shutil.copytree(written, out)
+        name = list_outside(out, "manifest.json", kind, "config.json", tmp_path / kind / "c.json")
+        why = f"lists {name!r}, not a file inside {out}"
+        capsys.readouterr()
+        args = ["--model", str(out), "--prompt", "1 2 3", "--max-new-tokens", "2"]
+        assert generate_main(args) == 2, kind
+        lines = capsys.readouterr().err.strip().splitlines()
+        assert len(lines) == 1 and why in lines[0] and "refused" in lines[0], lines
+        with pytest.raises(ExportError, match=re.escape(why)):
+            load_model(model=out)
+        with pytest.raises(ValueError, match=re.escape(why)):
+            transformers.AutoModelForCausalLM.from_pretrained(out, trust_remote_code=True)
+    manifest = json.loads((written / "manifest.json").read_text())
+    manifest["files"]["config.json"] = "x"  # an entry that is not [size, sha256]
+    (written / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(ExportError, match=re.escape("lists 'config.json' as 'x', not [size")):
+        load_model(model=written)
 
 
 def test_a_plugin_named_by_a_saved_config_is_never_imported(corpus, trained, tmp_path, capsys):

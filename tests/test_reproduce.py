@@ -7,6 +7,7 @@ import itertools
 import json
 import math
 import os
+import re
 import signal
 import statistics
 import subprocess
@@ -15,8 +16,9 @@ import time
 from pathlib import Path
 
 import pytest
+from scipy import stats as scipy_stats
 
-from experiments.tlm import driver, grid, prose, records, report, stats
+from experiments.tlm import driver, grid, prose, provenance, records, report, stats
 from tapered_megatron.config import load_config
 
 REPO = Path(__file__).resolve().parents[1]
@@ -25,31 +27,41 @@ DOCS = REPO / "docs"
 
 
 # ----------------------------------------------------------------------------- statistics
-def test_seed_statistics_and_paired_comparison() -> None:
+def test_paired_interval_and_p_match_scipy() -> None:
     base = stats.Stat({1: 10.0, 2: 12.0, 3: 11.0})
     assert base.mean == pytest.approx(11.0) and base.std == pytest.approx(1.0)
     noisy = stats.Paired(stats.Stat({1: 9.0, 2: 11.5, 3: 10.0}), base)
-    assert noisy.diffs.values == pytest.approx({1: -1.0, 2: -0.5, 3: -1.0})
-    assert noisy.diffs.mean == pytest.approx(-5 / 6)
-    assert noisy.diffs.std == pytest.approx(statistics.stdev([-1.0, -0.5, -1.0]))
-    # |-0.83| is below the configuration's own seed std (1.26): not beyond the spread
-    assert noisy.spread == pytest.approx(statistics.stdev([9.0, 11.5, 10.0]))
-    assert noisy.exceeds == "no"
-    shifted = stats.Paired(stats.Stat({s: v - 3 for s, v in base.values.items()}), base)
-    assert shifted.diffs.std == pytest.approx(0.0) and shifted.exceeds == "yes"
-    # only seeds both sides have are paired; one seed has no spread
-    one = stats.Paired(stats.Stat({1: 9.0, 4: 1.0}), base)
-    assert one.diffs.values == {1: -1.0} and one.exceeds == "n/a"
-    assert stats.pm(base) == "11.00 ± 1.00" and stats.signed_pm(noisy.diffs) == "-0.83 ± 0.29"
+    d = noisy.diffs
+    assert d.values == pytest.approx({1: -1.0, 2: -0.5, 3: -1.0})
+    ref = scipy_stats.ttest_1samp([-1.0, -0.5, -1.0], 0.0)
+    lo, hi = ref.confidence_interval(0.95)
+    assert d.interval == pytest.approx((lo, hi), abs=1e-9) and d.p == pytest.approx(ref.pvalue)
+    for df in (1, 2, 3, 4, 7, 10, 29):
+        assert stats.t_quantile_975(df) == pytest.approx(scipy_stats.t.ppf(0.975, df), abs=1e-9)
+        for t in (0.3, 1.7, 4.0, 12.0):
+            assert stats.t_two_sided_p(t, df) == pytest.approx(2 * scipy_stats.t.sf(t, df))
+    # only seeds both sides have are paired; one seed has no interval
+    one = stats.Paired(stats.Stat({1: 9.0, 4: 1.0}), base).diffs
+    assert one.values == {1: -1.0} and one.interval is None and one.p is None
+    k, n = 54, 200
+    w = scipy_stats.binomtest(k, n).proportion_ci(0.95, method="wilson")
+    assert stats.wilson(k / n, n) == pytest.approx((w.low, w.high))
+    assert stats.sign_test_p(10, 12) == pytest.approx(scipy_stats.binomtest(10, 12).pvalue)
+    assert stats.sign_test_p(15, 15) == pytest.approx(scipy_stats.binomtest(15, 15).pvalue)
 
 
-def test_verdict_wording_follows_sign_and_spread() -> None:
-    base = stats.Stat({1: 10.0, 2: 10.5})
-    better = stats.Paired(stats.Stat({1: 8.0, 2: 8.5}), base)
-    assert prose.verdict(better, expect_negative=True) == "held, beyond the seed spread"
-    assert prose.verdict(better, expect_negative=False).startswith("did not hold: the opposite")
-    close = stats.Paired(stats.Stat({1: 9.9, 2: 10.6}), base)
-    assert "within the seed spread" in prose.verdict(close, expect_negative=True)
+def test_reading_words_follow_the_interval() -> None:
+    base = stats.Stat({1: 10.0, 2: 10.5, 3: 10.2})
+    better = stats.Paired(stats.Stat({1: 8.0, 2: 8.6, 3: 8.1}), base).diffs
+    assert stats.direction(better) == "lower, interval excludes 0"
+    assert prose.verdict(better, expect_negative=True).startswith("in the paper's direction")
+    assert prose.verdict(better, expect_negative=False).startswith("not the paper's direction")
+    # the mean is lower, and larger than every std, but the interval crosses 0
+    close = stats.Paired(stats.Stat({1: 9.0, 2: 10.6, 3: 9.3}), base).diffs
+    assert close.mean < 0 and close.interval[0] < 0 < close.interval[1]
+    assert stats.direction(close) == "lower in the mean, interval includes 0"
+    worse = stats.Paired(stats.Stat({1: 12.0, 2: 12.4, 3: 12.3}), base).diffs
+    assert stats.direction(worse) == "higher, interval excludes 0"
 
 
 # ----------------------------------------------------------------------------- matrix
@@ -57,9 +69,19 @@ def test_matrix_dedupes_shared_configurations() -> None:
     runs = grid.plan_runs(grid.EXPERIMENTS, 3)
     variants = {r.variant for r in runs}
     # 4 controlled + 15 swept + 10 new in (c) (transformer uniform and cosine 1.5/0.5 shared)
-    assert len(variants) == 29 and len(runs) == 87
-    assert len({r.name for r in runs}) == 87
-    assert [r.seed for r in runs[:29]] == [1] * 29  # seed-major: complete tables appear early
+    # + 6 of (g) at the second size (its first size is (c)'s)
+    assert len(variants) == 35 and len(runs) == 105
+    assert len({r.name for r in runs}) == 105
+    assert [r.seed for r in runs[:35]] == [1] * 35  # seed-major: complete tables appear early
+    assert sum(v.size == grid.SECOND for v in variants) == 6
+    # the headline comparisons, (c) and (g), at 5 seeds; the rest (and the shared uniform and
+    # cosine 1.5/0.5 Transformer at the most any of its experiments asks)
+    five = grid.plan_runs(grid.EXPERIMENTS, 3, headline_seeds=5)
+    seeds = {v: max(r.seed for r in five if r.variant == v) for v in variants}
+    headline = {*grid.experiment_variants("archs"), *grid.experiment_variants("scale")}
+    assert {v for v, n in seeds.items() if n == 5} == headline and len(headline) == 18
+    assert all(n == 3 for v, n in seeds.items() if v not in headline)
+    assert len(five) == 18 * 5 + 17 * 3
     assert grid.Variant("transformer", "cosine", (1.5, 0.5)) in grid.experiment_variants("sweep")
     assert grid.Variant("transformer", "cosine", (1.5, 0.5)) in grid.experiment_variants("archs")
     mults = {v.ratio for v in grid.experiment_variants("controlled") if v.schedule == "step"}
@@ -69,9 +91,13 @@ def test_matrix_dedupes_shared_configurations() -> None:
 
 @pytest.mark.parametrize("smoke", [False, True])
 def test_every_planned_run_is_a_valid_budget_preserving_config(smoke: bool) -> None:
+    scale = grid.SCALES["cpu"]
     for v in {r.variant for r in grid.plan_runs(grid.EXPERIMENTS, 1)}:
-        over = [*(grid.SMOKE_OVERRIDES if smoke else ()), *v.overrides()]
-        cfg = load_config(grid.SCALES["cpu"].presets[v.arch], over)
+        over = grid.shape_overrides(v, scale, smoke)
+        cfg = load_config(scale.presets[v.arch], [*over, *v.overrides()])
+        if v.size and not smoke:  # (g): about 4x the parameters and tokens of the first size
+            assert (cfg.model.d_model, cfg.model.layers, cfg.model.d_ff) == (256, 8, 768)
+            assert cfg.train.iters * cfg.train.micro_batch_size * cfg.model.seq_len == 1310720
         plan = cfg.taper_plan
         assert sum(plan.widths) == cfg.model.layers * cfg.model.d_ff, v.key
         assert cfg.model.arch == v.arch
@@ -93,6 +119,9 @@ def test_run_command_is_a_plain_pretrain_job_behind_the_launcher(tmp_path: Path)
     assert "--taper.reverse true" in text and "--train.seed 1235" in text
     assert f"--logging.metrics_file {tmp_path}/runs/{run.name}/metrics.jsonl" in text
     assert f"--train.save_dir {tmp_path}/runs/{run.name}/checkpoints" in text
+    big = s.command(grid.Run(grid.Variant("titans", size=grid.SECOND), 1))
+    assert " ".join(grid.SCALES["cpu"].second_size) in " ".join(big)
+    assert "titans-uniform-d256-s1" in " ".join(big)
 
 
 def test_metrics_reader_keeps_the_resumed_record_and_skips_a_cut_line(tmp_path: Path) -> None:
@@ -147,48 +176,142 @@ def _fmt(xs: list[float], signed: bool = False, digits: int = 2) -> str:
     return head if len(xs) == 1 else f"{head} ± {statistics.stdev(xs):.{digits}f}"
 
 
+# Everything below recomputes RESULTS.md's numbers from the saved files with scipy and the
+# standard library, without the experiments.tlm statistics, tables or prose.
+def _p(p: float) -> str:
+    return "<0.001" if p < 0.001 else f"{p:.3f}"
+
+
+def _ttest(d: list[float]) -> tuple[float, float, float]:
+    """Paired t: 95 % interval and two-sided p of the mean of ``d`` (>= 2 values)."""
+    m = statistics.fmean(d)
+    if statistics.stdev(d) == 0:
+        return m, m, float(m == 0)
+    res = scipy_stats.ttest_1samp(d, 0.0)
+    ci = res.confidence_interval(0.95)
+    return ci.low, ci.high, res.pvalue
+
+
+def _delta(d: list[float]) -> list[str]:
+    """Δ, CI, p and the reading of paired differences ``d``."""
+    if not d:
+        return ["—"] * 4
+    m = statistics.fmean(d)
+    side = "lower" if m < 0 else "higher" if m > 0 else "equal"
+    if len(d) == 1:
+        return [f"{m:+.2f}", "—", "—", f"{side} (one seed, no interval)"]
+    lo, hi, p = _ttest(d)
+    out = side != "equal" and (lo > 0 or hi < 0)
+    words = f"{side}, interval excludes 0" if out else f"{side} in the mean, interval includes 0"
+    return [f"{m:+.2f}", f"[{lo:+.2f}, {hi:+.2f}]", _p(p), words]
+
+
+def _wilson(p: float, n: int) -> tuple[float, float]:
+    z = scipy_stats.norm.ppf(0.975)
+    c = (p + z * z / (2 * n)) / (1 + z * z / n)
+    h = z / (1 + z * z / n) * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n))
+    return max(0.0, c - h), min(1.0, c + h)
+
+
+def _per_seed(recs: list[dict], key: str, value) -> dict[int, float]:
+    return {r["seed"]: value(r) for r in recs if r["variant"] == key and value(r) is not None}
+
+
+def _ppl(recs: list[dict], key: str) -> dict[int, float]:
+    return _per_seed(recs, key, lambda r: math.exp(r["final_val_loss"]))
+
+
+def _paired(a: dict[int, float], b: dict[int, float]) -> list[float]:
+    return [a[s] - b[s] for s in sorted(set(a) & set(b))]
+
+
 def _expected_row(recs: list[dict], variant: str, base: str) -> list[str]:
-    """The four comparison cells, recomputed here from the records without the report module."""
-    ppl = {r["seed"]: math.exp(r["final_val_loss"]) for r in recs if r["variant"] == variant}
-    ref = {r["seed"]: math.exp(r["final_val_loss"]) for r in recs if r["variant"] == base}
+    """The six comparison cells of (a), (b) and (c)."""
+    ppl, ref = _ppl(recs, variant), _ppl(recs, base)
     seeds = ", ".join(f"{ppl[s]:.2f}" for s in sorted(ppl)) or "—"
     if variant == base or not ppl:
-        return [_fmt(list(ppl.values())), seeds, "—", "—"]
-    d = [ppl[s] - ref[s] for s in sorted(set(ppl) & set(ref))]
-    if len(d) < 2:
-        beyond = "n/a"
-    else:
-        spread = max(statistics.stdev(ppl.values()), statistics.stdev(ref.values()))
-        beyond = "yes" if abs(statistics.fmean(d)) > max(spread, statistics.stdev(d)) else "no"
-    return [_fmt(list(ppl.values())), seeds, _fmt(d, signed=True), beyond]
+        return [_fmt(list(ppl.values())), seeds, "—", "—", "—", "—"]
+    return [_fmt(list(ppl.values())), seeds, *_delta(_paired(ppl, ref))]
+
+
+def _widths(recs: list[dict], variant: str) -> str:
+    w = next(r["widths"] for r in recs if r["variant"] == variant)
+    runs = [(k, len(list(g))) for k, g in itertools.groupby(w)]
+    return "/".join(str(k) if n == 1 else f"{k}×{n}" for k, n in runs)
+
+
+def _numbers(text: str) -> list[str]:
+    return re.findall(r"[+-]?\d+\.\d+(?![\w.])", text)  # not the paper's "1.3B"
+
+
+def _task_chance() -> dict[str, tuple[int, float]]:
+    """Items and chance level of each shipped task, read from its data file here."""
+    out = {}
+    for f in sorted((REPO / "tasks" / "data").glob("*.jsonl")):
+        rows = [json.loads(x) for x in f.read_text().splitlines()]
+        if "choices" in rows[0]:
+            chance = statistics.fmean(1 / len(r["choices"]) for r in rows)
+        else:
+            targets = [r["target"] for r in rows]
+            chance = max(targets.count(t) for t in set(targets)) / len(rows)
+        out[f.stem] = (len(rows), chance)
+    return out
 
 
 def check_results(results_dir: Path) -> int:
-    """Recompute RESULTS.md under ``results_dir`` from its saved files; return rows checked."""
+    """Recompute RESULTS.md under ``results_dir`` from its saved files; return cells checked."""
     text = (results_dir / "RESULTS.md").read_text()
     meta = json.loads((results_dir / "results" / "meta.json").read_text())
     recs = records.load_records(results_dir / "results" / "runs")
     # 1. the whole document (tables, reading, links) is what the saved files give
     assert report.render(recs, meta) == text
-    # 2. the comparison columns, recomputed independently of the report module
+    # 2. every number, recomputed independently of the report's code
     tables = _tables(text)
     checked = 0
+    base = [r for r in recs if not r.get("size")]
     uni = grid.UNIFORM.key
+    if base:
+        r0 = base[0]
+        assert f"{r0['iterations'] * r0['tokens_per_iteration']:,} training tokens" in text
+        late = []
+        for r in base:
+            c = [p[2] for p in r["val_curve"]]
+            if len(c) >= 3 and c[0] != c[1]:
+                late.append(abs(c[-1] - c[-2]) / abs(c[0] - c[1]))
+        if late:
+            lo, hi, med = min(late), max(late), statistics.median(late)
+            assert f"by {100 * lo:.0f}-{100 * hi:.0f}% (median {100 * med:.0f}%)" in text
+        else:
+            assert "- Training length" not in text
+        walls = statistics.fmean(r["wall_s"] for r in recs)
+        assert f"Runs: {len(recs)} finished of {meta['runs_planned']} planned" in text
+        assert f"; {walls:.0f} s wall per training run" in text
+        unrecorded = sum(not r.get("provenance") for r in recs)
+        assert (f"not recorded ({unrecorded} runs)" in text) == (unrecorded > 0)
+        for r in recs:
+            for e in r.get("provenance") or []:
+                assert e["commit"][:12] in text and f"torch {e['torch']}" in text
+        checked += 4
+    n = meta["seeds"]
+    if n > 1:
+        t = scipy_stats.t.ppf(0.975, n - 1)
+        assert f"With {n} seeds t({n - 1}) = {t:.2f}: the interval reaches {t / n**0.5:.2f}" in text
     if "controlled" in meta["only"]:
         for row, v in zip(tables["(a)"], grid.experiment_variants("controlled"), strict=True):
-            assert row[0] == v.label and row[-4:] == _expected_row(recs, v.key, uni), row
-            checked += 1
+            assert row[0] == v.label and row[1] == _widths(recs, v.key), row
+            assert row[-6:] == _expected_row(recs, v.key, uni), row
+            checked += 7
     if "sweep" in meta["only"]:
         for row, v in zip(tables["(b)"], grid.experiment_variants("sweep"), strict=True):
-            assert row[-4:] == _expected_row(recs, v.key, uni), row
+            assert row[-6:] == _expected_row(recs, v.key, uni), row
             if v.schedule != "uniform":
                 assert row[:2] == [v.schedule, f"{v.ratio[0]:g}/{v.ratio[1]:g}"]
-            checked += 1
+            checked += 6
     if "archs" in meta["only"]:
         for row, v in zip(tables["(c)"], grid.experiment_variants("archs"), strict=True):
             assert row[:2] == [v.arch, v.label]
-            assert row[-4:] == _expected_row(recs, v.key, grid.Variant(v.arch).key), row
-            checked += 1
+            assert row[-6:] == _expected_row(recs, v.key, grid.Variant(v.arch).key), row
+            checked += 6
     if "(e)" in tables:
         uni_v, tap_v = grid.experiment_variants("alignment")
         for row in tables["(e)"]:
@@ -207,27 +330,170 @@ def check_results(results_dir: Path) -> int:
                 assert cell == _fmt(xs, digits=3)
                 checked += 1
     if "(f)" in tables:
-        for row, v in zip(tables["(f)"], grid.experiment_variants("archs"), strict=True):
-            xs = [
-                100 * r["zeroshot"]["average_acc"]
-                for r in recs
-                if r["variant"] == v.key and r.get("zeroshot")
-            ]
-            assert row[3] == _fmt(xs)
-            checked += 1
+        checked += _check_zeroshot(text, tables["(f)"], recs, meta)
+    if "(g)" in tables:
+        checked += _check_scale(tables["(g)"], recs)
+    if "Poo" in tables:
+        checked += _check_pooled(tables["Poo"], recs, meta["only"])
+    checked += _check_reading(text, tables, recs, meta["only"])
     return checked
 
 
+def _acc(task: str | None):
+    def get(r: dict) -> float | None:
+        z = r.get("zeroshot")
+        if not z:
+            return None
+        return 100 * (z["average_acc"] if task is None else z["tasks"][task]["acc"])
+
+    return get
+
+
+def _check_zeroshot(text: str, rows: list[list[str]], recs: list[dict], meta: dict) -> int:
+    tasks = sorted({t for r in recs if r.get("zeroshot") for t in r["zeroshot"]["tasks"]})
+    used = {
+        t: min(r["zeroshot"]["tasks"][t]["n"] for r in recs if r.get("zeroshot")) for t in tasks
+    }
+    shipped = _task_chance()
+    if meta["zeroshot_tasks"]:  # what the report was given agrees with the task files
+        assert {t: (i["items"], i["chance"]) for t, i in meta["zeroshot_tasks"].items()} == shipped
+    for t in tasks:
+        assert f"{t} {used[t]} of {shipped[t][0]}" in text
+    chance = [100 * shipped[t][1] for t in tasks]
+    assert rows[0] == ["chance level", "—", "—", f"{statistics.fmean(chance):.2f}", *["—"] * 4] + [
+        f"{c:.1f}" for c in chance
+    ]
+    for row, v in zip(rows[1:], grid.experiment_variants("archs"), strict=True):
+        avg = _per_seed(recs, v.key, _acc(None))
+        ref = _per_seed(recs, grid.Variant(v.arch).key, _acc(None))
+        assert row[:2] == [v.arch, v.label] and row[3] == _fmt(list(avg.values()))
+        delta = ["—"] * 4 if v.schedule == "uniform" or not avg else _delta(_paired(avg, ref))
+        assert row[4:8] == delta, row
+        for cell, t in zip(row[8:], tasks, strict=True):
+            xs = list(_per_seed(recs, v.key, _acc(t)).values())
+            lo, hi = _wilson(statistics.fmean(xs) / 100, used[t])
+            assert cell == f"{_fmt(xs, digits=1)} [{100 * lo:.1f}, {100 * hi:.1f}]", (cell, t)
+    return len(rows) * len(rows[0])
+
+
+def _check_scale(rows: list[list[str]], recs: list[dict]) -> int:
+    sched, ratio = grid.DEFAULT_TAPER
+    expected = []
+    for a in grid.SCALE_ARCHS:
+        for what, v in (
+            ("cosine 1.5/0.5 vs uniform", grid.Variant(a, sched, ratio)),
+            ("reverse vs uniform", grid.Variant(a, sched, ratio, True)),
+        ):
+            cells = [a, what]
+            for size in (False, True):
+                mine = [r for r in recs if bool(r.get("size")) == size]
+                key = v.key + (f"-{grid.SECOND}" if size else "")
+                ukey = grid.Variant(a).key + (f"-{grid.SECOND}" if size else "")
+                d = _paired(_ppl(mine, key), _ppl(mine, ukey))
+                if not d:
+                    cells.append("not run yet")
+                elif len(d) == 1:
+                    cells.append(f"{d[0]:+.2f} (1 seed)")
+                else:
+                    lo, hi, p = _ttest(d)
+                    m = statistics.fmean(d)
+                    cells.append(f"{m:+.2f} [{lo:+.2f}, {hi:+.2f}], p {_p(p)} ({len(d)} seeds)")
+            expected.append(cells)
+    assert rows == expected
+    return 2 * len(rows)
+
+
+def _check_pooled(rows: list[list[str]], recs: list[dict], only: list[str]) -> int:
+    uni = _ppl(recs, grid.UNIFORM.key)
+    sweep = [v.key for v in grid.experiment_variants("sweep")[1:]]
+    sweep = [k for k in sweep if _ppl(recs, k)]
+    means = [
+        statistics.fmean(_ppl(recs, k).values()) - statistics.fmean(uni.values()) for k in sweep
+    ]
+    expected = []
+    if "sweep" in only and sweep and uni:
+        below = sum(m < 0 for m in means)
+        expected.append([f"{len(means)} (configurations)", f"{below} / {len(means) - below}"])
+        expected[-1] += ["—", f"{statistics.fmean(means):+.2f}", "—", "—", "—"]
+        seeds = sorted(set(uni).intersection(*(_ppl(recs, k).keys() for k in sweep)))
+        per_seed = [statistics.fmean(_ppl(recs, k)[s] for k in sweep) - uni[s] for s in seeds]
+        expected.append(_pooled_cells(per_seed, "seeds"))
+    for i in (1, 2) if "archs" in only else ():
+        d = []
+        for a in grid.ARCHS:
+            vs = [v for v in grid.experiment_variants("archs") if v.arch == a]
+            d += _paired(_ppl(recs, vs[i].key), _ppl(recs, vs[0].key))
+        if d:
+            expected.append(_pooled_cells(d, "architecture × seed"))
+    assert [row[1:8] for row in rows] == expected
+    return 7 * len(rows)
+
+
+def _pooled_cells(d: list[float], unit: str) -> list[str]:
+    below, above = sum(x < 0 for x in d), sum(x > 0 for x in d)
+    sign = scipy_stats.binomtest(below, below + above).pvalue
+    return [f"{len(d)} ({unit})", f"{below} / {above}", _p(sign), *_delta(d)]
+
+
+def _check_reading(
+    text: str, tables: dict[str, list[list[str]]], recs: list[dict], only: list[str]
+) -> int:
+    """Every decimal in the Reading is a number of the tables; its counts are recomputed."""
+    reading = text[text.index("## Reading") :]
+    cells = {x for rows in tables.values() for row in rows for c in row for x in _numbers(c)}
+    found = [x for x in _numbers(reading) if not x.startswith(("16.28", "14.44"))]  # the paper's
+    assert set(found) <= cells | {"1.5", "0.5"}, set(found) - cells
+    uni = _ppl(recs, grid.UNIFORM.key)
+    sweep = [v for v in grid.experiment_variants("sweep")[1:] if _ppl(recs, v.key)]
+    if "sweep" in only and sweep and uni:
+        lower = [v for v in sweep if statistics.fmean(_paired(_ppl(recs, v.key), uni)) < 0]
+        cos = [v for v in sweep if v.schedule == "cosine"]
+        assert (
+            f"Ours: {len(lower)} of {len(sweep)} tapered configurations have a lower mean "
+            f"perplexity than uniform (cosine: {sum(v in lower for v in cos)} of {len(cos)})"
+        ) in reading
+    if "(f)" in tables:
+        near = total = 0
+        chance = _task_chance()
+        tasks = sorted({t for r in recs if r.get("zeroshot") for t in r["zeroshot"]["tasks"]})
+        for row in tables["(f)"][1:]:
+            for cell, t in zip(row[8:], tasks, strict=True):
+                lo, hi = map(float, re.findall(r"\[(\S+), (\S+)\]", cell)[0])
+                total += 1
+                near += lo <= 100 * chance[t][1] <= hi
+        assert f"{near} of {total} per-task accuracies have a Wilson interval" in reading
+    return len(found)
+
+
 def test_committed_results_are_recomputed_from_saved_metrics() -> None:
-    if not (DOCS / "RESULTS.md").exists():
-        pytest.skip("docs/RESULTS.md not generated yet")
-    assert check_results(DOCS) > 0
+    assert check_results(DOCS) > 300
     for rec in records.load_records(DOCS / "results" / "runs"):
         # every model trained past its fast drop: the last evaluation interval moved the loss by
         # less than 15% of what the first one did
         curve = [c[2] for c in rec["val_curve"]]
         assert len(curve) >= 4, rec["run"]
         assert abs(curve[-1] - curve[-2]) < 0.15 * abs(curve[0] - curve[1]), rec["run"]
+
+
+def test_committed_results_carry_no_absolute_path() -> None:
+    def strings(x):
+        if isinstance(x, dict):
+            for v in x.values():
+                yield from strings(v)
+        elif isinstance(x, list):
+            for v in x:
+                yield from strings(v)
+        elif isinstance(x, str):
+            yield x
+
+    files = sorted((DOCS / "results").rglob("*.json"))
+    assert len(files) > 80
+    for f in files:
+        bad = [x for x in strings(json.loads(f.read_text())) if os.path.isabs(x) or "\\" in x]
+        assert not bad, (f.name, bad)
+    assert not re.search(
+        r"[\s`(\"']/(home|work|tmp|root|Users|mnt|data|opt)\b", (DOCS / "RESULTS.md").read_text()
+    )
 
 
 # ----------------------------------------------------------------------------- real driver runs
@@ -296,6 +562,9 @@ def test_killed_driver_reruns_only_what_is_left(tmp_path: Path) -> None:
     else:
         assert (first / "alignment.json").exists()
     check_results(out / "report")
+    saved = records.load_records(out / "report" / "results" / "runs")
+    assert [r["provenance"][0]["commit"] for r in saved] == [_git_head()] * 2
+    assert _git_head()[:12] in (out / "report" / "RESULTS.md").read_text()
     tables = _table_lines(out / "report" / "RESULTS.md")
 
     full = {"command": "python scripts/reproduce_tlm.py --out somewhere"}  # as if run before
@@ -326,6 +595,62 @@ def test_rerun_from_another_checkout_or_launcher_is_accepted(tmp_path: Path) -> 
         driver._check_command(d, [*cmd[:-2], "--train.iters", "5", "--resume", "auto"])
 
 
+def _git_head() -> str:
+    return subprocess.run(
+        ["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True, check=True
+    ).stdout.strip()
+
+
+def _trained_by(d: Path, commit: str | None, done: bool = True, env: dict | None = None) -> None:
+    """Make ``d`` look like a run trained (``done``, else started) by ``commit`` from a clean
+    tree, or by the code of ``env``; by a driver that recorded nothing when both are None."""
+    (d / "checkpoints" / "global_step2").mkdir(parents=True)
+    if done:
+        (d / "done").write_text("{}")
+    entry = {"commit": commit, "clean": True, "changes": None} if commit else env
+    if entry:
+        (d / "provenance.json").write_text(json.dumps([entry]))
+
+
+def test_provenance_is_recorded_and_mixed_code_is_refused(
+    tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    from importlib import metadata
+
+    env = provenance.environment(REPO)
+    assert env["commit"] == _git_head() and isinstance(env["clean"], bool)
+    assert env["torch"] == metadata.version("torch")
+    assert env["deepspeed"] == metadata.version("deepspeed")
+    assert env["python"] == ".".join(map(str, sys.version_info[:3]))
+    s = driver.Settings(tmp_path, grid.SCALES["cpu"], ["python"], env=env)
+    seed2 = [grid.Run(grid.UNIFORM, 2)]
+    _trained_by(s.run_dir(grid.Run(grid.UNIFORM, 1)), None, env=env)  # this very code
+    _trained_by(tmp_path / "runs" / "transformer-uniform-rev-s1", "0" * 40)  # another config
+    assert driver.mixed_code_problem(s, seed2) is None
+    other = s.run_dir(grid.Run(grid.UNIFORM, 3))
+    _trained_by(other, "0" * 40)
+    problem = driver.mixed_code_problem(s, seed2)
+    assert problem.startswith("transformer-uniform has runs trained by code 000000000000 (clean),")
+    assert "--allow-mixed-commits" in problem and "\n" not in problem
+    s_mixed = driver.Settings(tmp_path, s.scale, s.launcher, env=env, allow_mixed_commits=True)
+    assert driver.mixed_code_problem(s_mixed, seed2) is None
+    # a run of the old driver (nothing recorded) counts as another code version
+    (other / "provenance.json").unlink()
+    assert "code not recorded," in driver.mixed_code_problem(s, seed2)
+    # a run whose checkpoints another code wrote is not resumed by this one
+    cos = grid.Run(grid.Variant("transformer", "cosine", (1.5, 0.5)), 1)
+    _trained_by(s.run_dir(cos), "1" * 40, done=False)
+    assert "111111111111" in driver.mixed_code_problem(s, [cos])
+    # the driver's command line: one line, before anything is trained
+    spec = importlib.util.spec_from_file_location("reproduce_tlm", SCRIPT)
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    assert script.main(["--smoke", "--out", str(tmp_path), "--only", "alignment"]) == 2
+    err = capsys.readouterr().err
+    assert len(err.splitlines()) == 1 and "--allow-mixed-commits" in err and "111111111111" in err
+    assert not (tmp_path / "driver.log").exists()
+
+
 def test_a_run_dir_of_another_command_is_refused(tmp_path: Path) -> None:
     d = tmp_path / "runs" / "transformer-uniform-s1"
     d.mkdir(parents=True)
@@ -340,13 +665,16 @@ def test_smoke_every_path_and_kill_rerun_gives_the_same_tables(tmp_path: Path) -
     a = _driver(tmp_path / "a")
     assert a.returncode == 0, a.stdout + a.stderr
     res_a = tmp_path / "a" / "report"
-    assert check_results(res_a) >= 4 + 16 + 12
+    assert check_results(res_a) >= 7 * 4 + 6 * 16 + 6 * 12
+    # (g) at both sizes, one seed each: a number in every cell, no "not run yet"
+    g = _tables((res_a / "RESULTS.md").read_text())["(g)"]
+    assert len(g) == 4 and all("(1 seed)" in c for row in g for c in row[2:]), g
     for png in ("a_controlled", "b_sweep", "c_archs", "d_curves"):
         assert (res_a / "results" / f"{png}.png").stat().st_size > 1000
     _start_and_kill_after(tmp_path / "b", 10)
     b = _driver(tmp_path / "b")
     assert b.returncode == 0, b.stdout + b.stderr
-    assert "runs already done" in b.stdout and "0 of 29 runs already done" not in b.stdout
+    assert "runs already done" in b.stdout and "training: 0 of 35 runs" not in b.stdout
     assert _table_lines(tmp_path / "b" / "report" / "RESULTS.md") == _table_lines(
         res_a / "RESULTS.md"
     )

@@ -238,14 +238,20 @@ class FakeEngine:
     """Writes a file per save like DeepSpeed; can be told to die half-way."""
 
     def __init__(self, fail_at: int | None = None) -> None:
+        from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import (
+            TorchCheckpointEngine,
+        )
+
         self.fail_at = fail_at
         self.loaded = None
+        self.checkpoint_engine = TorchCheckpointEngine()
+        self.checkpoint_engine.zipfile_serialization = True  # DeepSpeed's default config
 
     def save_checkpoint(self, save_dir, tag, client_state, save_latest):
         assert save_latest is False
         d = Path(save_dir) / tag
         d.mkdir(parents=True, exist_ok=True)
-        torch.save(client_state, d / "mp_rank_00_model_states.pt")
+        self.checkpoint_engine.save(client_state, str(d / "mp_rank_00_model_states.pt"))
         if client_state["iteration"] == self.fail_at:
             raise RuntimeError("node died while writing")
 

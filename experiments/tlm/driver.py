@@ -3,6 +3,9 @@
 Each run lives in ``<out>/runs/<run>/``::
 
     cmd.json        the launched command line (a rerun with another command is refused)
+    provenance.json the code version, machine and package versions the run was trained with
+                    (:mod:`experiments.tlm.provenance`; one configuration's runs share one code
+                    version unless ``Settings.allow_mixed_commits``)
     metrics.jsonl   one JSON line per iteration (``--logging.metrics_file``), ``val_loss`` on
                     evaluation iterations
     checkpoints/    ``train.save_dir`` (the final checkpoint is what evaluation loads)
@@ -10,7 +13,8 @@ Each run lives in ``<out>/runs/<run>/``::
     done            written after the job exits 0 with a final ``val_loss``: the run is skipped
     alignment.json  / zeroshot/zeroshot.json / memory_probe.json (titans, hope_attention: loss
                     with the in-context memory on and off, tapered_megatron.eval.memory_probe):
-                    evaluation results, skipped when present
+                    evaluation results, skipped when present (a zero-shot result of another item
+                    limit is redone)
 
 A killed run restarts with ``--resume auto`` (newest complete checkpoint, else a fresh start).
 """
@@ -19,6 +23,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shlex
 import subprocess
 import sys
@@ -29,7 +34,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from experiments.tlm.grid import SMOKE_OVERRIDES, Run, Scale, evaluation_phases
+from experiments.tlm import provenance
+from experiments.tlm.grid import SMOKE_OVERRIDES, Run, Scale, evaluation_phases, shape_overrides
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -46,6 +52,8 @@ class Settings:
     vocab_size: int = 0
     smoke: bool = False
     threads: int = 0  # OMP_NUM_THREADS per job; 0: leave the environment alone
+    env: dict[str, Any] | None = None  # provenance.environment() of this checkout
+    allow_mixed_commits: bool = False
 
     def eval_data(self) -> tuple[str, str]:
         """``(tokenizer_model, token-file prefix)`` evaluation reads: the user's data or the
@@ -79,7 +87,7 @@ class Settings:
             "--config",
             self.scale.presets[run.variant.arch],
             *self.scale.overrides,
-            *(SMOKE_OVERRIDES if self.smoke else ()),
+            *shape_overrides(run.variant, self.scale, self.smoke),
             *run.variant.overrides(),
             "--train.seed",
             str(1233 + run.seed),
@@ -150,6 +158,9 @@ def train_run(settings: Settings, run: Run, log: Callable[[str], None]) -> bool:
     _check_command(d, cmd)
     if not any((d / "checkpoints").glob("global_step*")):
         (d / "metrics.jsonl").unlink(missing_ok=True)  # a fresh start: no stale records
+        (d / "provenance.json").unlink(missing_ok=True)
+    if settings.env is not None:
+        provenance.record(d, settings.env)
     env = settings.job_env()
     t0 = time.time()
     log(f"start {run.name}")
@@ -164,6 +175,38 @@ def train_run(settings: Settings, run: Run, log: Callable[[str], None]) -> bool:
     (d / "done").write_text(json.dumps({"val_loss": final[-1]["val_loss"], "wall_s": wall}))
     log(f"done {run.name} in {wall:.0f} s: val loss {final[-1]['val_loss']:.4f}")
     return True
+
+
+def _recorded_code(run_dir: Path) -> list[dict[str, Any] | None]:
+    """Code versions a run directory's training used (None: trained, but nothing recorded)."""
+    seen = provenance.read(run_dir)
+    started = (run_dir / "done").exists() or any((run_dir / "checkpoints").glob("global_step*"))
+    if not started:
+        return []
+    keys = ("commit", "clean", "changes")
+    return [{k: e[k] for k in keys} for e in seen] if seen else [None]
+
+
+def mixed_code_problem(settings: Settings, runs: list[Run]) -> str | None:
+    """Why training ``runs`` now would mix code versions within one configuration (its other
+    seeds, or this run's own earlier part, trained by another checkout); None when it would not.
+    """
+    if settings.env is None or settings.allow_mixed_commits:
+        return None
+    now = {k: settings.env[k] for k in ("commit", "clean", "changes")}
+    root = settings.out / "runs"
+    for key in sorted({r.variant.key for r in runs if not is_done(settings, r)}):
+        pattern = re.compile(re.escape(key) + r"-s\d+")
+        dirs = [d for d in root.iterdir() if pattern.fullmatch(d.name)] if root.is_dir() else []
+        other = {provenance.code_label(c) for d in dirs for c in _recorded_code(d)}
+        other.discard(provenance.code_label(now))
+        if other:
+            return (
+                f"{key} has runs trained by code {', '.join(sorted(other))}, and this checkout "
+                f"is {provenance.code_label(now)}; train it from that code, use a fresh --out, "
+                "or pass --allow-mixed-commits"
+            )
+    return None
 
 
 def train_all(settings: Settings, runs: list[Run], jobs: int, log: Callable[[str], None]) -> int:
@@ -214,10 +257,13 @@ def evaluate_run(settings: Settings, run: Run, phase: str, log: Callable[[str], 
         target = d / "zeroshot" / "zeroshot.json"
         args = ["-m", "tapered_megatron.eval.zeroshot", "--checkpoint", ckpt]
         args += ["--tokenizer-model", settings.eval_data()[0]]
-        limit = 8 if settings.smoke else settings.scale.zeroshot_limit
-        args += (["--limit", str(limit)] if limit else []) + ["--output", str(d / "zeroshot")]
+        args += (["--limit", "8"] if settings.smoke else []) + ["--output", str(d / "zeroshot")]
     else:
         raise ValueError(f"unknown evaluation phase {phase!r}")
+    if phase == "zeroshot" and target.exists():
+        limit = json.loads(target.read_text()).get("limit")
+        if limit != (8 if settings.smoke else None):  # evaluated on other items: again
+            target.unlink()
     if target.exists():
         return "skipped"
     env = settings.job_env()

@@ -12,7 +12,19 @@ from dataclasses import dataclass
 ARCHS = ("transformer", "gated_attention", "titans", "hope_attention")
 
 
-EXPERIMENTS = ("controlled", "sweep", "archs", "alignment")
+EXPERIMENTS = ("controlled", "sweep", "archs", "alignment", "scale")
+
+
+# The experiments whose seed count is ``--headline-seeds``: (c) and the (g) second scale.
+HEADLINE = ("archs", "scale")
+
+
+# (g): the architectures trained at both sizes (the Transformer and one memory architecture).
+SCALE_ARCHS = ("transformer", "titans")
+
+
+# The name of the (g) second size (its overrides: ``Scale.second_size``).
+SECOND = "d256"
 
 
 SWEEP_SCHEDULES = ("cosine", "linear", "sigmoid")
@@ -40,12 +52,16 @@ class Variant:
     schedule: str = "uniform"
     ratio: tuple[float, ...] = ()
     reverse: bool = False
+    size: str = ""  # "": the scale's own size; SECOND: the (g) second size
 
     @property
     def key(self) -> str:
-        """Stable, file-name-safe identifier, e.g. ``transformer-cosine-1.5-0.5-rev``."""
+        """Stable, file-name-safe identifier, e.g. ``transformer-cosine-1.5-0.5-rev``
+        (``...-d256`` at the second size)."""
         parts = [self.arch, self.schedule, *(f"{r:g}" for r in self.ratio)]
-        return "-".join(parts) + ("-rev" if self.reverse else "")
+        if self.reverse:
+            parts.append("rev")
+        return "-".join([*parts, *([self.size] if self.size else [])])
 
     @property
     def label(self) -> str:
@@ -92,7 +108,19 @@ def experiment_variants(name: str) -> list[Variant]:
     if name == "alignment":
         sched, ratio = DEFAULT_TAPER
         return [UNIFORM, Variant("transformer", sched, ratio)]
+    if name == "scale":
+        return [v for size in ("", SECOND) for v in scale_variants(size)]
     raise ValueError(f"unknown experiment {name!r}; choose from {', '.join(EXPERIMENTS)}")
+
+
+def scale_variants(size: str = "") -> list[Variant]:
+    """{uniform, cosine 1.5/0.5, reverse} of each (g) architecture at ``size``."""
+    sched, ratio = DEFAULT_TAPER
+    return [
+        Variant(a, *spec, size=size)
+        for a in SCALE_ARCHS
+        for spec in (("uniform", ()), (sched, ratio), (sched, ratio, True))
+    ]
 
 
 @dataclass(frozen=True)
@@ -103,19 +131,47 @@ class Scale:
     presets: dict[str, str]
     overrides: tuple[str, ...] = ()
     alignment_tokens: int = 16384
-    zeroshot_limit: int = 0  # 0: every example of each task
     gpu: bool = False  # needs an accelerator (the plan is printed instead where none is)
+    second_size: tuple[str, ...] = ()  # overrides of the (g) second size; (): no (g) here
+
+    def experiments(self) -> tuple[str, ...]:
+        """The experiments this scale can run ((g) needs a second size)."""
+        return tuple(e for e in EXPERIMENTS if e != "scale" or self.second_size)
 
 
 def _preset_scale(name: str, tag: str) -> Scale:
-    return Scale(name, {a: f"{a}_{tag}" for a in ARCHS}, (), 262144, 0, True)
+    return Scale(name, {a: f"{a}_{tag}" for a in ARCHS}, (), 262144, True)
+
+
+# The (g) second size of the cpu scale: about 4x the parameters and tokens of tlm_cpu (d_model
+# 256, 8 layers, the same head width; 1280 x 1024 = 1.3M tokens), the schedule scaled with it.
+CPU_SECOND_SIZE = (
+    "--model.d_model",
+    "256",
+    "--model.layers",
+    "8",
+    "--model.heads",
+    "8",
+    "--model.d_ff",
+    "768",
+    "--train.iters",
+    "1280",
+    "--train.warmup_iters",
+    "120",
+    "--train.save_interval",
+    "320",
+    "--eval.interval",
+    "160",
+    "--logging.interval",
+    "160",
+)
 
 
 SCALES = {
     # tlm_cpu.yaml: a ~1.3M-parameter model (d_model 128, 6 layers, vocab 2048), 320 x 1024 tokens;
     # <arch>_cpu.yaml: the same recipe, each architecture's settings (budget-matched d_ff; titans:
     # 512-token sequences, a 64-token window, persistent tokens; hope: the teach-signal update)
-    "cpu": Scale("cpu", {a: f"{a}_cpu" for a in ARCHS}, (), 16384, 200),
+    "cpu": Scale("cpu", {a: f"{a}_cpu" for a in ARCHS}, (), 16384, False, CPU_SECOND_SIZE),
     "440m": _preset_scale("440m", "440m"),
     "760m": _preset_scale("760m", "760m"),
     "1.3b": _preset_scale("1.3b", "1.3b"),
@@ -148,6 +204,29 @@ SMOKE_OVERRIDES = (
 )
 
 
+# The second size under --smoke: a little larger than the smoke shapes, as quick.
+SMOKE_SECOND_SIZE = (
+    "--model.d_model",
+    "48",
+    "--model.layers",
+    "4",
+    "--model.heads",
+    "2",
+    "--model.d_ff",
+    "144",
+)
+
+
+def shape_overrides(v: Variant, scale: Scale, smoke: bool) -> tuple[str, ...]:
+    """The overrides of ``v``'s shape and budget: the smoke ones under ``smoke``, then its
+    size's, which replace any key both give (a key may be given only once)."""
+    pairs = dict(zip(SMOKE_OVERRIDES[::2], SMOKE_OVERRIDES[1::2])) if smoke else {}
+    if v.size:
+        size = SMOKE_SECOND_SIZE if smoke else scale.second_size
+        pairs.update(zip(size[::2], size[1::2]))
+    return tuple(x for kv in pairs.items() for x in kv)
+
+
 @dataclass(frozen=True)
 class Run:
     """One training job: a variant and a seed."""
@@ -161,14 +240,19 @@ class Run:
         return f"{self.variant.key}-s{self.seed}"
 
 
-def plan_runs(experiments: Iterable[str], seeds: int) -> list[Run]:
-    """Deduplicated runs of ``experiments``, seed-major (all of seed 1 first) for early tables."""
-    variants: list[Variant] = []
+def plan_runs(experiments: Iterable[str], seeds: int, headline_seeds: int = 0) -> list[Run]:
+    """Deduplicated runs of ``experiments``, seed-major (all of seed 1 first) for early tables.
+
+    A configuration gets ``seeds`` seeds, or ``headline_seeds`` (default: ``seeds``) when a
+    :data:`HEADLINE` experiment includes it; a configuration shared by several takes the most.
+    """
+    count: dict[Variant, int] = {}
     for e in experiments:
+        n = (headline_seeds or seeds) if e in HEADLINE else seeds
         for v in experiment_variants(e):
-            if v not in variants:
-                variants.append(v)
-    return [Run(v, s) for s in range(1, seeds + 1) for v in variants]
+            count[v] = max(count.get(v, 0), n)
+    top = max(count.values(), default=0)
+    return [Run(v, s) for s in range(1, top + 1) for v, n in count.items() if s <= n]
 
 
 MEMORY_ARCHS = ("titans", "hope_attention")  # in-context memory: the memory probe's runs

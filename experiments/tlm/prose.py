@@ -1,40 +1,49 @@
 """The Reading section of RESULTS.md: sentences generated from the numbers on what held
-relative to the paper."""
+relative to the paper, in words that follow the 95 % intervals."""
 
 from __future__ import annotations
 
 from typing import Any
 
 from experiments.tlm import grid
-from experiments.tlm.stats import Paired, pm, ppl_stat, rho_stats, signed_pm, zs_stat
+from experiments.tlm.stats import (
+    Paired,
+    Stat,
+    ci_text,
+    direction,
+    excludes_zero,
+    p_text,
+    pm,
+    ppl_stat,
+    rho_stats,
+    sign_test_p,
+    signed,
+    wilson,
+    zs_stat,
+)
+from experiments.tlm.tables import items_used, pooled, ppl_diffs, sweep_tapered, zeroshot_tasks
 
 
-def verdict(p: Paired, expect_negative: bool) -> str:
-    """How a paper claim "config is lower (better) / higher than uniform" fared in ours."""
-    d = p.diffs
+def verdict(d: Stat, expect_negative: bool) -> str:
+    """How a paper claim "config is lower (better) / higher than uniform" fared in ours, from
+    the paired differences ``d``: the claim's direction, then what the interval says."""
     if d.n == 0:
         return "not measured"
-    held = (d.mean < 0) == expect_negative and d.mean != 0
-    if p.exceeds == "n/a":
-        return "held in direction (one seed, no spread)" if held else "did not hold (one seed)"
-    if held:
-        return (
-            "held, beyond the seed spread"
-            if p.exceeds == "yes"
-            else ("held in the mean only, within the seed spread")
-        )
-    return (
-        "did not hold: the opposite, beyond the seed spread"
-        if p.exceeds == "yes"
-        else ("did not hold (opposite sign, within the seed spread)")
+    agrees = d.mean != 0 and (d.mean < 0) == expect_negative
+    return ("in the paper's direction: " if agrees else "not the paper's direction: ") + (
+        direction(d)
     )
 
 
-def _ppl_pair(by: dict, v: grid.Variant, base: grid.Variant) -> Paired:
-    return Paired(ppl_stat(by.get(v.key)), ppl_stat(by.get(base.key)))
+def _diff_text(d: Stat) -> str:
+    if d.n < 2:
+        return f"Δ {signed(d.mean)} ppl"
+    return f"Δ {signed(d.mean)} ppl, 95 % CI {ci_text(d)}, p {p_text(d.p)}"
 
 
-def reading(by: dict, records: list[dict[str, Any]], only: list[str]) -> list[str]:
+def reading(
+    by: dict, records: list[dict[str, Any]], only: list[str], info: dict[str, dict[str, Any]]
+) -> list[str]:
     """Plain-language sentences, generated from the numbers, on what held relative to the paper."""
     out: list[str] = []
     if "controlled" in only:
@@ -53,39 +62,34 @@ def reading(by: dict, records: list[dict[str, Any]], only: list[str]) -> list[st
                 ("beats", "is worse than", "is worse than"),
                 strict=True,
             ):
-                p = _ppl_pair(by, v, grid.UNIFORM)
+                d = ppl_diffs(by, v, grid.UNIFORM)
                 out.append(
-                    f'  - "{names[v]} {claim} uniform": {verdict(p, neg)} '
-                    f"(Δ {signed_pm(p.diffs)} ppl)."
+                    f'  - "{names[v]} {claim} uniform": {verdict(d, neg)} ({_diff_text(d)}).'
                 )
     if "sweep" in only:
-        tapered = [
-            grid.Variant("transformer", s, r)
-            for r in grid.SWEEP_RATIOS
-            for s in grid.SWEEP_SCHEDULES
-        ]
-        pairs = {v: _ppl_pair(by, v, grid.UNIFORM) for v in tapered if by.get(v.key)}
-        if pairs and by.get(grid.UNIFORM.key):
-            better = [v for v, p in pairs.items() if p.diffs.n and p.diffs.mean < 0]
-            strong = [v for v in better if pairs[v].exceeds == "yes"]
-            worse = [v for v, p in pairs.items() if p.exceeds == "yes" and p.diffs.mean > 0]
-            best = min(pairs, key=lambda v: pairs[v].config.mean)
-            cos = [v for v in pairs if v.schedule == "cosine"]
-            cos_better = [v for v in cos if v in better]
+        diffs = {v: ppl_diffs(by, v, grid.UNIFORM) for v in sweep_tapered() if by.get(v.key)}
+        if diffs and by.get(grid.UNIFORM.key):
+            lower = [v for v, d in diffs.items() if d.n and d.mean < 0]
+            sure = [v for v, d in diffs.items() if excludes_zero(d)]
+            sure_lower = [v for v in sure if diffs[v].mean < 0]
+            best = min(diffs, key=lambda v: ppl_stat(by.get(v.key)).mean)
+            cos = [v for v in diffs if v.schedule == "cosine"]
             wins = {s: 0 for s in grid.SWEEP_SCHEDULES}
             for r in grid.SWEEP_RATIOS:
-                row = [v for v in pairs if v.ratio == r]
+                row = [v for v in diffs if v.ratio == r]
                 if len(row) == len(grid.SWEEP_SCHEDULES):
-                    wins[min(row, key=lambda v: pairs[v].config.mean).schedule] += 1
+                    wins[min(row, key=lambda v: ppl_stat(by.get(v.key)).mean).schedule] += 1
             out.append(
                 "- (b) Schedule sweep. Paper (440M): every cosine point beats uniform (16.28), the "
                 "best is cosine 1.5/0.5 (14.44), and cosine is the best schedule at all five "
-                f"ratios. Ours: {len(better)} of {len(pairs)} tapered configurations have a lower "
-                f"mean perplexity than uniform, {len(strong)} of them beyond the seed spread; "
-                f"{len(worse)} are worse beyond the spread. Cosine beats uniform at "
-                f"{len(cos_better)} of {len(cos)} ratios. Our best is {best.label} "
-                f"({pm(pairs[best].config)} vs uniform {pm(ppl_stat(by[grid.UNIFORM.key]))}). "
-                "Lowest mean perplexity per ratio: "
+                f"ratios. Ours: {len(lower)} of {len(diffs)} tapered configurations have a lower "
+                f"mean perplexity than uniform (cosine: {sum(v in lower for v in cos)} of "
+                f"{len(cos)}); one at a time, {len(sure)} have a 95 % interval that excludes 0 "
+                f"({len(sure_lower)} of them lower): with "
+                f"{min(d.n for d in diffs.values())} seeds a single configuration is too noisy to "
+                "settle most comparisons. Our best is "
+                f"{best.label} ({pm(ppl_stat(by.get(best.key)))} vs uniform "
+                f"{pm(ppl_stat(by[grid.UNIFORM.key]))}). Lowest mean perplexity per ratio: "
                 + ", ".join(f"{s} {n}x" for s, n in wins.items())
                 + "."
             )
@@ -94,18 +98,46 @@ def reading(by: dict, records: list[dict[str, Any]], only: list[str]) -> list[st
         for a in grid.ARCHS:
             uni, cos, rev = [v for v in grid.experiment_variants("archs") if v.arch == a]
             if by.get(uni.key) and by.get(cos.key):
-                p = _ppl_pair(by, cos, uni)
-                text = f"  - {a}: cosine 1.5/0.5 vs uniform {signed_pm(p.diffs)} ppl, "
-                text += verdict(p, True)
+                d = ppl_diffs(by, cos, uni)
+                text = f"  - {a}: cosine 1.5/0.5 vs uniform {verdict(d, True)} ({_diff_text(d)})"
                 if by.get(rev.key):
-                    q = _ppl_pair(by, rev, uni)
-                    text += f"; reverse vs uniform {signed_pm(q.diffs)} ppl, {verdict(q, False)}"
+                    q = ppl_diffs(by, rev, uni)
+                    text += f"; reverse vs uniform {verdict(q, False)} ({_diff_text(q)})"
                 lines.append(text + ".")
         if lines:
             out.append(
                 "- (c) Architectures (validation perplexity; the paper reports zero-shot accuracy "
                 "here, tapered above uniform in 8/8 cases, and that the reverse taper hurts):"
             )
+            out += lines
+    rows = pooled(by, only)
+    if rows:
+        out.append("- Pooled over configurations (table above):")
+        for e in rows:
+            d = e["diffs"]
+            lower = sum(x < 0 for x in d.values.values())
+            higher = sum(x > 0 for x in d.values.values())
+            text = f"  - {e['what']}: {lower} of {d.n} lower, {higher} higher"
+            if e["test"]:
+                text += (
+                    f" (sign test p {p_text(sign_test_p(lower, lower + higher))}); paired t over "
+                    f"the {e['unit']}: {direction(d)} ({_diff_text(d)})"
+                )
+            else:
+                text += "; they share the uniform runs, so this count is not a test"
+            out.append(text + ".")
+    if "archs" in only or "scale" in only:
+        lines = []
+        for a in grid.SCALE_ARCHS:
+            small = [v for v in grid.scale_variants("") if v.arch == a]
+            large = [v for v in grid.scale_variants(grid.SECOND) if v.arch == a]
+            for i, what in ((1, "cosine 1.5/0.5"), (2, "reverse")):
+                d1, d2 = (ppl_diffs(by, vs[i], vs[0]) for vs in (small, large))
+                if d1.n or d2.n:
+                    second = direction(d2) if d2.n else "not run yet"
+                    lines.append(f"  - {a}, {what}: {direction(d1)} / {second}.")
+        if lines:
+            out.append("- (g) Scale, Δ perplexity vs uniform at the first size / the second:")
             out += lines
     if "alignment" in only:
         for v in grid.experiment_variants("alignment"):
@@ -124,16 +156,27 @@ def reading(by: dict, records: list[dict[str, Any]], only: list[str]) -> list[st
                     )
                 )
     if "archs" in only and any(r.get("zeroshot") for r in records):
-        up = total = 0
+        up = total = sure = 0
         for a in grid.ARCHS:
             uni, cos, _ = [v for v in grid.experiment_variants("archs") if v.arch == a]
-            p = Paired(zs_stat(by.get(cos.key)), zs_stat(by.get(uni.key)))
-            if p.diffs.n:
+            d = Paired(zs_stat(by.get(cos.key)), zs_stat(by.get(uni.key))).diffs
+            if d.n:
                 total += 1
-                up += p.diffs.mean > 0
+                up += d.mean > 0
+                sure += excludes_zero(d)
+        tasks = [t for t in zeroshot_tasks(records) if t in info]
+        near = cells = 0
+        for v in grid.experiment_variants("archs"):
+            for t in tasks:
+                st = zs_stat(by.get(v.key), t)
+                if st.n:
+                    lo, hi = wilson(st.mean / 100, items_used(records, t))
+                    cells += 1
+                    near += lo <= info[t]["chance"] <= hi
         out.append(
-            f"- (f) Zero-shot: tapered above uniform in average accuracy for {up} of {total} "
-            "architectures (paper: 8/8 at 760M/1.3B). Differences at this scale are to be read "
-            "against the `beyond seed spread` column."
+            f"- (f) Zero-shot: tapered above uniform in mean average accuracy for {up} of {total} "
+            f"architectures (paper: 8/8 at 760M/1.3B), {sure} with a 95 % interval that excludes "
+            f"0. {near} of {cells} per-task accuracies have a Wilson interval that includes the "
+            "task's chance level (first row of (f))."
         )
     return out or ["- No finished runs yet."]

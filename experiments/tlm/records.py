@@ -6,11 +6,12 @@ from __future__ import annotations
 import json
 import os
 import shutil
+from collections import Counter
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from experiments.tlm import driver, grid
+from experiments.tlm import driver, grid, provenance
 
 
 def _window_means(recs: list[dict[str, Any]], width: int) -> list[list[float]]:
@@ -69,6 +70,8 @@ def run_record(settings: driver.Settings, run: grid.Run) -> dict[str, Any]:
         "train_curve": _window_means(recs, 10),
         "final_val_loss": curve[-1][2],
         "wall_s": round(done["wall_s"], 1),
+        "size": run.variant.size,
+        "provenance": provenance.read(d) or None,
     }
     align = d / "alignment.json"
     out["alignment"] = json.loads(align.read_text()) if align.exists() else None
@@ -78,6 +81,32 @@ def run_record(settings: driver.Settings, run: grid.Run) -> dict[str, Any]:
     out["zeroshot"] = json.loads(zs.read_text()) if zs.exists() else None
     if out["zeroshot"] and "model" in out["zeroshot"]:
         out["zeroshot"]["model"] = repo_relative(out["zeroshot"]["model"])
+    return out
+
+
+def zeroshot_tasks_info() -> dict[str, dict[str, Any]]:
+    """Items and chance level of each shipped local zero-shot task, from its data file.
+
+    Multiple choice: the mean of 1 / choices over the items. Cloze (a target word): the share of
+    the most frequent target (always guessing that word), the level a model that learned nothing
+    about the context can reach.
+    """
+    from tapered_megatron.resources import resource
+
+    tasks = resource("tasks")
+    out = {}
+    for data in sorted((tasks / "data").glob("*.jsonl")):
+        task = data.stem
+        items = [json.loads(x) for x in data.read_text().splitlines()]
+        if "choices" in items[0]:
+            chance = sum(1 / len(x["choices"]) for x in items) / len(items)
+            counts = {len(x["choices"]) for x in items}
+            rule = f"1 of {counts.pop()} choices" if len(counts) == 1 else "1 / choices"
+        else:
+            top = Counter(x["target"] for x in items).most_common(1)[0]
+            chance = top[1] / len(items)
+            rule = f"always {top[0]!r}"
+        out[task] = {"items": len(items), "chance": chance, "chance_rule": rule}
     return out
 
 

@@ -9,24 +9,54 @@ date, setup). So the document can be regenerated, and checked, without the check
 from __future__ import annotations
 
 import json
+import math
 import statistics
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
+from experiments.tlm import grid, provenance
 from experiments.tlm.plots import PLOTS, plot_all, plot_keys
 from experiments.tlm.prose import reading
 from experiments.tlm.records import load_records
-from experiments.tlm.stats import by_variant, late_drop_ratio
+from experiments.tlm.stats import by_variant, late_drop_ratio, t_quantile_975
 from experiments.tlm.tables import (
     ARCH_NOTES,
+    items_used,
     table_alignment,
     table_archs,
     table_budget_and_memory,
     table_controlled,
+    table_pooled,
+    table_scale,
     table_sweep,
     table_zeroshot,
     zeroshot_tasks,
 )
+
+
+def _counted(labels: list[str]) -> str:
+    """``label (n runs)`` for each distinct label, most runs first."""
+    return "; ".join(f"{k} ({n} runs)" for k, n in Counter(labels).most_common())
+
+
+def provenance_lines(records: list[dict[str, Any]]) -> list[str]:
+    """The code versions, machines and package versions the runs were trained with, and the
+    configurations whose runs mix code versions."""
+    code, env = [], []
+    mixed: dict[str, set[str]] = {}
+    for r in records:
+        entries = r.get("provenance") or [None]
+        labels = sorted({provenance.code_label(e) for e in entries})
+        code.append(" + ".join(labels))
+        env.append(" + ".join(sorted({provenance.versions_label(e) for e in entries})))
+        mixed.setdefault(r["variant"], set()).update(labels)
+    mixing = sorted(k for k, v in mixed.items() if len(v) > 1)
+    return [
+        f"- Code (commit the runs were trained at): {_counted(code)}; configurations mixing "
+        f"code versions: {', '.join(mixing) if mixing else 'none'}.",
+        f"- Trained on: {_counted(env)}.",
+    ]
 
 
 def render(records: list[dict[str, Any]], meta: dict[str, Any]) -> str:
@@ -34,6 +64,7 @@ def render(records: list[dict[str, Any]], meta: dict[str, Any]) -> str:
     only = meta["only"]
     scale = meta["scale"] + (" smoke" if meta["smoke"] else "")
     by = by_variant(records)
+    base = [r for r in records if not r.get("size")]
     lines = [
         "# Reproducing Tapered Language Models",
         "",
@@ -52,7 +83,13 @@ def render(records: list[dict[str, Any]], meta: dict[str, Any]) -> str:
         )
         + f"; machine: {meta['machine']}; date: {meta['date']}",
         f"- Runs: {len(records)} finished of {meta['runs_planned']} planned "
-        f"({meta['seeds']} seed(s) per configuration)"
+        f"({meta['seeds']} seed(s) per configuration"
+        + (
+            f", {meta['headline_seeds']} for (c) and (g)"
+            if meta.get("headline_seeds", meta["seeds"]) != meta["seeds"]
+            else ""
+        )
+        + ")"
         + (
             f"; {sum(r['wall_s'] for r in records) / len(records):.0f} s wall per training run "
             f"on average ({meta.get('jobs', 1)} at a time)"
@@ -68,7 +105,9 @@ def render(records: list[dict[str, Any]], meta: dict[str, Any]) -> str:
     if meta.get("note"):
         lines.append(f"- Note: {meta['note']}")
     if records:
-        r0 = records[0]
+        lines += provenance_lines(records)
+    if base:
+        r0 = base[0]
         m = r0["model"]
         lines += [
             f"- Setup: d_model {m['d_model']}, {m['layers']} layers, baseline d_ff {m['d_ff']}, "
@@ -78,19 +117,30 @@ def render(records: list[dict[str, Any]], meta: dict[str, Any]) -> str:
             f"training tokens per run, peak LR {r0['lr']:g} (cosine decay); validation perplexity "
             f"over the same {r0['eval_tokens']:,} held-out tokens for every run.",
         ]
-        ratios = [x for x in map(late_drop_ratio, records) if x is not None]
+        ratios = [x for x in map(late_drop_ratio, base) if x is not None]
         if ratios:
             lines.append(
-                f"- Convergence: the last evaluation interval moved the validation loss by at most "
-                f"{100 * max(ratios):.0f}% (median {100 * statistics.median(ratios):.0f}%) of what "
-                "the first interval did, over all runs (curves in (d))."
+                "- Training length: every comparison is at this fixed, short budget, not at "
+                "convergence: the last evaluation interval still moved the validation loss by "
+                f"{100 * min(ratios):.0f}-{100 * max(ratios):.0f}% (median "
+                f"{100 * statistics.median(ratios):.0f}%) of what the first interval did (curves "
+                "in (d))."
             )
     lines += [
         "",
-        "Statistics: mean ± sample std over seeds; Δ = the configuration minus uniform for the "
-        "same seed, averaged over seeds (± std of those differences); `beyond seed spread` is "
-        "`yes` when the mean difference is larger than each of the two std's and the std of "
-        "the differences.",
+        "Statistics: mean ± sample std over seeds. Δ = the configuration minus its uniform "
+        "baseline for the same seed (same initialisation stream and data order), averaged over "
+        "seeds; its 95 % CI is the Student t interval of the paired differences and p the "
+        "two-sided paired t test (n - 1 degrees of freedom). The reading follows the interval: "
+        "`lower, interval excludes 0` or `lower in the mean, interval includes 0` (likewise "
+        "higher)."
+        + (
+            f" With {n} seeds t({n - 1}) = {t_quantile_975(n - 1):.2f}: the interval reaches "
+            f"{t_quantile_975(n - 1) / math.sqrt(n):.2f} times the std of the differences on "
+            "each side of Δ."
+            if (n := meta["seeds"]) > 1
+            else ""
+        ),
         "",
     ]
     keys = plot_keys(by, records, only)
@@ -150,20 +200,81 @@ def render(records: list[dict[str, Any]], meta: dict[str, Any]) -> str:
     if "archs" in only:
         lines += ["## (f) Zero-shot accuracy", ""]
         if "zeroshot" in keys:
+            info = meta.get("zeroshot_tasks", {})
+            tasks = zeroshot_tasks(records)
+            used = ", ".join(
+                f"{t} {items_used(records, t)} of {info[t]['items']}"
+                if t in info
+                else f"{t} {items_used(records, t)}"
+                for t in tasks
+            )
+            levels = ", ".join(
+                f"{t} {100 * info[t]['chance']:.1f}% ({info[t]['chance_rule']})"
+                for t in tasks
+                if t in info
+            )
             lines += [
-                "Accuracy in percent on the shipped local tasks, mean ± std over seeds.",
+                "Accuracy in percent on the shipped local tasks, mean ± std over seeds; Δ, CI, p "
+                "and reading as above (average accuracy). [95 % CI] of a task: the Wilson "
+                "interval of an accuracy of that size on the items used (item sampling; the "
+                f"seeds share the items). Items used (the first ones of each task): {used}. "
+                f"Chance level: {levels}.",
                 "",
-                *table_zeroshot(by, zeroshot_tasks(records), scale),
+                *table_zeroshot(by, records, info, scale),
                 "",
                 f"![zeroshot](results/{PLOTS['zeroshot']})",
                 "",
             ]
         else:
             lines += ["Not measured (the zero-shot tool was not available or no run finished).", ""]
+    if "archs" in only or "scale" in only:
+        lines += scale_section(by, records, meta)
+    if {"sweep", "archs"} & set(only) and records:
+        lines += [
+            "## Pooled over configurations",
+            "",
+            "Single configurations with few seeds are too noisy to settle most comparisons; "
+            "these rows pool them where the data allows. A pair is one unit of the `pairs` "
+            "column; the sign test counts pairs below and above 0 (two-sided, a fair coin "
+            "each); Δ, CI and p are the paired t over the pairs.",
+            "",
+            *table_pooled(by, only),
+            "",
+        ]
     if meta.get("plan"):
         lines += ["## Launch plan", "", "```", *meta["plan"].splitlines(), "```", ""]
-    lines += ["## Reading", "", *reading(by, records, only), ""]
+    info = meta.get("zeroshot_tasks", {})
+    lines += ["## Reading", "", *reading(by, records, only, info), ""]
     return "\n".join(lines)
+
+
+def scale_section(by: dict, records: list[dict[str, Any]], meta: dict[str, Any]) -> list[str]:
+    """(g): the (c) comparisons of the (g) architectures at both sizes, or what is not run yet."""
+    large = [r for r in records if r.get("size")]
+    small = [r for r in records if not r.get("size") and r["arch"] in grid.SCALE_ARCHS]
+
+    def size(rs: list[dict[str, Any]]) -> str:
+        m = rs[0]["model"]
+        return f"d_model {m['d_model']}, {m['layers']} layers"
+
+    names = (size(small) if small else "first size", size(large) if large else "second size")
+    lines = ["## (g) Scale", ""]
+    if large:
+        r = large[0]
+        lines.append(
+            f"The (c) comparisons of {' and '.join(grid.SCALE_ARCHS)} at a second size "
+            f"({size(large)}, baseline d_ff {r['model']['d_ff']}, "
+            f"{r['iterations'] * r['tokens_per_iteration']:,} training tokens per run) beside "
+            "the first (the (c) runs): paired Δ validation perplexity vs the same "
+            "architecture's uniform model."
+        )
+    else:
+        planned = meta.get("second_size") or "not planned at this scale"
+        lines.append(
+            f"The second size ({planned}) is not run yet: its column fills in as its runs "
+            "finish. The first size's column is from the (c) runs."
+        )
+    return [*lines, "", *table_scale(by, names), ""]
 
 
 def write_results(results_dir: Path, meta: dict[str, Any]) -> Path:

@@ -1,10 +1,12 @@
 """Statistics over seeds for the reproduction's tables, plots and reading.
 
-Mean and sample standard deviation (n-1). A configuration is compared with uniform seed by seed
-(same seed = same initialisation stream and data order): the paired difference per seed, its
-mean and standard deviation. A difference "exceeds the seed-to-seed spread" when its magnitude is
-larger than the largest of the configuration's std, the uniform std and the paired differences'
-std (with one seed there is no spread and the answer is n/a).
+Mean and sample standard deviation (n-1). A configuration is compared with its baseline seed by
+seed (same seed = same initialisation stream and data order): the paired differences, their mean,
+a 95 % Student t interval and a two-sided p value (paired t test, n-1 degrees of freedom). The
+words follow the interval: "lower, interval excludes 0" or "lower in the mean, interval includes
+0". Accuracies on n items carry a Wilson 95 % interval; counts over configurations a two-sided
+sign test. The t distribution is computed here in closed form (integer degrees of freedom), so
+the reproduction needs no statistics package.
 """
 
 from __future__ import annotations
@@ -15,10 +17,68 @@ from typing import Any
 
 from experiments.tlm import grid
 
+# The standard normal's 97.5 % quantile (the z of a two-sided 95 % interval).
+Z95 = 1.959963984540054
+
 
 def perplexity(loss: float) -> float:
     """``exp(loss)`` (capped like the trainer's logger)."""
     return math.exp(min(loss, 30.0))
+
+
+def t_two_sided_p(t: float, df: int) -> float:
+    """``P(|T| >= |t|)`` for Student's t with ``df`` (>= 1) degrees of freedom.
+
+    The closed form for integer ``df`` (Abramowitz & Stegun 26.7.3-4): with
+    ``theta = atan(|t| / sqrt(df))``, ``P(|T| < |t|)`` is a finite series in ``cos(theta)``.
+    """
+    if math.isinf(t):
+        return 0.0
+    theta = math.atan(abs(t) / math.sqrt(df))
+    c2 = math.cos(theta) ** 2
+    term = total = 1.0
+    if df % 2:
+        for k in range(1, (df - 1) // 2):
+            term *= c2 * (2 * k) / (2 * k + 1)
+            total += term
+        series = math.sin(theta) * math.cos(theta) * total if df > 1 else 0.0
+        inside = 2 / math.pi * (theta + series)
+    else:
+        for k in range(1, df // 2):
+            term *= c2 * (2 * k - 1) / (2 * k)
+            total += term
+        inside = math.sin(theta) * total
+    return max(0.0, 1.0 - inside)
+
+
+def t_quantile_975(df: int) -> float:
+    """The 97.5 % quantile of Student's t with ``df`` degrees of freedom (bisection on
+    :func:`t_two_sided_p` to float precision)."""
+    lo, hi = 0.0, 1.0
+    while t_two_sided_p(hi, df) > 0.05:
+        hi *= 2
+    for _ in range(200):
+        mid = (lo + hi) / 2
+        if t_two_sided_p(mid, df) > 0.05:
+            lo = mid
+        else:
+            hi = mid
+    return (lo + hi) / 2
+
+
+def wilson(p: float, n: int) -> tuple[float, float]:
+    """Wilson 95 % interval of a proportion ``p`` observed on ``n`` items."""
+    z2 = Z95 * Z95
+    centre = (p + z2 / (2 * n)) / (1 + z2 / n)
+    half = Z95 * math.sqrt(p * (1 - p) / n + z2 / (4 * n * n)) / (1 + z2 / n)
+    return max(0.0, centre - half), min(1.0, centre + half)
+
+
+def sign_test_p(k: int, n: int) -> float:
+    """Two-sided sign test: the chance of a split at least as uneven as ``k`` of ``n`` when
+    each sign is a fair coin."""
+    tail = sum(math.comb(n, i) for i in range(min(k, n - k) + 1)) / 2**n
+    return min(1.0, 2 * tail)
 
 
 @dataclass(frozen=True)
@@ -45,6 +105,23 @@ class Stat:
         m = self.mean
         return math.sqrt(sum((v - m) ** 2 for v in self.values.values()) / (self.n - 1))
 
+    @property
+    def interval(self) -> tuple[float, float] | None:
+        """95 % t interval of the mean (None below two values)."""
+        if self.n < 2:
+            return None
+        half = t_quantile_975(self.n - 1) * self.std / math.sqrt(self.n)
+        return self.mean - half, self.mean + half
+
+    @property
+    def p(self) -> float | None:
+        """Two-sided p value of "the mean is 0" (one-sample t test; None below two values)."""
+        if self.n < 2:
+            return None
+        if self.std == 0:
+            return 1.0 if self.mean == 0 else 0.0
+        return t_two_sided_p(self.mean / (self.std / math.sqrt(self.n)), self.n - 1)
+
 
 @dataclass(frozen=True)
 class Paired:
@@ -59,18 +136,23 @@ class Paired:
         common = sorted(set(self.config.values) & set(self.base.values))
         return Stat({s: self.config.values[s] - self.base.values[s] for s in common})
 
-    @property
-    def spread(self) -> float:
-        """The seed-to-seed spread a difference must beat."""
-        return max(self.config.std, self.base.std, self.diffs.std)
 
-    @property
-    def exceeds(self) -> str:
-        """``yes`` / ``no`` / ``n/a`` (fewer than two paired seeds)."""
-        d = self.diffs
-        if d.n < 2:
-            return "n/a"
-        return "yes" if abs(d.mean) > self.spread else "no"
+def excludes_zero(d: Stat) -> bool:
+    """Whether the 95 % interval of the mean of ``d`` lies on one side of 0."""
+    ci = d.interval
+    return ci is not None and (ci[0] > 0 or ci[1] < 0)
+
+
+def direction(d: Stat) -> str:
+    """What the paired differences say, in words that follow the 95 % interval."""
+    if d.n == 0:
+        return "not measured"
+    side = "lower" if d.mean < 0 else "higher" if d.mean > 0 else "equal"
+    if d.n == 1:
+        return f"{side} (one seed, no interval)"
+    if excludes_zero(d):
+        return f"{side}, interval excludes 0"
+    return f"{side} in the mean, interval includes 0"
 
 
 def pm(s: Stat | None, digits: int = 2) -> str:
@@ -82,13 +164,22 @@ def pm(s: Stat | None, digits: int = 2) -> str:
     return f"{s.mean:.{digits}f} ± {s.std:.{digits}f}"
 
 
-def signed_pm(s: Stat, digits: int = 2) -> str:
-    """Like :func:`pm` with an explicit sign on the mean."""
-    if s.n == 0:
+def signed(x: float, digits: int = 2) -> str:
+    """``x`` with an explicit sign."""
+    return f"{x:+.{digits}f}"
+
+
+def ci_text(s: Stat, digits: int = 2) -> str:
+    """``[lo, hi]`` of the 95 % t interval of the mean (an em dash below two values)."""
+    ci = s.interval
+    return "—" if ci is None else f"[{signed(ci[0], digits)}, {signed(ci[1], digits)}]"
+
+
+def p_text(p: float | None) -> str:
+    """A p value to three decimals (``<0.001`` below that; an em dash for none)."""
+    if p is None:
         return "—"
-    if s.n == 1:
-        return f"{s.mean:+.{digits}f}"
-    return f"{s.mean:+.{digits}f} ± {s.std:.{digits}f}"
+    return "<0.001" if p < 0.001 else f"{p:.3f}"
 
 
 def by_variant(records: list[dict[str, Any]]) -> dict[str, dict[int, dict[str, Any]]]:
@@ -106,7 +197,7 @@ def ppl_stat(runs: dict[int, dict[str, Any]] | None) -> Stat:
 
 def late_drop_ratio(rec: dict[str, Any]) -> float | None:
     """How much the last evaluation interval moved the validation loss, as a fraction of the
-    first interval's drop (small: the run is past its fast phase). None with < 3 points."""
+    first interval's drop (0: flat at the end). None with < 3 points."""
     c = [p[2] for p in rec["val_curve"]]
     if len(c) < 3 or c[0] == c[1]:
         return None

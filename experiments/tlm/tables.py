@@ -1,11 +1,25 @@
-"""The Markdown tables (a), (b), (c), (e) and (f) of RESULTS.md, beside the paper's figures."""
+"""The Markdown tables (a), (b), (c), (e), (f), (g) and the pooled comparisons of RESULTS.md,
+beside the paper's figures."""
 
 from __future__ import annotations
 
 from typing import Any
 
 from experiments.tlm import grid
-from experiments.tlm.stats import Paired, Stat, pm, ppl_stat, rho_stats, signed_pm, zs_stat
+from experiments.tlm.stats import (
+    Paired,
+    Stat,
+    ci_text,
+    direction,
+    p_text,
+    pm,
+    ppl_stat,
+    rho_stats,
+    sign_test_p,
+    signed,
+    wilson,
+    zs_stat,
+)
 
 # The paper's 440M validation perplexities (arXiv 2606.23670).
 PAPER_CONTROLLED = {
@@ -34,18 +48,27 @@ def _table(header: list[str], rows: list[list[str]]) -> list[str]:
     return lines + ["| " + " | ".join(r) + " |" for r in rows]
 
 
+def delta_cells(d: Stat) -> list[str]:
+    """Δ mean, its 95 % interval, p and the words for paired differences ``d``."""
+    if d.n == 0:
+        return ["—", "—", "—", "—"]
+    return [signed(d.mean), ci_text(d), p_text(d.p), direction(d)]
+
+
 def _compare_cells(v: grid.Variant, by: dict, base_key: str) -> list[str]:
     st = ppl_stat(by.get(v.key))
     seeds = ", ".join(f"{x:.2f}" for _, x in sorted(st.values.items())) or "—"
     if v.key == base_key or st.n == 0:
-        return [pm(st), seeds, "—", "—"]
-    p = Paired(st, ppl_stat(by.get(base_key)))
-    return [pm(st), seeds, signed_pm(p.diffs), p.exceeds]
+        return [pm(st), seeds, "—", "—", "—", "—"]
+    return [pm(st), seeds, *delta_cells(Paired(st, ppl_stat(by.get(base_key))).diffs)]
+
+
+DELTA_HEADER = ["Δ vs uniform (paired)", "95 % CI of Δ", "p", "reading"]
 
 
 def compare_header(scale: str) -> list[str]:
-    """Headers of the four comparison columns."""
-    return [f"ours ({scale}): val ppl", "per seed", "Δ vs uniform (paired)", "beyond seed spread"]
+    """Headers of the six comparison columns."""
+    return [f"ours ({scale}): val ppl", "per seed", *DELTA_HEADER]
 
 
 def _widths(by: dict, v: grid.Variant, planned: dict[str, list[int]]) -> str:
@@ -109,9 +132,29 @@ def zeroshot_tasks(records: list[dict[str, Any]]) -> list[str]:
     return sorted({t for r in records if r.get("zeroshot") for t in r["zeroshot"]["tasks"]})
 
 
-def table_zeroshot(by: dict, tasks: list[str], scale: str) -> list[str]:
-    """(f): average zero-shot accuracy (percent) of the (c) models, with each task's accuracy."""
-    rows = []
+def items_used(records: list[dict[str, Any]], task: str) -> int:
+    """The fewest items of ``task`` any run's zero-shot evaluation used."""
+    return min(r["zeroshot"]["tasks"][task]["n"] for r in records if r.get("zeroshot"))
+
+
+def table_zeroshot(
+    by: dict, records: list[dict[str, Any]], info: dict[str, dict[str, Any]], scale: str
+) -> list[str]:
+    """(f): average zero-shot accuracy (percent) of the (c) models, each task's accuracy with
+    its Wilson interval on the items used, and a first row with the chance levels."""
+    tasks = zeroshot_tasks(records)
+    n = {t: items_used(records, t) for t in tasks}
+    chance = [100 * info[t]["chance"] for t in tasks if t in info]
+    rows = [
+        [
+            "chance level",
+            "—",
+            "—",
+            f"{sum(chance) / len(chance):.2f}" if len(chance) == len(tasks) else "—",
+            *["—"] * 4,
+            *(f"{100 * info[t]['chance']:.1f}" if t in info else "—" for t in tasks),
+        ]
+    ]
     for v in grid.experiment_variants("archs"):
         st = zs_stat(by.get(v.key))
         base = zs_stat(by.get(grid.Variant(v.arch).key))
@@ -122,14 +165,20 @@ def table_zeroshot(by: dict, tasks: list[str], scale: str) -> list[str]:
         elif paper and not v.reverse:
             ref = f"{paper[1]:.2f}"
         if v.schedule == "uniform" or st.n == 0:
-            delta, exc = "—", "—"
+            delta = ["—"] * 4
         else:
-            p = Paired(st, base)
-            delta, exc = signed_pm(p.diffs), p.exceeds
-        per_task = [pm(zs_stat(by.get(v.key), t), 1) for t in tasks]
-        rows.append([v.arch, v.label, ref, pm(st), delta, exc, *per_task])
+            delta = delta_cells(Paired(st, base).diffs)
+        per_task = []
+        for t in tasks:
+            ts = zs_stat(by.get(v.key), t)
+            if ts.n == 0:
+                per_task.append("—")
+                continue
+            lo, hi = wilson(ts.mean / 100, n[t])
+            per_task.append(f"{pm(ts, 1)} [{100 * lo:.1f}, {100 * hi:.1f}]")
+        rows.append([v.arch, v.label, ref, pm(st), *delta, *per_task])
     head = ["architecture", "configuration", "paper 760M avg acc", f"ours ({scale}) avg acc"]
-    return _table([*head, "Δ vs uniform (paired)", "beyond seed spread", *tasks], rows)
+    return _table([*head, *DELTA_HEADER, *(f"{t} [95 % CI]" for t in tasks)], rows)
 
 
 # (c)'s architectures as implemented here: what each adds to or changes from its paper, one line.
@@ -189,3 +238,121 @@ def table_budget_and_memory(by: dict, scale: str) -> list[str]:
     head = ["architecture", "configuration", "params", "train FLOPs/token"]
     head += [f"val ppl ({scale})", "memory off − on (nats)", "at 4x the sequence"]
     return _table(head, rows)
+
+
+def _delta_summary(d: Stat) -> str:
+    if d.n == 0:
+        return "not run yet"
+    if d.n == 1:
+        return f"{signed(d.mean)} (1 seed)"
+    return f"{signed(d.mean)} {ci_text(d)}, p {p_text(d.p)} ({d.n} seeds)"
+
+
+def table_scale(by: dict, sizes: tuple[str, str]) -> list[str]:
+    """(g): the paired Δ perplexity of cosine 1.5/0.5 and reverse vs uniform, each (g)
+    architecture at both sizes side by side (``sizes``: the two column names)."""
+    rows = []
+    for a in grid.SCALE_ARCHS:
+        small = [v for v in grid.scale_variants("") if v.arch == a]
+        large = [v for v in grid.scale_variants(grid.SECOND) if v.arch == a]
+        for i, what in ((1, "cosine 1.5/0.5 vs uniform"), (2, "reverse vs uniform")):
+            cells = [_delta_summary(ppl_diffs(by, vs[i], vs[0])) for vs in (small, large)]
+            rows.append([a, what, *cells])
+    head = ["architecture", "comparison"]
+    return _table([*head, *(f"Δ val ppl, {s}: mean [95 % CI], p" for s in sizes)], rows)
+
+
+def ppl_diffs(by: dict, v: grid.Variant, base: grid.Variant) -> Stat:
+    """Per-seed perplexity differences ``v - base``."""
+    return Paired(ppl_stat(by.get(v.key)), ppl_stat(by.get(base.key))).diffs
+
+
+def sweep_tapered() -> list[grid.Variant]:
+    """The 15 tapered configurations of (b)."""
+    return [
+        grid.Variant("transformer", s, r) for r in grid.SWEEP_RATIOS for s in grid.SWEEP_SCHEDULES
+    ]
+
+
+def pooled(by: dict, only: list[str]) -> list[dict[str, Any]]:
+    """The comparisons pooled over configurations that the data supports.
+
+    Each entry: ``what``, ``unit`` (what one pair is), ``diffs`` (a :class:`Stat` of the pooled
+    paired differences, keyed by pair), ``test`` (whether the pairs are independent enough for
+    the sign and t tests), ``note``. (b): the 15 tapered schedules share the three
+    uniform runs, so they are not 15 independent comparisons: per seed, the mean over the 15
+    minus uniform is the paired test; the count of configuration means below uniform is given
+    with that caveat. (c): over (architecture, seed) pairs, each with its own uniform run.
+    Only the experiments in ``only`` are pooled.
+    """
+    out: list[dict[str, Any]] = []
+    uni = ppl_stat(by.get(grid.UNIFORM.key))
+    tapered = [v for v in sweep_tapered() if by.get(v.key)]
+    if "sweep" in only and uni.n and tapered:
+        means = {i: ppl_stat(by.get(v.key)).mean - uni.mean for i, v in enumerate(tapered)}
+        out.append(
+            {
+                "what": f"(b) {len(tapered)} tapered schedules vs uniform, by configuration mean",
+                "unit": "configurations",
+                "diffs": Stat(means),
+                "test": False,
+                "note": "a count, not a test: all share the same uniform runs, so the 15 are "
+                "not independent; the row below is the test",
+            }
+        )
+        stats = [ppl_stat(by.get(v.key)) for v in tapered]
+        common = set(uni.values).intersection(*(set(st.values) for st in stats))
+        per_seed = {
+            s: sum(st.values[s] for st in stats) / len(stats) - uni.values[s]
+            for s in sorted(common)
+        }
+        out.append(
+            {
+                "what": f"(b) mean of the {len(tapered)} tapered schedules vs uniform, per seed",
+                "unit": "seeds",
+                "diffs": Stat(per_seed),
+                "test": True,
+                "note": "paired over seeds; the shared uniform run is in each pair once",
+            }
+        )
+    for i, what in ((1, "cosine 1.5/0.5"), (2, "reverse")) if "archs" in only else ():
+        diffs: dict[Any, float] = {}
+        for a in grid.ARCHS:
+            vs = [v for v in grid.experiment_variants("archs") if v.arch == a]
+            for s, d in ppl_diffs(by, vs[i], vs[0]).values.items():
+                diffs[(a, s)] = d
+        if diffs:
+            archs = len({a for a, _ in diffs})
+            out.append(
+                {
+                    "what": f"(c) {what} vs uniform, {archs} architectures x seeds",
+                    "unit": "architecture × seed",
+                    "diffs": Stat(diffs),
+                    "test": True,
+                    "note": "each pair has its own uniform run; the architectures are pooled as "
+                    "one population",
+                }
+            )
+    return out
+
+
+def table_pooled(by: dict, only: list[str]) -> list[str]:
+    """The pooled comparisons (:func:`pooled`): sign counts, sign test, paired t interval."""
+    rows = []
+    for e in pooled(by, only):
+        d = e["diffs"]
+        lower = sum(x < 0 for x in d.values.values())
+        higher = sum(x > 0 for x in d.values.values())
+        tested = e["test"] and lower + higher > 0
+        rows.append(
+            [
+                e["what"],
+                f"{d.n} ({e['unit']})",
+                f"{lower} / {higher}",
+                p_text(sign_test_p(lower, lower + higher)) if tested else "—",
+                *(delta_cells(d) if e["test"] else [signed(d.mean), "—", "—", "—"]),
+                e["note"],
+            ]
+        )
+    head = ["comparison", "pairs", "lower / higher", "sign test p"]
+    return _table([*head, "Δ val ppl (mean)", "95 % CI", "p (t)", "reading", "note"], rows)

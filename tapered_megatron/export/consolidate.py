@@ -45,6 +45,7 @@ from tapered_megatron.checkpoint_layout import (
     TAPER_PLAN,
     UNIVERSAL,
     complete_tags,
+    entries_problem,
     has_universal,
     is_tag,
     iteration_of,
@@ -122,6 +123,9 @@ def resolve_checkpoint(
             f"{tag_dir} is a partial checkpoint (no '{COMPLETE}' marker: the run stopped while "
             f"saving it); export a complete one with --tag ({', '.join(others) or 'none found'})"
         )
+    why = entries_problem(tag_dir)  # before any file is read: all inside the tag
+    if why is not None:
+        raise ExportError(f"{why}; export another --tag")
     try:
         cfg = load_saved_config(tag_dir / CONFIG, plugins, "pass --plugins {}")
     except (ConfigError, FileNotFoundError) as e:

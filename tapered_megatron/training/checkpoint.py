@@ -12,13 +12,14 @@ them). Only the newest ``train.keep_last`` complete checkpoints are kept.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import os
 import shutil
 import signal
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +36,7 @@ from tapered_megatron.checkpoint_layout import (
     TAPER_PLAN,
     complete_tags,
     digests,
+    entries_problem,
     is_complete,
     is_tag,
     latest_problem,
@@ -148,18 +150,24 @@ def size_text(n: int) -> str:
     return f"{n:,} bytes"
 
 
-def _save_failed(cfg: Config, engine: Any, tag_dir: Path, error: Exception) -> SaveFailed:
+def _cause(error: Exception) -> str | None:
+    """What a failed write says (``rank N: ...`` in a job of several ranks), or None when
+    ``error`` is not a failed write (:func:`_write_failure`)."""
+    if isinstance(error, SaveFailed) or not _write_failure(error):
+        return None
+    why = (error.strerror or str(error)) if isinstance(error, OSError) else None
+    why = why or "torch.save could not write its file"
+    return f"rank {_rank()}: {why}" if _world() > 1 else why
+
+
+def _save_failed(cfg: Config, engine: Any, tag_dir: Path, cause: str) -> str:
     """Remove the partial ``tag_dir`` and say why it failed in one line."""
     shutil.rmtree(tag_dir, ignore_errors=True)
     save_dir = tag_dir.parent
-    if isinstance(error, OSError):
-        cause = error.strerror or str(error)
-    else:
-        cause = "torch.save could not write its file"
     half = bool(engine.fp16_enabled() or engine.bfloat16_enabled())
     need = checkpoint_bytes(cfg, half)
     latest = latest_tag(save_dir) or "no checkpoint"
-    return SaveFailed(
+    return (
         f"{save_dir}: writing checkpoint {tag_dir.name} failed ({cause}); "
         f"{size_text(shutil.disk_usage(save_dir).free)} free, a checkpoint needs about "
         f"{size_text(need)}; the partial {tag_dir.name} was removed and {LATEST} still "
@@ -168,20 +176,74 @@ def _save_failed(cfg: Config, engine: Any, tag_dir: Path, error: Exception) -> S
     )
 
 
+class _Writes:
+    """This rank's writes into a checkpoint being saved. The first one that fails
+    (:func:`_write_failure`) is kept and the later ones are skipped instead of raising, so the
+    rank still takes part in every collective of the save (DeepSpeed's, the universal copy's)
+    and all ranks learn of the failure together (:meth:`settle`)."""
+
+    def __init__(self) -> None:
+        self.cause: str | None = None
+
+    def __call__(self, write: Callable[..., Any], *args: Any, **kwargs: Any) -> None:
+        """``write(*args, **kwargs)``, unless an earlier write failed; a failed write is kept."""
+        if self.cause is not None:
+            return
+        try:
+            write(*args, **kwargs)
+        except (OSError, RuntimeError) as e:
+            self.cause = _cause(e)
+            if self.cause is None:
+                raise
+
+    def torch_save(self, obj: Any, path: Path) -> None:
+        """``torch.save(obj, path)`` as one of these writes."""
+        self(torch.save, obj, path)
+
+    @contextlib.contextmanager
+    def deepspeed(self, engine: Any) -> Iterator[None]:
+        """DeepSpeed's checkpoint files written as these writes while the block runs."""
+        files = engine.checkpoint_engine
+        save = files.save
+        files.save = functools.partial(self, save)
+        try:
+            yield
+        finally:
+            del files.save
+
+    def settle(self, cfg: Config, engine: Any, tag_dir: Path) -> None:
+        """Raise :class:`SaveFailed` on every rank, the partial ``tag_dir`` removed, when a
+        write failed on any rank (collective: the world group; rank 0 names the first
+        failure, with the directory and the bytes a checkpoint needs, for all)."""
+        causes = [self.cause]
+        if _world() > 1:
+            causes = [None] * _world()
+            dist.all_gather_object(causes, self.cause)
+        cause = next((c for c in causes if c), None)
+        if cause is None:
+            return
+        line = [_save_failed(cfg, engine, tag_dir, cause) if _rank() == 0 else None]
+        if _world() > 1:
+            dist.broadcast_object_list(line, src=0)
+        raise SaveFailed(line[0])
+
+
 def save(
     engine: Any,
     cfg: Config,
     iteration: int,
     consumed_samples: int,
     extra: dict[str, Any] | None = None,
-    also: Callable[[Path, dict[str, Any]], None] | None = None,
+    also: Callable[[Path, dict[str, Any], Callable[[Any, Path], None]], None] | None = None,
     layout: dict[str, Any] | None = None,
 ) -> Path:
     """Save a checkpoint on every rank, then mark it complete and point ``latest`` at it.
 
-    ``also(tag_dir, client_state)`` writes more files into the checkpoint before it is marked
-    complete (the trainer's layout-free copy, :mod:`tapered_megatron.training.reshard`);
-    ``layout`` (:func:`layout_record`) is written as ``layout.json``.
+    ``also(tag_dir, client_state, torch_save)`` writes more files into the checkpoint, each with
+    ``torch_save(obj, path)``, before it is marked complete (the trainer's layout-free copy,
+    :mod:`tapered_megatron.training.reshard`); ``layout`` (:func:`layout_record`) is written as
+    ``layout.json``. A write that fails on any rank (a full disk) ends the save on every rank
+    together with the same :class:`SaveFailed`, nothing of it left and ``latest`` unchanged.
     Collective: every rank must call it. Returns the checkpoint directory.
     """
     save_dir = Path(cfg.train.save_dir)
@@ -193,33 +255,38 @@ def save(
             shutil.rmtree(tag_dir)
     _barrier()
     client = {"iteration": iteration, "consumed_samples": consumed_samples, **(extra or {})}
+    writes = _Writes()
     try:
-        engine.save_checkpoint(str(save_dir), tag=tag, client_state=client, save_latest=False)
+        with writes.deepspeed(engine):
+            engine.save_checkpoint(str(save_dir), tag=tag, client_state=client, save_latest=False)
         crash_point("rank_files")
-        tag_dir.mkdir(parents=True, exist_ok=True)
-        torch.save(parallel.get_rng_state(), tag_dir / f"rng_rank{_rank():05d}.pt")
+        writes(lambda: tag_dir.mkdir(parents=True, exist_ok=True))
+        writes.torch_save(parallel.get_rng_state(), tag_dir / f"rng_rank{_rank():05d}.pt")
         if also is not None:
-            also(tag_dir, client)
+            also(tag_dir, client, writes.torch_save)
         if _rank() == 0:
-            (tag_dir / CONFIG).write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
-            (tag_dir / TAPER_PLAN).write_text(json.dumps(cfg.taper_plan.to_dict(), indent=1))
+            writes((tag_dir / CONFIG).write_text, yaml.safe_dump(cfg.to_dict(), sort_keys=False))
+            writes(
+                (tag_dir / TAPER_PLAN).write_text, json.dumps(cfg.taper_plan.to_dict(), indent=1)
+            )
             if layout is not None:
-                (tag_dir / LAYOUT).write_text(json.dumps(layout) + "\n")
-        _barrier()
+                writes((tag_dir / LAYOUT).write_text, json.dumps(layout) + "\n")
+        writes.settle(cfg, engine, tag_dir)
         files = _digests(tag_dir)
         if _rank() == 0:
             crash_point("complete")
             marker = {"iteration": iteration, "consumed_samples": consumed_samples, "files": files}
-            _write_atomic(tag_dir / COMPLETE, json.dumps(marker) + "\n")
+            writes(_write_atomic, tag_dir / COMPLETE, json.dumps(marker) + "\n")
             crash_point("latest")
-            _write_atomic(save_dir / LATEST, tag)
-    except (OSError, RuntimeError) as e:
-        if not _write_failure(e):
+            writes(_write_atomic, save_dir / LATEST, tag)
+            if writes.cause is None:
+                prune(save_dir, cfg.train.keep_last)
+        writes.settle(cfg, engine, tag_dir)
+    except (OSError, RuntimeError) as e:  # a write outside ``writes``: this rank alone stops
+        cause = _cause(e)
+        if cause is None:
             raise
-        raise _save_failed(cfg, engine, tag_dir, e) from None
-    if _rank() == 0:
-        prune(save_dir, cfg.train.keep_last)
-    _barrier()
+        raise SaveFailed(_save_failed(cfg, engine, tag_dir, cause)) from None
     return tag_dir
 
 
@@ -299,6 +366,9 @@ def _checked_problem(tag: str, _stamp: tuple) -> str | None:
     """:func:`checkpoint_problem` of the tag directory ``tag`` (``_stamp``: its files' names,
     sizes and mtimes, the key that makes a changed tag be checked again)."""
     tag_dir = Path(tag)
+    why = entries_problem(tag_dir)  # before any file is read: all inside the tag
+    if why is not None:
+        return why
     try:
         safe_load.verify_tag(tag_dir)
     except safe_load.UnsafeFileError as e:

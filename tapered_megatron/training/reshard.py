@@ -23,6 +23,7 @@ rank ``r mod old world``.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -137,9 +138,16 @@ def _step(opt: torch.optim.Optimizer) -> float:
 
 
 def save(
-    engine: Any, cfg: Config, layout: dict[str, Any], tag_dir: Path, client: dict[str, Any]
+    engine: Any,
+    cfg: Config,
+    layout: dict[str, Any],
+    tag_dir: Path,
+    client: dict[str, Any],
+    torch_save: Callable[[Any, Path], None] = torch.save,
 ) -> None:
-    """Write ``tag_dir/universal`` (collective: every rank calls it, before ``complete``)."""
+    """Write ``tag_dir/universal`` (collective: every rank calls it, before ``complete``), each
+    file with ``torch_save(obj, path)`` (the save's own writes,
+    :func:`tapered_megatron.training.checkpoint.save`)."""
     out = tag_dir / UNIVERSAL
     out.mkdir(parents=True, exist_ok=True)
     opt = _link_optimizer_state(engine)
@@ -155,7 +163,7 @@ def save(
             w, *moments = _own_state(p, opt, masters)
         full = [_tp_full(t.detach().float().reshape(param_shape(p)), p) for t in (w, *moments)]
         if writer:
-            torch.save(dict(zip(("fp32", *MOMENTS), full)), out / f"{name}.pt")
+            torch_save(dict(zip(("fp32", *MOMENTS), full)), out / f"{name}.pt")
     if dist.get_rank() == 0:
         meta = {
             "layout": layout,
@@ -165,7 +173,7 @@ def save(
             "loss_scale": _loss_scale(engine),
             "client": client,
         }
-        torch.save(meta, out / UNIVERSAL_META)
+        torch_save(meta, out / UNIVERSAL_META)
 
 
 def _set_full(p: torch.nn.Parameter, value: torch.Tensor, key: str | None) -> None:

@@ -241,8 +241,10 @@ class Trainer:
         """A checkpoint of iteration ``it``, with its layout and (if on) the universal copy."""
         record = checkpoint.layout_record(self.cfg, self.layout)
 
-        def universal(tag_dir: Path, client: dict[str, Any]) -> None:
-            reshard.save(self.engine, self.cfg, record, tag_dir, client)
+        def universal(
+            tag_dir: Path, client: dict[str, Any], torch_save: Callable[[Any, Path], None]
+        ) -> None:
+            reshard.save(self.engine, self.cfg, record, tag_dir, client, torch_save)
 
         also = universal if self.cfg.train.universal_checkpoint else None
         try:
