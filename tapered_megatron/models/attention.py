@@ -138,13 +138,18 @@ class Attention(TokenMixer):
         # scores q.k and the weighted sum of v over the mean causal context (s + 1) / 2, for
         # every query head (grouped-query attention shares k and v, not these products)
         attn_flops = 2 * 2 * d * (m.seq_len + 1) / 2
-        # kept: input (d), q (d) and k v (kv) after RoPE, attention output (d), its
-        # log-sum-exp (h), the out-projection input (d); a gate adds sigmoid(g) (h g) and the
-        # gated output (d)
-        elems = 4 * d + kv + h + (h * g + d if g else 0)
+        # kept: the projections' input (d); the fused projection's output ([q | gate], k, v:
+        # v is a view of it), q and k after RoPE, the attention output (also the
+        # out-projection's input) and its log-sum-exp (h); a gate adds sigmoid(g) (h g) and the
+        # gated output (the out-projection's input). RoPE's tables are per sequence, not counted.
+        inner = h * m.head_dim
+        elems = d + (inner + h * g + kv) + (inner + kv // 2) + inner + h
+        if g:
+            elems += h * g + inner
         # selective recompute runs the core (RoPE, scores, weighted sum, gate) again in
-        # backward: it frees q and k after RoPE, the log-sum-exp and sigmoid(g)
-        core = d + kv // 2 + h + h * g
+        # backward: it frees q and k after RoPE, the log-sum-exp, sigmoid(g) and the ungated
+        # output (the projection's output and the core's output stay)
+        core = inner + kv // 2 + h + (h * g + inner if g else 0)
         b = dtype_bytes
         return Counts(
             params,

@@ -144,12 +144,13 @@ class Block(nn.Module):
     def counts(
         cls, cfg: Config, layer: int, halves: tuple[str, ...] = HALVES, dtype_bytes: int = 2
     ) -> Counts:
-        """Each half's module counts plus its norm (a gain; keeps its input for backward) and,
-        with ``model.dropout``, its dropout mask (one byte per element)."""
+        """Each half's module counts plus its norm (a gain; keeps its normalised input and the
+        fp32 reciprocal RMS for backward) and, with ``model.dropout``, its dropout mask (one
+        byte per element)."""
         arch = resolve_architecture(cfg.model.arch)
         d = cfg.model.d_model
         mask = d if cfg.model.dropout > 0 else 0
-        norm = Counts(d, 0.0, float(d * dtype_bytes + mask))
+        norm = Counts(d, 0.0, float(d * dtype_bytes + 4 + mask))
         modules = {"mixer": arch.mixer, "mlp": arch.mlp}
         total = Counts(0, 0.0, 0.0)
         for half in halves:
@@ -197,7 +198,7 @@ class Head(nn.Module):
         token); its fp32 weight gradient and one chunk of logits are per micro-batch, not per
         token (the pipeline cost model adds them)."""
         d, vocab = cfg.model.d_model, cfg.padded_vocab_size
-        norm = Counts(d, 0.0, float(d * dtype_bytes))
+        norm = Counts(d, 0.0, float(d * dtype_bytes + 4))
         return norm + Counts(vocab * d, 2.0 * vocab * d, float(d * dtype_bytes))
 
 

@@ -45,8 +45,10 @@ Memory of stage ``j`` under 1F1B with ``M`` micro-batches (stage ``j`` of ``P`` 
   0.19.8).
   ZeRO-1 divides the optimizer term by ``dp``, ZeRO-2 also the gradients, ZeRO-3 everything.
 * activations: the counted bytes per token x ``b * s``; tensor parallelism shards everything
-  but each half's input and its norm's input (replicated). Sequence parallelism shards the
-  norm's input too (and the dropout mask); the whole-sequence input the half's TP region
+  but each half's input, its norm's output and what the module counts as whole on every rank
+  (``Counts.act_replicated``: tensors over ``d_model`` or over tokens only inside the TP
+  region, such as Hope's level chain) (replicated). Sequence parallelism shards the norm's
+  output too (and the dropout mask); the whole-sequence input the half's TP region
   multiplies stays replicated (the all-gathered tensor the column-parallel layer keeps). With
   ``full`` recompute a block/sub-block keeps only its input per micro-batch in flight (a
   sequence shard under sequence parallelism); with ``selective`` it keeps all but its cores'
@@ -378,11 +380,13 @@ def unit_costs(
         # ring time) and an all-gather more for each half that runs on the whole sequence
         per_pass = TP_ALL_REDUCES[u.kind] + (0.5 * whole_sequence_halves(arch, u.kind) if sp else 0)
         comm = per_pass * (passes - 1 + (f is not None)) * tp_ar
-        # Each half's input and its norm's input are replicated on every TP rank; under
+        # Each half's input and its norm's output are replicated on every TP rank; under
         # sequence parallelism only the input its TP region multiplies (gathered) is, the
-        # norm's is a sequence shard. Everything inside the mixer / MLP / head is sharded.
+        # norm's output is a sequence shard. Inside the mixer / MLP / head everything is
+        # sharded but what the module counts as whole on every rank (``act_replicated``).
         subunits = 2 if u.kind == "layer" else 1
-        resid = min((1 if sp else 2) * subunits * input_bytes, act_bytes) * tok
+        whole = (1 if sp else 2) * subunits * input_bytes + c.act_replicated
+        resid = min(whole, act_bytes) * tok
         full = resid + (act_bytes * tok - resid) / shape.tp
         # While a unit runs backward, gradients of its activations (about the size of what it
         # saved) are alive next to everything held for the micro-batches in flight; a

@@ -295,29 +295,45 @@ class ContinuumMemory(MLPSlot):
         d_ff = cfg.taper_plan.widths[layer] if d_ff is None else d_ff
         widths = level_widths(d_ff, h.levels, cfg.taper_plan.unit)
         total = Counts(0, 0.0, 0.0)
-        for w, period in zip(widths, h.periods):
+        for i, (w, period) in enumerate(zip(widths, h.periods)):
             base = SwiGLU.counts(cfg, layer, dtype_bytes, d_ff=w)
+            # a later level's input u_{i-1} (d) is every TP rank's whole (the first's is the
+            # half's input)
+            whole = d * (i > 0) * dtype_bytes
             if period > 0 and h.lr > 0:
                 gates = (1 + (h.step_norm == "split")) if h.rate == "learned" else 0
-                gate, s, macs, elems, core = gates * (d + 1), m.seq_len, 0.0, 0.0, 0.0
+                gate, s = gates * (d + 1), m.seq_len
                 if s > period:  # else the level runs static
                     # per token: window_macs (e W_2, x X^T, the dual form, the folds) at the
-                    # window forward_updating picks, the gates' d MACs; kept: the corrected
-                    # pre-activation, D, A, E, the error and its W_2 product (2w + 2w + w + d +
-                    # d + w), norms, rates (5), x X^T and the two held dual-form products
-                    # (about 2 (L - c) per token in a window of L), x X^T over earlier windows
+                    # window forward_updating picks, the gates' d MACs. Kept, in fp32 (fp64)
+                    # whatever the activation dtype (_UpdatingWindow): the pre-activation, its
+                    # gradient factor and D (2w each), A and E (w each), the materialised
+                    # per-sequence W_2 (d w per sequence per fold); over d or tokens only, whole
+                    # on every TP rank: the level input's fp32 copy (below fp32), the copies of
+                    # its windows the x W_13^T products keep (when it has several windows), the
+                    # error and its W_2 product (2d), norms and rates (5), the held dual-form
+                    # products (about 2 (L - c) per token in a window of L) and x X^T over
+                    # earlier windows
                     win = fold_window(d, w, period, s)
+                    folds = -(-s // win) - 1
                     macs = window_macs(d, w, period, s, win) + gate
                     cross = sum(min(win, s - w0) * w0 for w0 in range(0, s, win)) / s
-                    elems = 6 * w + 2 * d + 5 + 2 * (min(win, s) - period) + cross
-                    # selective recompute runs each window again in backward: it keeps the
-                    # window's inputs (rates, norms) and the held products, frees the rest
-                    core = elems - 3 - (min(win, s) - period) - cross
-                b = dtype_bytes
-                base = base + Counts(
-                    gate, 2.0 * macs, elems * b, core_bytes=core * b, core_flops=2.0 * (macs - gate)
-                )
-            total = total + base
+                    tokens = 5 + 2 * (min(win, s) - period) + cross
+                    f = max(4, dtype_bytes)
+                    rep = f * (d * (dtype_bytes < f) + d * (folds > 0) + 2 * d + tokens)
+                    act = d * dtype_bytes + f * (8 * w + folds * d * w / s) + rep
+                    whole += rep
+                    # selective recompute runs each window again in backward: its inputs (the
+                    # window, its pre-activation, W_2, rates, norms) and the factors D later
+                    # windows multiply stay; the rest of what it keeps goes
+                    core = f * (4 * w + 2 * w / (folds + 1) + 2 * d + 2 * (min(win, s) - period))
+                    base = Counts(
+                        base.params + gate, base.flops + 2.0 * macs, act,
+                        core_bytes=core, core_flops=2.0 * (macs - gate),
+                    )  # fmt: skip
+                else:
+                    base = base + Counts(gate, 0.0, 0.0)
+            total = total + replace(base, act_replicated=float(whole))
         return total
 
     def forward(self, u: torch.Tensor) -> torch.Tensor:

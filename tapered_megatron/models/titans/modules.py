@@ -358,14 +358,28 @@ class TitansMixer(TokenMixer):
         first = dm.mem_layers[0][0] * dm.mem_layers[0][1]
         mem_macs = h * (mem_p + (mem_p - first) + 2 * mem_p + b * mem_io + b * b + 2 * mem_p)
         flops = 2.0 * (mats + 3 * inner * t.conv_size + mem_macs)
-        # kept: x (d), qkv before/after conv and silu (9 inner), gates (6h), per head the key
-        # pass (hidden pre/post activations, deltas, read-out pre/post: ~3 hidden + 3 head_dim),
-        # the b x b score rows per layer, and M, S at each chunk boundary (2P per b tokens)
-        mem_elems = h * (3 * hidden + 3 * dm.head_dim + b * dm.depth + b + 2 * mem_p / b)
-        elems = d + 9 * inner + 6 * h + mem_elems + 2 * inner
+        # kept per token, per head where split by heads: the projections' input x (d); the
+        # conv's padded input, output and silu of q k v (9 inner) and q's and k's l2 norms (2);
+        # the gate projection (3) and the log-rates (2); the chunk coefficients (the decay and
+        # momentum-decay rows of the b x b products, 2 b, and their cumulative exps, 2); the
+        # scan's inputs (keys and queries 2 head_dim, |k|^2, theta, the coefficient row b, the
+        # rates 2 and the chunk-end weights 2), the chunk-start [M; S] (2P per b tokens) and each
+        # chunk's intermediates (_chunk_forward's ``saved``: the first layer's key and query
+        # products 4 out_0, per later layer its activation, silu derivative, dM, read-out silu
+        # and derivative (5 in_l), the pre-activations between, the deltas, the read-outs
+        # through [M_0; S_0] (2 out_l), the b score rows per layer, three clip scalars)
+        outs, ins = [o for o, _ in dm.mem_layers], [i for _, i in dm.mem_layers]
+        chunk = 4 * outs[0] + 5 * sum(ins[1:]) + sum(outs[1:-1]) + sum(outs) + 2 * sum(outs[1:])
+        scan = 2 * dm.head_dim + 2 + b + 4 + 2 * mem_p / b + chunk + dm.depth * b + 3
+        # (the log-rates, coefficients and scan in fp32 whatever the activation dtype)
+        scan_bytes = max(4, dtype_bytes) * h * (2 + 2 * b + 2 + scan)
+        elems = d + 9 * inner + h * (2 + 3) + inner  # + W_o's input
+        if t.variant == "lmm":
+            elems += inner + h  # the read-out, its rms
         kv_params = 0  # key/value projections of the attention
-        # selective recompute: the scan runs again in backward (its inputs stay)
-        core, core_flops = mem_elems, 2.0 * mem_macs
+        # selective recompute runs the scan again in backward: its inputs stay, everything it
+        # keeps inside (log-rates, coefficients, the scan's tensors) goes
+        core, core_flops = 0.0, 2.0 * mem_macs
         if t.variant != "lmm":
             n_p = t.persistent_tokens
             if t.variant == "mac":  # persistent + memory tokens and the segment, causal in both
@@ -376,14 +390,18 @@ class TitansMixer(TokenMixer):
             kv_params = 2 * d * m.kv_heads * dm.head_dim
             params += d * inner + kv_params + 2 * n_p * inner
             flops += 2.0 * (d * inner + kv_params) + 2 * 2 * inner * ctx
-            # q k v after RoPE (k, v repeated to every query head), attention output, its
+            # the q k v projection's output and q, k after RoPE (k, v repeated to every query
+            # head); beyond the first window the blocks' queries and their keys and values over
+            # two windows (mac: its own segments, counted below); the attention output and its
             # log-sum-exp
-            elems += 5 * inner + h
-            # selective recompute keeps the projections' outputs and the core's output
-            core, core_flops = core + inner + h, core_flops + 2 * 2 * inner * ctx
+            blocks = max(0, s - t.window) / s if t.variant != "mac" else 0
+            elems += 6 * inner + 5 * inner * blocks + h
+            # selective recompute keeps the projections' output and the core's output, frees
+            # q and k after RoPE, the blocks' tensors, the attention's output and log-sum-exp
+            core, core_flops = 3 * inner + 5 * inner * blocks + h, 2 * 2 * inner * ctx
         if t.variant in ("mag", "mac"):
             params += inner
-            elems += 2 * inner  # normalised attention output, sigmoid gate
+            elems += 3 * inner + 2 * h  # the gated norms' inputs and sigmoid, two rms
         if t.variant == "mal":
             params += inner * d
             flops += 2.0 * inner * d
@@ -397,10 +415,10 @@ class TitansMixer(TokenMixer):
             elems += 2 * inner + h * hidden + 3 * d + 2 * inner  # query, read, tokens, k/v, y
         params += inner * d  # output projection
         flops += 2.0 * inner * d
-        b = dtype_bytes
+        act = elems * dtype_bytes + scan_bytes
         return Counts(
-            int(params), float(flops), float(elems * b), kv_params=kv_params,
-            core_bytes=float(core * b), core_flops=core_flops,
+            int(params), float(flops), float(act), kv_params=kv_params,
+            core_bytes=core * dtype_bytes + scan_bytes, core_flops=core_flops,
         )  # fmt: skip
 
     def _qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
