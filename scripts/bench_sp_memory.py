@@ -6,7 +6,8 @@ measured against the cost model's prediction.
 For each architecture, ``--tp`` gloo ranks build the model of the library shape (``--layers``
 layers) at TP ``--tp``, without and with ``parallel.sequence_parallel``, and each rank counts the
 bytes autograd keeps for backward in one forward of the fused loss (``saved_tensors_hooks``,
-unique storages, parameters and the token ids excluded: ``pipeline.profile.saved_bytes``). The
+unique storages, parameters and the token ids excluded:
+``pipeline.profile.model_saved_bytes``). The
 prediction is the sum of the cost model's per-unit activations of one micro-batch
 (``pipeline.cost.unit_costs``, fp32, no checkpointing) for the same shape. Prints one JSON line
 per architecture: measured and predicted bytes per rank, their ratio, and the saving SP brings
@@ -17,15 +18,13 @@ from __future__ import annotations
 
 import argparse
 
-import torch
 from bench_common import LIBRARY_SHAPE, emit, stamp
 
 from tapered_megatron.config import Config, load_config
-from tapered_megatron.models import build_model
 from tapered_megatron.parallel import init_model_parallel, model_parallel_seed
 from tapered_megatron.parallel.local_launch import run_workers
 from tapered_megatron.pipeline import cost as costlib
-from tapered_megatron.pipeline.profile import saved_bytes
+from tapered_megatron.pipeline.profile import model_saved_bytes
 
 ARCHS = ("transformer", "gated_attention", "titans", "hope_attention")
 
@@ -43,31 +42,14 @@ def _cfg(arch: str, a: argparse.Namespace, sp: bool) -> Config:
     )  # fmt: skip
 
 
-class _Loss(torch.nn.Module):
-    """``ids -> model(ids, labels)``: the fused training loss as one module."""
-
-    def __init__(self, model: torch.nn.Module, labels: torch.Tensor) -> None:
-        super().__init__()
-        self.model, self.labels = model, labels
-
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        return self.model(ids, self.labels)
-
-
-def _worker(rank: int, world: int, a: argparse.Namespace) -> dict[str, list[float]]:
+def _worker(rank: int, world: int, a: argparse.Namespace) -> dict[str, float]:
     init_model_parallel(tp=world, pp=1)
     model_parallel_seed(1234)
-    out = {}
-    for arch in a.archs:
-        for sp in (False, True):
-            cfg = _cfg(arch, a, sp)
-            g = torch.Generator().manual_seed(0)
-            ids = torch.randint(
-                0, cfg.model.vocab_size, (a.micro_batch, cfg.model.seq_len + 1), generator=g
-            )
-            module = _Loss(build_model(cfg), ids[:, 1:])
-            out[f"{arch}:{sp}"] = saved_bytes(module, ids[:, :-1], lambda loss: loss)
-    return out
+    return {
+        f"{arch}:{sp}": model_saved_bytes(_cfg(arch, a, sp), a.micro_batch)
+        for arch in a.archs
+        for sp in (False, True)
+    }
 
 
 def predicted(cfg: Config, a: argparse.Namespace, sp: bool) -> float:

@@ -113,6 +113,31 @@ def saved_bytes(module: torch.nn.Module, x: torch.Tensor, loss: Any) -> float:
     return float(sum(seen.values()))
 
 
+class _Loss(torch.nn.Module):
+    """``ids -> model(ids, labels)``: the fused training loss as one module."""
+
+    def __init__(self, model: torch.nn.Module, labels: torch.Tensor) -> None:
+        super().__init__()
+        self.model, self.labels = model, labels
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.model(ids, self.labels)
+
+
+def model_saved_bytes(cfg: Config, micro_batch_size: int, seed: int = 0) -> float:
+    """Bytes autograd keeps on this rank in one training forward of the whole model built from
+    ``cfg`` under the current TP group (the fused loss of ``micro_batch_size`` random
+    sequences, :func:`saved_bytes`): what the cost model predicts as one micro-batch's
+    activations."""
+    from tapered_megatron.models import build_model
+
+    g = torch.Generator().manual_seed(seed)
+    shape = (micro_batch_size, cfg.model.seq_len + 1)
+    ids = torch.randint(0, cfg.model.vocab_size, shape, generator=g)
+    module = _Loss(build_model(cfg).train(), ids[:, 1:])
+    return saved_bytes(module, ids[:, :-1], lambda loss: loss)
+
+
 def measure_units(
     cfg: Config, unit: str, micro_batch_size: int, recompute: str, reps: int = 7
 ) -> dict[str, list[float]]:
