@@ -250,9 +250,11 @@ MEM_SHAPE = [
 ]  # fmt: skip
 
 
-def _mem_cfg(arch: str, tp: int, sp: bool):
+def _mem_cfg(arch: str, tp: int, sp: bool, recompute: str):
     parallel = ["--parallel.tp", str(tp), "--parallel.sequence_parallel", str(sp).lower()]
-    return load_config("quickstart", [*for_arch(arch, MEM_SHAPE), *parallel])
+    return load_config(
+        "quickstart", [*for_arch(arch, MEM_SHAPE), *parallel, "--train.recompute", recompute]
+    )
 
 
 def _saved_per_rank(rank: int, world: int, settings: list) -> dict:
@@ -260,33 +262,39 @@ def _saved_per_rank(rank: int, world: int, settings: list) -> dict:
 
     init_model_parallel(tp=world, pp=1)
     model_parallel_seed(1234)
-    return {(a, sp): model_saved_bytes(_mem_cfg(a, world, sp), 2) for a, sp in settings}
+    return {k: model_saved_bytes(_mem_cfg(k[0], world, *k[1:]), 2) for k in settings}
 
 
 def test_activation_memory_matches_what_autograd_keeps():
     """Per rank, the bytes autograd keeps in one training forward (fp32) are the cost model's
     activations of the micro-batch within 15 % for every architecture at TP1, TP2 and TP2 + SP,
-    and SP saves the predicted bytes within 15 %."""
+    without recompute and with selective recompute, and SP saves the predicted bytes within
+    15 %."""
     from tapered_megatron.pipeline import cost as costlib
 
-    runs = {1: [(a, False) for a in ARCHS], 2: [(a, sp) for a in ARCHS for sp in (False, True)]}
+    runs = {
+        1: [(a, False, r) for a in ARCHS for r in ("none", "selective")],
+        2: [(a, sp, "none") for a in ARCHS for sp in (False, True)]
+        + [(a, True, "selective") for a in ARCHS],
+    }
     for tp, settings in runs.items():
         measured = run_workers(_saved_per_rank, tp, settings)
         pred = {}
-        for arch, sp in settings:
-            cfg = _mem_cfg(arch, tp, sp)
+        for arch, sp, recompute in settings:
+            cfg = _mem_cfg(arch, tp, sp, recompute)
             shape = costlib.RunShape(
                 micro_batch_size=2, seq_len=cfg.model.seq_len, tp=tp, sequence_parallel=sp,
-                precision="fp32", pipeline=False,
+                precision="fp32", pipeline=False, recompute=recompute,
             )  # fmt: skip
             units = costlib.unit_costs(cfg, shape, costlib.get_device("cpu"))
-            pred[arch, sp] = sum(u.act for u in units)
+            key = (arch, sp, recompute)
+            pred[key] = sum(u.act for u in units)
             for rank in measured:
-                assert rank[arch, sp] == pytest.approx(pred[arch, sp], rel=0.15), (arch, tp, sp)
+                assert rank[key] == pytest.approx(pred[key], rel=0.15), (key, tp)
         for arch in ARCHS if tp > 1 else ():
-            saving = [m[arch, False] - m[arch, True] for m in measured]
-            want = pred[arch, False] - pred[arch, True]
-            assert saving == pytest.approx([want] * tp, rel=0.15), arch
+            no_sp, sp = (arch, False, "none"), (arch, True, "none")
+            saving = [m[no_sp] - m[sp] for m in measured]
+            assert saving == pytest.approx([pred[no_sp] - pred[sp]] * tp, rel=0.15), arch
 
 
 def test_planner_searches_sequence_parallelism_and_takes_it_where_memory_needs_it():

@@ -97,6 +97,7 @@ class Counts:
         core_bytes: the part of ``act_bytes`` that selective recompute frees (the core's
             saved activations beyond its inputs and output, :class:`Recomputed`).
         core_flops: forward FLOPs per token of that core (run again in backward).
+        core_replicated: the part of ``core_bytes`` every TP rank holds whole.
         act_replicated: the part of ``act_bytes`` every TP rank keeps whole beyond the half's
             input (tensors over ``d_model`` or over tokens only inside the TP region).
     """
@@ -107,6 +108,7 @@ class Counts:
     kv_params: int = 0
     core_bytes: float = 0.0
     core_flops: float = 0.0
+    core_replicated: float = 0.0
     act_replicated: float = 0.0
 
     def __add__(self, other: Counts) -> Counts:
@@ -117,6 +119,7 @@ class Counts:
             self.kv_params + other.kv_params,
             self.core_bytes + other.core_bytes,
             self.core_flops + other.core_flops,
+            self.core_replicated + other.core_replicated,
             self.act_replicated + other.act_replicated,
         )
 

@@ -52,7 +52,7 @@ Memory of stage ``j`` under 1F1B with ``M`` micro-batches (stage ``j`` of ``P`` 
   multiplies stays replicated (the all-gathered tensor the column-parallel layer keeps). With
   ``full`` recompute a block/sub-block keeps only its input per micro-batch in flight (a
   sequence shard under sequence parallelism); with ``selective`` it keeps all but its cores'
-  ``core_bytes`` (inside the TP region, so sharded).
+  ``core_bytes`` (inside the TP region: sharded but ``core_replicated``).
 * transient: while one unit runs backward, its activation gradients (about the size of what it
   saved; under checkpointing its recomputed activations) live next to everything in flight.
   The head's fused loss keeps its fp32 weight gradient per micro-batch in flight and works
@@ -393,7 +393,7 @@ def unit_costs(
         # checkpointed unit first re-creates its activations. Either way: one unit's worth.
         act = input_bytes * tok / (shape.tp if sp else 1) if recompute else full
         if shape.recompute == "selective" and measured_act is None:
-            act -= c.core_bytes * tok / shape.tp
+            act -= (c.core_replicated + (c.core_bytes - c.core_replicated) / shape.tp) * tok
         peak = full
         if u.kind == "head":
             # The fused loss keeps its fp32 weight gradient until the micro-batch's backward

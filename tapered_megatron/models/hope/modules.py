@@ -326,10 +326,12 @@ class ContinuumMemory(MLPSlot):
                     # selective recompute runs each window again in backward: its inputs (the
                     # window, its pre-activation, W_2, rates, norms) and the factors D later
                     # windows multiply stay; the rest of what it keeps goes
-                    core = f * (4 * w + 2 * w / (folds + 1) + 2 * d + 2 * (min(win, s) - period))
+                    core_whole = f * (2 * d + 2 * (min(win, s) - period))
+                    core = f * (4 * w + 2 * w / (folds + 1)) + core_whole
                     base = Counts(
                         base.params + gate, base.flops + 2.0 * macs, act,
                         core_bytes=core, core_flops=2.0 * (macs - gate),
+                        core_replicated=core_whole,
                     )  # fmt: skip
                 else:
                     base = base + Counts(gate, 0.0, 0.0)
