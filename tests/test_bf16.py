@@ -109,8 +109,7 @@ def test_bf16_resume(case, corpus, fp32_ref, tmp_path):
 
 
 # ------------------------------------------------------------------ layouts
-LAYOUTS = {
-    "zero1-dp2": (2, "zero1.json", []),
+LAYOUTS = {  # ZeRO-1 on two ranks: SLOW_LAYOUTS' zero1-2
     "pp2": (2, "pipeline.json", ["--parallel.pp", "2"]),
     "tp2": (2, "zero1.json", ["--parallel.tp", "2"]),
 }

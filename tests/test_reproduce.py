@@ -542,6 +542,7 @@ def _table_lines(path: Path) -> list[str]:
     return [ln for ln in text.splitlines() if ln.startswith(("|", "- (", "  - "))]
 
 
+@pytest.mark.slow
 def test_killed_driver_reruns_only_what_is_left(tmp_path: Path) -> None:
     out = tmp_path / "out"
     _start_and_kill_after(out, 1, "--only", "alignment", "--jobs", "1")

@@ -77,6 +77,7 @@ def test_resume_under_another_layout(case, corpus, tmp_path):
 IMPLICIT_GB = ["--train.micro_batch_size", "2", "--train.global_batch_size", "0"]
 
 
+@pytest.mark.slow
 def test_resume_on_fewer_ranks_keeps_the_global_batch(corpus, tmp_path):
     """Saved on 2 ranks with ``train.global_batch_size`` 0 (micro 2 x dp 2 = 4), resumed on one:
     the run goes on with global batch 4 (accumulation 2), not 2, and matches the uninterrupted

@@ -132,7 +132,7 @@ def test_resume_is_bitwise_single_process(corpus, reference, tmp_path):
 
 @pytest.mark.parametrize(
     "layout",
-    ["dp2-zero2", pytest.param("pp2", marks=pytest.mark.slow)],
+    [pytest.param(layout, marks=pytest.mark.slow) for layout in ("dp2-zero2", "pp2")],
 )
 def test_resume_multi_process(layout, corpus, reference, tmp_path):
     n, ds, extra = LAYOUTS[layout]

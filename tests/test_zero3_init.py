@@ -165,6 +165,7 @@ def test_checkpointed_pipeline_units_match_the_single_model(arch):
             torch.testing.assert_close(g, reference[key], atol=1e-6, rtol=1e-5, msg=key)
 
 
+@pytest.mark.slow
 @pytest.mark.distributed
 def test_planner_predicts_the_measured_zero3_step_memory() -> None:
     """The 760M preset's vocabulary and heads at d_model 512, 2 layers, on 2 gloo ranks for 3
