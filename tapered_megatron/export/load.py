@@ -46,6 +46,12 @@ class LoadedModel:
     iteration: int | None = None  # training iteration (checkpoints and exports)
 
 
+def check_dtype(dtype: str) -> None:
+    """Refuse a ``--dtype`` (export and evaluation) that is not one of :data:`DTYPES`."""
+    if dtype not in DTYPES:
+        raise ExportError(f"--dtype {dtype}: choose one of {', '.join(DTYPES)}")
+
+
 def check_export(model_dir: str | Path) -> None:
     """Refuse an export whose files differ from its ``manifest.json`` (one line naming the
     file; streamed sha256, as a checkpoint's ``complete`` is checked). An export written
@@ -153,8 +159,7 @@ def load_model(
     package (the saved configuration's own list is never imported)."""
     if (model is None) == (checkpoint is None):
         raise ExportError("give exactly one of --model OUT or --checkpoint DIR")
-    if dtype not in DTYPES:
-        raise ExportError(f"--dtype {dtype}: choose one of {', '.join(DTYPES)}")
+    check_dtype(dtype)
     if model is not None:
         return load_export(model, plugins, dtype)
     from tapered_megatron.export.consolidate import consolidate, resolve_checkpoint

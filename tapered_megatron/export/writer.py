@@ -48,6 +48,7 @@ from tapered_megatron.export.load import (
     DTYPES,
     WEIGHTS_INDEX,
     ExportError,
+    check_dtype,
     check_tokenizer,
     run_tokenizer,
 )
@@ -104,8 +105,7 @@ def check_weight_options(dtype: str, max_shard_size: int | str) -> int:
     reads it: ``5GB``, ``500MB``, ``2GiB``); the shard size in bytes."""
     from transformers.utils.hub import convert_file_size_to_int
 
-    if dtype not in DTYPES:
-        raise ExportError(f"--dtype {dtype}: choose one of {', '.join(DTYPES)}")
+    check_dtype(dtype)
     size = str(max_shard_size).strip()
     try:
         limit = int(size) if size.isdigit() else convert_file_size_to_int(size)
