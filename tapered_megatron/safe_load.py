@@ -21,6 +21,8 @@ from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
 from deepspeed.runtime.zero.config import ZeroStageEnum
 from deepspeed.utils.tensor_fragment import fragment_address
 
+from tapered_megatron.config_fields import first_line
+
 # The classes DeepSpeed's optimizer files hold beyond tensors and plain types (ZeRO-1/2/3 and
 # the bf16 optimizer: the stage, the loss scaler, the fragment map of each parameter; fp16's
 # dynamic loss scaler). Its model-states files hold plain types only.
@@ -58,8 +60,7 @@ def load(path: str | Path, mmap: bool = False) -> Any:
             "from received files)"
         ) from None
     except (RuntimeError, EOFError, OSError, ValueError) as e:
-        first = str(e).splitlines()[0] if str(e) else type(e).__name__
-        raise UnsafeFileError(f"{path}: unreadable ({first})") from None
+        raise UnsafeFileError(f"{path}: unreadable ({first_line(e)})") from None
 
 
 def verify_tag(tag_dir: Path) -> None:

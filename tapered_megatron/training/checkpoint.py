@@ -51,6 +51,7 @@ from tapered_megatron.checkpoint_layout import (
     tags,
 )
 from tapered_megatron.config import Config, ConfigError
+from tapered_megatron.config_fields import first_line
 from tapered_megatron.parallel.random import set_rng_state
 
 # Bytes per parameter in a DeepSpeed checkpoint: the module's weights plus Adam's fp32 moments
@@ -382,8 +383,7 @@ def _checked_problem(tag: str, _stamp: tuple) -> str | None:
             if f.exists() and not isinstance(parse(f.read_text()), dict):
                 return f"{f}: not a mapping"
         except (OSError, UnicodeDecodeError, ValueError, yaml.YAMLError) as e:
-            first = str(e).splitlines()[0] if str(e) else type(e).__name__
-            return f"{f}: unreadable ({first})"
+            return f"{f}: unreadable ({first_line(e)})"
     return None
 
 

@@ -25,6 +25,7 @@ import yaml
 
 from tapered_megatron import checkpoint_layout as layout_files
 from tapered_megatron.config import Config, ConfigError, load_saved_config
+from tapered_megatron.config_fields import first_line
 
 # Sections whose values fix the parameter shapes: a checkpoint of another shape cannot load.
 _SHAPE_SECTIONS = ("model", "taper")
@@ -128,7 +129,7 @@ def check_tokenizer(cfg: Config) -> None:
     except (OSError, RuntimeError) as e:
         raise ConfigError(
             f"data.tokenizer_model: {path} is not a readable sentencepiece model "
-            f"({str(e).splitlines()[0] if str(e) else type(e).__name__}); "
+            f"({first_line(e)}); "
             "pass the .model file the data was tokenized with"
         ) from None
     if vocab > cfg.model.vocab_size:
