@@ -336,23 +336,21 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
 #: Keys that were renamed: old dotted key -> new one (the old key fails with the new name).
 RENAMED = {"parallel.activation_checkpointing": "train.checkpoint_activations"}
 
-#: ``train.checkpoint_activations`` (a boolean) is an alias of ``train.recompute``: true is
-#: ``full``, false ``none``.
-ALIAS = ("checkpoint_activations", "recompute", {True: "full", False: "none"})
-
 
 def _aliased(layer: dict[str, Any]) -> dict[str, Any]:
-    """One config layer (a file, the overrides) with ``train.checkpoint_activations`` written
-    as ``train.recompute`` (:data:`ALIAS`); both in one layer must agree."""
+    """One config layer (a file, the overrides) with ``train.checkpoint_activations`` (a
+    boolean alias of ``train.recompute``: true is ``full``, false ``none``) written as
+    ``train.recompute``; both in one layer must agree."""
     train = layer.get("train")
-    old, new, values = ALIAS
-    if not isinstance(train, dict) or old not in train:
+    if not isinstance(train, dict) or "checkpoint_activations" not in train:
         return layer
     train = dict(train)
-    value = values[_coerce(train.pop(old), bool, f"train.{old}")]
-    if train.setdefault(new, value) != value:
+    flag = _coerce(train.pop("checkpoint_activations"), bool, "train.checkpoint_activations")
+    value = "full" if flag else "none"
+    if train.setdefault("recompute", value) != value:
         raise ConfigError(
-            f"train.{old} and train.{new} ({train[new]}) disagree; give train.{new} only"
+            f"train.checkpoint_activations and train.recompute ({train['recompute']}) disagree; "
+            "give train.recompute only"
         )
     return {**layer, "train": train}
 

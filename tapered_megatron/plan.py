@@ -123,10 +123,8 @@ def evaluate(cfg: Config, c: Candidate, dev: costlib.Device, cap: float) -> Cand
     r, costs = bal.methods["balancer"], bal.costs
     # ZeRO-1/2 without pipeline: overlap_comm's two reduce buckets (a fixed size per rank; one
     # stage, so adding them cannot change the partition)
-    buckets = 0.0
-    if c.pp == 1:
-        local = sum(u.params for u in costs) / c.tp
-        buckets = costlib.overlap_bucket_bytes(local, elem, c.zero)
+    stage_param = max(r.stage_params) / c.tp  # TP-local parameters of the heaviest stage
+    buckets = costlib.overlap_bucket_bytes(stage_param, elem, c.zero) if c.pp == 1 else 0.0
     worst = max(r.stage_mem) + buckets
     if worst > cap:
         return f"out of memory: needs {worst / costlib.GiB:.1f} GiB on its worst stage"
@@ -141,7 +139,6 @@ def evaluate(cfg: Config, c: Candidate, dev: costlib.Device, cap: float) -> Cand
     # with backward where DeepSpeed overlaps them (cost.dp_comm)
     grad_elem = 2.0 if dev.precision == "bf16" else 4.0
     dp_bw = dev.intra_bw if c.dp * c.tp <= dev.gpus_per_node else dev.inter_bw
-    stage_param = max(r.stage_params) / c.tp
     compute = max(r.stage_times)  # one micro-batch on the slowest stage
     passes = 4 if c.recompute == "full" else 3
     dp = costlib.dp_comm(

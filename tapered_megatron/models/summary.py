@@ -38,8 +38,11 @@ def compare(scales: list[str]) -> list[dict]:
     rows = []
     for scale in scales:
         if f"transformer_{scale}" not in presets:
+            known = sorted(
+                n.removeprefix("transformer_") for n in presets if n.startswith("transformer_")
+            )
             raise ConfigError(f"--compare {scale}: no preset transformer_{scale}; pick a scale "
-                              "with presets (440m, 760m, 1.3b, 7b, 30b, cpu)")  # fmt: skip
+                              f"with presets ({', '.join(known)})")  # fmt: skip
         base = count_model(load_config(f"transformer_{scale}"))
         for arch in archs:
             if f"{arch}_{scale}" not in presets:
