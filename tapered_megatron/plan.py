@@ -137,12 +137,11 @@ def evaluate(cfg: Config, c: Candidate, dev: costlib.Device, cap: float) -> Cand
     pipe_s = costlib.step_time(stage_times, c.grad_accum)
     # Data parallel: gradients of the heaviest stage (bf16 grads / fp32) over dp, overlapped
     # with backward where DeepSpeed overlaps them (cost.dp_comm)
-    grad_elem = 2.0 if dev.precision == "bf16" else 4.0
     dp_bw = dev.intra_bw if c.dp * c.tp <= dev.gpus_per_node else dev.inter_bw
     compute = max(r.stage_times)  # one micro-batch on the slowest stage
     passes = 4 if c.recompute == "full" else 3
     dp = costlib.dp_comm(
-        stage_param, c.dp, c.zero, c.grad_accum, c.pp > 1, grad_elem, dp_bw,
+        stage_param, c.dp, c.zero, c.grad_accum, c.pp > 1, elem, dp_bw,
         compute * (passes - 1) / passes, compute,
     )  # fmt: skip
     bpp = costlib.bytes_per_param(dev.precision, c.zero, c.dp, c.pp > 1)
