@@ -28,6 +28,8 @@ All are identities when the TP size is 1, so single-process models pay nothing.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.distributed as dist
 
@@ -46,101 +48,84 @@ def _reduce(x: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def _split_last(x: torch.Tensor) -> torch.Tensor:
+def _split(x: torch.Tensor, dim: int) -> torch.Tensor:
     tp = get_tensor_model_parallel_world_size()
     if tp == 1:
         return x
-    return x.chunk(tp, dim=-1)[get_tensor_model_parallel_rank()].contiguous()
+    return x.chunk(tp, dim=dim)[get_tensor_model_parallel_rank()].contiguous()
 
 
-def _gather_last(x: torch.Tensor) -> torch.Tensor:
+def _gather(x: torch.Tensor, dim: int) -> torch.Tensor:
     tp = get_tensor_model_parallel_world_size()
     if tp == 1:
         return x
     x = x.contiguous()
     parts = [torch.empty_like(x) for _ in range(tp)]
     dist.all_gather(parts, x, group=get_tensor_model_parallel_group())
-    return torch.cat(parts, dim=-1)
+    return torch.cat(parts, dim=dim)
+
+
+def _check_seq_divisible(x: torch.Tensor) -> None:
+    tp = get_tensor_model_parallel_world_size()
+    if x.shape[1] % tp:
+        raise ValueError(
+            f"sequence parallelism splits the sequence over {tp} TP ranks, but this input has "
+            f"{x.shape[1]} positions; use a sequence length divisible by parallel.tp"
+        )
+
+
+def _split_last(x: torch.Tensor) -> torch.Tensor:
+    return _split(x, -1)
+
+
+def _gather_last(x: torch.Tensor) -> torch.Tensor:
+    return _gather(x, -1)
 
 
 def _split_seq(x: torch.Tensor) -> torch.Tensor:
-    tp = get_tensor_model_parallel_world_size()
-    if x.shape[1] % tp:
-        raise ValueError(
-            f"sequence parallelism splits the sequence over {tp} TP ranks, but this input has "
-            f"{x.shape[1]} positions; use a sequence length divisible by parallel.tp"
-        )
-    return x.chunk(tp, dim=1)[get_tensor_model_parallel_rank()].contiguous()
+    _check_seq_divisible(x)
+    return _split(x, 1)
 
 
 def _gather_seq(x: torch.Tensor) -> torch.Tensor:
-    x = x.contiguous()
-    parts = [torch.empty_like(x) for _ in range(get_tensor_model_parallel_world_size())]
-    dist.all_gather(parts, x, group=get_tensor_model_parallel_group())
-    return torch.cat(parts, dim=1)
+    return _gather(x, 1)
 
 
 def _reduce_scatter_seq(x: torch.Tensor) -> torch.Tensor:
-    tp = get_tensor_model_parallel_world_size()
-    if x.shape[1] % tp:
-        raise ValueError(
-            f"sequence parallelism splits the sequence over {tp} TP ranks, but this input has "
-            f"{x.shape[1]} positions; use a sequence length divisible by parallel.tp"
-        )
-    parts = [c.contiguous() for c in x.chunk(tp, dim=1)]
+    _check_seq_divisible(x)
+    parts = [c.contiguous() for c in x.chunk(get_tensor_model_parallel_world_size(), dim=1)]
     out = torch.empty_like(parts[0])
     dist.reduce_scatter(out, parts, group=get_tensor_model_parallel_group())
     return out
 
 
-class _Copy(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x):
-        return x
-
-    @staticmethod
-    def backward(ctx, g):
-        return _reduce(g)
-
-
-class _Reduce(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x):
-        return _reduce(x)
-
-    @staticmethod
-    def backward(ctx, g):
-        return g
+def _function(
+    name: str,
+    forward: Callable[[torch.Tensor], torch.Tensor],
+    backward: Callable[[torch.Tensor], torch.Tensor],
+) -> type[torch.autograd.Function]:
+    """An autograd Function of one tensor that applies ``forward`` to it and ``backward`` to
+    its gradient."""
+    return type(
+        name,
+        (torch.autograd.Function,),
+        {
+            "forward": staticmethod(lambda ctx, x: forward(x)),
+            "backward": staticmethod(lambda ctx, g: backward(g)),
+        },
+    )
 
 
-class _Scatter(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x):
-        return _split_last(x)
-
-    @staticmethod
-    def backward(ctx, g):
-        return _gather_last(g)
+def _identity(x: torch.Tensor) -> torch.Tensor:
+    return x
 
 
-class _Gather(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x):
-        return _gather_last(x)
-
-    @staticmethod
-    def backward(ctx, g):
-        return _split_last(g)
-
-
-class _ScatterSeq(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x):
-        return _split_seq(x)
-
-    @staticmethod
-    def backward(ctx, g):
-        return _gather_seq(g)
+_Copy = _function("_Copy", _identity, _reduce)
+_Reduce = _function("_Reduce", _reduce, _identity)
+_Scatter = _function("_Scatter", _split_last, _gather_last)
+_Gather = _function("_Gather", _gather_last, _split_last)
+_ScatterSeq = _function("_ScatterSeq", _split_seq, _gather_seq)
+_ReduceScatterSeq = _function("_ReduceScatterSeq", _reduce_scatter_seq, _gather_seq)
 
 
 class _GatherSeq(torch.autograd.Function):
@@ -152,16 +137,6 @@ class _GatherSeq(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g):
         return (_reduce_scatter_seq(g) if ctx.grad_partial else _split_seq(g)), None
-
-
-class _ReduceScatterSeq(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x):
-        return _reduce_scatter_seq(x)
-
-    @staticmethod
-    def backward(ctx, g):
-        return _gather_seq(g)
 
 
 def copy_to_tp_region(x: torch.Tensor) -> torch.Tensor:
