@@ -226,6 +226,15 @@ def column_input(x: torch.Tensor, sequence_parallel: bool = False) -> torch.Tens
     return copy_to_tp_region(x)
 
 
+def row_output(partial: torch.Tensor, sequence_parallel: bool = False) -> torch.Tensor:
+    """Leave the TP region by summing each rank's partial result over the TP group: all-reduce
+    forward, identity backward; with ``sequence_parallel`` reduce-scattered, each rank keeping
+    its part of the sequence (the gradient all-gathered)."""
+    if sequence_parallel:
+        return reduce_scatter_to_sequence_parallel_region(partial)
+    return reduce_from_tp_region(partial)
+
+
 class ColumnParallelLinear(nn.Module):
     """``y = x W^T``, W's output features split over TP ranks (input replicated).
 
@@ -334,9 +343,7 @@ class RowParallelLinear(nn.Module):
     def leave(self, partial: torch.Tensor) -> torch.Tensor:
         """Sum this rank's partial output over the TP group (all-reduce, or reduce-scatter to
         sequence shards)."""
-        if self.sequence_parallel:
-            return reduce_scatter_to_sequence_parallel_region(partial)
-        return reduce_from_tp_region(partial)
+        return row_output(partial, self.sequence_parallel)
 
     def extra_repr(self) -> str:
         return f"in={self.in_features}, out={self.out_features}, local={tuple(self.weight.shape)}"
@@ -377,9 +384,7 @@ class VocabParallelEmbedding(nn.Module):
         outside = (ids < self.vocab_start) | (ids >= self.vocab_end)
         local = (ids - self.vocab_start).masked_fill(outside, 0)
         out = F.embedding(local, self.weight).masked_fill(outside.unsqueeze(-1), 0.0)
-        if self.sequence_parallel:
-            return reduce_scatter_to_sequence_parallel_region(out)
-        return reduce_from_tp_region(out)
+        return row_output(out, self.sequence_parallel)
 
     def extra_repr(self) -> str:
         return (
