@@ -14,6 +14,7 @@ from tapered_megatron.config import load_config
 from tapered_megatron.models import build_model, count_model, lm_loss, take_diagnostics
 from tapered_megatron.models.titans import (
     MAX_GRAD_NORM,
+    THETA_INIT,
     MemoryState,
     NeuralMemory,
     TitansMixer,
@@ -591,6 +592,22 @@ def test_compiled_model_matches_eager(arch, overrides):
     torch.testing.assert_close(loss, ref, rtol=1e-5, atol=1e-5)
     for (name, a), b in zip(eager.named_parameters(), model.parameters()):
         assert ((a.grad - b.grad).norm() / a.grad.norm()).item() < 1e-4, name
+
+
+@pytest.mark.parametrize("cap", [1.0, 0.1])
+def test_step_size_cap_bounds_theta_and_keeps_its_init(cap):
+    """``model.titans.max_step`` scales the sigmoid: theta starts at the uncapped gate's value
+    (same bias init otherwise) and never exceeds the cap, however large the gate logits get."""
+    cfg = tiny_cfg("titans", "--model.titans.max_step", str(cap))
+    mem = NeuralMemory(cfg)
+    init_parameters(mem, 0)
+    with torch.no_grad():
+        mem.gates.weight.zero_()
+        theta = mem.gate_values(torch.randn(1, 5, cfg.model.d_model))[0]
+        torch.testing.assert_close(theta, torch.full_like(theta, THETA_INIT))
+        mem.gate_bias.fill_(30.0)
+        theta = mem.gate_values(torch.randn(1, 5, cfg.model.d_model))[0]
+    torch.testing.assert_close(theta, torch.full_like(theta, cap))
 
 
 def test_clip_tally_counts_the_tokens_the_clip_scales_down():

@@ -189,7 +189,8 @@ ARCH_NOTES = {
     "titans": "MAG: sliding-window attention with 4 persistent tokens, the memory rule re-derived "
     "from the paper's equations; ours: chunk-start (mini-batch) gradients, a per-token clip of "
     "each memory gradient (its activity logged as memory_clip), forgetting half-lives spread "
-    "over heads; the MLP width shrunk to give the memory branch's parameters back.",
+    "over heads, the step size capped (max_step, cpu scale); the MLP width shrunk to give the "
+    "memory branch's parameters back.",
     "hope_attention": "attention + a Continuum Memory System of SwiGLU levels splitting the MLP "
     "width; ours: updates inside the sequence at period boundaries, every level taught by the "
     "final layer's error signal (teach; not each level's own), normalised, clipped steps; "

@@ -7,11 +7,17 @@ the sequence (Behrouz, Zhong, Mirrokni, "Titans: Learning to Memorize at Test Ti
 and :mod:`~.modules` the modules (:class:`NeuralMemory`, :class:`TitansMixer`) and the
 architecture's registration. Ours, beyond the paper's equations: chunk-start (mini-batch)
 gradients, a per-token clip of each memory gradient (``titans.memory_clip``), forgetting
-half-lives spread over heads at init. Design and measurements: docs/memory_architectures.md.
+half-lives spread over heads at init, an optional cap on the step size (``titans.max_step``).
+Design and measurements: docs/memory_architectures.md.
 """
 
 from tapered_megatron.models.titans.attention import window_attention, window_mask
-from tapered_megatron.models.titans.modules import NeuralMemory, TitansMixer, TitansOptions
+from tapered_megatron.models.titans.modules import (
+    THETA_INIT,
+    NeuralMemory,
+    TitansMixer,
+    TitansOptions,
+)
 from tapered_megatron.models.titans.ops import (  # noqa: F401 - _head_rms_norm: the tests'
     _head_rms_norm,
     conv_silu_normalize,
@@ -21,6 +27,7 @@ from tapered_megatron.models.titans.scan import MAX_GRAD_NORM, MemoryState, memo
 
 __all__ = [
     "MAX_GRAD_NORM",
+    "THETA_INIT",
     "MemoryState",
     "NeuralMemory",
     "TitansMixer",
