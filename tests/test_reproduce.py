@@ -96,7 +96,8 @@ def test_every_planned_run_is_a_valid_budget_preserving_config(smoke: bool) -> N
         over = grid.shape_overrides(v, scale, smoke)
         cfg = load_config(scale.presets[v.arch], [*over, *v.overrides()])
         if v.size and not smoke:  # (g): about 4x the parameters and tokens of the first size
-            assert (cfg.model.d_model, cfg.model.layers, cfg.model.d_ff) == (256, 8, 768)
+            assert (cfg.model.d_model, cfg.model.layers) == (256, 8)
+            assert cfg.model.d_ff == (448 if v.arch == "titans" else 768)  # budget-matched
             assert cfg.train.iters * cfg.train.micro_batch_size * cfg.model.seq_len == 1310720
         plan = cfg.taper_plan
         assert sum(plan.widths) == cfg.model.layers * cfg.model.d_ff, v.key
@@ -120,8 +121,23 @@ def test_run_command_is_a_plain_pretrain_job_behind_the_launcher(tmp_path: Path)
     assert f"--logging.metrics_file {tmp_path}/runs/{run.name}/metrics.jsonl" in text
     assert f"--train.save_dir {tmp_path}/runs/{run.name}/checkpoints" in text
     big = s.command(grid.Run(grid.Variant("titans", size=grid.SECOND), 1))
-    assert " ".join(grid.SCALES["cpu"].second_size) in " ".join(big)
     assert "titans-uniform-d256-s1" in " ".join(big)
+    assert big.count("--model.d_ff") == 1 and big[big.index("--model.d_ff") + 1] == "448"
+
+
+def test_second_size_budgets_match_across_architectures() -> None:
+    """(g)'s architectures at the second size: parameters within 1 % of the transformer's."""
+    from tapered_megatron.config import load_config
+    from tapered_megatron.models import count_model
+
+    scale = grid.SCALES["cpu"]
+    params = {}
+    for arch in grid.SCALE_ARCHS:
+        v = grid.Variant(arch, size=grid.SECOND)
+        cfg = load_config(scale.presets[arch], list(grid.shape_overrides(v, scale, False)))
+        params[arch] = count_model(cfg).params_total
+    for arch, n in params.items():
+        assert abs(n / params["transformer"] - 1) < 0.01, (arch, n, params["transformer"])
 
 
 def test_metrics_reader_keeps_the_resumed_record_and_skips_a_cut_line(tmp_path: Path) -> None:

@@ -7,7 +7,7 @@ uniform Transformer, cosine 1.5/0.5) is trained once (:func:`plan_runs`).
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 ARCHS = ("transformer", "gated_attention", "titans", "hope_attention")
 
@@ -133,6 +133,8 @@ class Scale:
     alignment_tokens: int = 16384
     gpu: bool = False  # needs an accelerator (the plan is printed instead where none is)
     second_size: tuple[str, ...] = ()  # overrides of the (g) second size; (): no (g) here
+    # an architecture's own overrides at the second size, after ``second_size`` (its budget)
+    second_size_arch: dict[str, tuple[str, ...]] = field(default_factory=dict)
 
     def experiments(self) -> tuple[str, ...]:
         """The experiments this scale can run ((g) needs a second size)."""
@@ -167,11 +169,24 @@ CPU_SECOND_SIZE = (
 )
 
 
+# Titans' d_ff at the second size: its parameters within 1 % of the transformer's (7.83M vs
+# 7.87M), as titans_cpu's 208 at the first size.
+CPU_SECOND_SIZE_ARCH = {"titans": ("--model.d_ff", "448")}
+
+
 SCALES = {
     # tlm_cpu.yaml: a ~1.3M-parameter model (d_model 128, 6 layers, vocab 2048), 320 x 1024 tokens;
     # <arch>_cpu.yaml: the same recipe, each architecture's settings (budget-matched d_ff; titans:
     # 512-token sequences, a 64-token window, persistent tokens; hope: the teach-signal update)
-    "cpu": Scale("cpu", {a: f"{a}_cpu" for a in ARCHS}, (), 16384, False, CPU_SECOND_SIZE),
+    "cpu": Scale(
+        "cpu",
+        {a: f"{a}_cpu" for a in ARCHS},
+        (),
+        16384,
+        False,
+        CPU_SECOND_SIZE,
+        CPU_SECOND_SIZE_ARCH,
+    ),
     "440m": _preset_scale("440m", "440m"),
     "760m": _preset_scale("760m", "760m"),
     "1.3b": _preset_scale("1.3b", "1.3b"),
@@ -219,11 +234,14 @@ SMOKE_SECOND_SIZE = (
 
 def shape_overrides(v: Variant, scale: Scale, smoke: bool) -> tuple[str, ...]:
     """The overrides of ``v``'s shape and budget: the smoke ones under ``smoke``, then its
-    size's, which replace any key both give (a key may be given only once)."""
+    size's and its architecture's at that size, each replacing any key an earlier one gives (a
+    key may be given only once)."""
     pairs = dict(zip(SMOKE_OVERRIDES[::2], SMOKE_OVERRIDES[1::2])) if smoke else {}
     if v.size:
         size = SMOKE_SECOND_SIZE if smoke else scale.second_size
+        own = () if smoke else scale.second_size_arch.get(v.arch, ())
         pairs.update(zip(size[::2], size[1::2]))
+        pairs.update(zip(own[::2], own[1::2]))
     return tuple(x for kv in pairs.items() for x in kv)
 
 
