@@ -172,16 +172,24 @@ def _cells(line: str) -> list[str]:
     return [c.strip() for c in line.strip().strip("|").split("|")]
 
 
-def _tables(text: str) -> dict[str, list[list[str]]]:
-    """Rows (header excluded) of each ``## (x)`` section's table."""
-    out: dict[str, list[list[str]]] = {}
-    section = ""
+def _all_tables(text: str) -> dict[str, list[list[list[str]]]]:
+    """Each ``## (x)`` section's tables in order, each its rows (header excluded)."""
+    out: dict[str, list[list[list[str]]]] = {}
+    section, previous = "", ""
     for line in text.splitlines():
         if line.startswith("## "):
             section = line[3:6]
         elif line.startswith("|") and not line.startswith("|---"):
-            out.setdefault(section, []).append(_cells(line))
-    return {k: rows[1:] for k, rows in out.items()}
+            if not previous.startswith("|"):
+                out.setdefault(section, []).append([])
+            out[section][-1].append(_cells(line))
+        previous = line
+    return {k: [rows[1:] for rows in tables] for k, tables in out.items()}
+
+
+def _tables(text: str) -> dict[str, list[list[str]]]:
+    """Rows (header excluded) of each ``## (x)`` section's first table."""
+    return {k: tables[0] for k, tables in _all_tables(text).items()}
 
 
 def _fmt(xs: list[float], signed: bool = False, digits: int = 2) -> str:
@@ -274,6 +282,32 @@ def _task_chance() -> dict[str, tuple[int, float]]:
     return out
 
 
+def _check_budget_table(rows: list[list[str]], recs: list[dict], archs: list[list[str]]) -> int:
+    """(c)'s budget and memory-probe table: parameters and training FLOPs per token (with the
+    ratio to the transformer of the same configuration), perplexity as in (c)'s first table,
+    the memory probe's gaps (mean ± std over seeds) for the memory architectures."""
+    checked = 0
+    variants = grid.experiment_variants("archs")
+    for row, first, v in zip(rows, archs, variants, strict=True):
+        runs = sorted((r for r in recs if r["variant"] == v.key), key=lambda r: r["seed"])
+        twin = grid.Variant("transformer", v.schedule, v.ratio, v.reverse).key
+        ref = min((r for r in recs if r["variant"] == twin), key=lambda r: r["seed"], default=None)
+        assert row[:2] == [v.arch, v.label] and row[4] == first[2], row
+        if runs and "params" in runs[0]:
+            r = runs[0]
+            for col, key, scale, digits in (
+                (2, "params", 1e6, 3),
+                (3, "train_flops_per_token", 1e6, 1),
+            ):
+                ratio = f" ({r[key] / ref[key]:.2f}x)" if ref and key in ref else ""
+                assert row[col] == f"{r[key] / scale:.{digits}f}M{ratio}", (row, key)
+        for col, i in ((5, 0), (6, 1)):
+            gaps = [r["memory_probe"][i]["gap"] for r in runs if r.get("memory_probe")]
+            assert row[col] == (_fmt(gaps, digits=3) if v.arch in grid.MEMORY_ARCHS else "—"), row
+        checked += 5
+    return checked
+
+
 def check_results(results_dir: Path) -> int:
     """Recompute RESULTS.md under ``results_dir`` from its saved files; return cells checked."""
     text = (results_dir / "RESULTS.md").read_text()
@@ -287,8 +321,16 @@ def check_results(results_dir: Path) -> int:
     base = [r for r in recs if not r.get("size")]
     uni = grid.UNIFORM.key
     if base:
-        r0 = base[0]
+        r0 = next((r for r in base if r["arch"] == "transformer"), base[0])
+        m0 = r0["model"]
+        assert f"d_model {m0['d_model']}, {m0['layers']} layers, baseline d_ff {m0['d_ff']}" in text
         assert f"{r0['iterations'] * r0['tokens_per_iteration']:,} training tokens" in text
+        for r in base:  # each architecture's own dimensions are named in the setup line
+            m = r["model"]
+            if m["d_ff"] != m0["d_ff"]:
+                assert f"{r['arch']}: d_ff {m['d_ff']}" in text, r["arch"]
+            if m["seq_len"] != m0["seq_len"]:
+                assert f"sequence {m['seq_len']}" in text.split(f"{r['arch']}: ")[1], r["arch"]
         late = []
         for r in base:
             c = [p[2] for p in r["val_curve"]]
@@ -308,10 +350,10 @@ def check_results(results_dir: Path) -> int:
             for e in r.get("provenance") or []:
                 assert e["commit"][:12] in text and f"torch {e['torch']}" in text
         checked += 4
-    n = meta["seeds"]
-    if n > 1:
-        t = scipy_stats.t.ppf(0.975, n - 1)
-        assert f"With {n} seeds t({n - 1}) = {t:.2f}: the interval reaches {t / n**0.5:.2f}" in text
+    for n, where in ((meta["seeds"], ""), (meta.get("headline_seeds", 1), " ((c), (g))")):
+        t = scipy_stats.t.ppf(0.975, n - 1) if n > 1 else 0
+        said = f"With {n} seeds{where} t({n - 1}) = {t:.2f}: the interval reaches {t / n**0.5:.2f}"
+        assert (said in text) == (n > 1 and (not where or n != meta["seeds"])), said
     if "controlled" in meta["only"]:
         for row, v in zip(tables["(a)"], grid.experiment_variants("controlled"), strict=True):
             assert row[0] == v.label and row[1] == _widths(recs, v.key), row
@@ -328,6 +370,8 @@ def check_results(results_dir: Path) -> int:
             assert row[:2] == [v.arch, v.label]
             assert row[-6:] == _expected_row(recs, v.key, grid.Variant(v.arch).key), row
             checked += 6
+        if any("params" in r for r in recs):
+            checked += _check_budget_table(_all_tables(text)["(c)"][1], recs, tables["(c)"])
     if "(e)" in tables:
         uni_v, tap_v = grid.experiment_variants("alignment")
         for row in tables["(e)"]:

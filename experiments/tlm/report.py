@@ -59,6 +59,34 @@ def provenance_lines(records: list[dict[str, Any]]) -> list[str]:
     ]
 
 
+def arch_setup(base: list[dict[str, Any]], ref: dict[str, Any]) -> str:
+    """``; titans: d_ff 208, sequence 512`` for each architecture whose model dimensions differ
+    from the reference run's ("" where none does)."""
+    parts = []
+    for arch in dict.fromkeys(r["arch"] for r in base):
+        m = next(r["model"] for r in base if r["arch"] == arch)
+        own = [
+            f"{'sequence' if k == 'seq_len' else k} {v}"
+            for k, v in m.items()
+            if v != ref["model"][k]
+        ]
+        if own:
+            parts.append(f"{arch}: {', '.join(own)}")
+    if not parts:
+        return ""
+    same = all(r["tokens_per_iteration"] == ref["tokens_per_iteration"] for r in base)
+    return "; " + "; ".join(parts) + (" (the same tokens per iteration)" if same else "")
+
+
+def seed_counts(meta: dict[str, Any]) -> list[tuple[int, str]]:
+    """``(seeds, "")`` and, where (c) and (g) have more, ``(headline seeds, " ((c), (g))")``;
+    counts of one seed (no interval) left out."""
+    out = [(meta["seeds"], "")]
+    if meta.get("headline_seeds", meta["seeds"]) != meta["seeds"]:
+        out.append((meta["headline_seeds"], " ((c), (g))"))
+    return [(n, w) for n, w in out if n > 1]
+
+
 def render(records: list[dict[str, Any]], meta: dict[str, Any]) -> str:
     """The whole RESULTS.md text from saved run records and the driver's metadata."""
     only = meta["only"]
@@ -107,7 +135,7 @@ def render(records: list[dict[str, Any]], meta: dict[str, Any]) -> str:
     if records:
         lines += provenance_lines(records)
     if base:
-        r0 = base[0]
+        r0 = next((r for r in base if r["arch"] == "transformer"), base[0])
         m = r0["model"]
         lines += [
             f"- Setup: d_model {m['d_model']}, {m['layers']} layers, baseline d_ff {m['d_ff']}, "
@@ -115,7 +143,9 @@ def render(records: list[dict[str, Any]], meta: dict[str, Any]) -> str:
             f"x {r0['tokens_per_iteration']} tokens = "
             f"{r0['iterations'] * r0['tokens_per_iteration']:,} "
             f"training tokens per run, peak LR {r0['lr']:g} (cosine decay); validation perplexity "
-            f"over the same {r0['eval_tokens']:,} held-out tokens for every run.",
+            f"over the same {r0['eval_tokens']:,} held-out tokens for every run"
+            + arch_setup(base, r0)
+            + ".",
         ]
         ratios = [x for x in map(late_drop_ratio, base) if x is not None]
         if ratios:
@@ -134,12 +164,11 @@ def render(records: list[dict[str, Any]], meta: dict[str, Any]) -> str:
         "two-sided paired t test (n - 1 degrees of freedom). The reading follows the interval: "
         "`lower, interval excludes 0` or `lower in the mean, interval includes 0` (likewise "
         "higher)."
-        + (
-            f" With {n} seeds t({n - 1}) = {t_quantile_975(n - 1):.2f}: the interval reaches "
-            f"{t_quantile_975(n - 1) / math.sqrt(n):.2f} times the std of the differences on "
-            "each side of Δ."
-            if (n := meta["seeds"]) > 1
-            else ""
+        + "".join(
+            f" With {n} seeds{where} t({n - 1}) = {t_quantile_975(n - 1):.2f}: the interval "
+            f"reaches {t_quantile_975(n - 1) / math.sqrt(n):.2f} times the std of the "
+            "differences on each side of Δ."
+            for n, where in seed_counts(meta)
         ),
         "",
     ]
