@@ -201,7 +201,7 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # so `finally` records the time
     try:
         failed = driver.train_all(settings, runs, jobs, log)
-        missing = driver.evaluate_all(settings, runs, only, log)
+        missing = driver.evaluate_all(settings, runs, only, log, jobs)
     finally:  # an interrupted invocation's time counts too (SIGKILL aside)
         wall = _total_wall(out, time.time() - t0)
     if failed:

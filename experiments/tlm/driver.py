@@ -31,6 +31,7 @@ import time
 from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -291,29 +292,32 @@ def evaluate_run(settings: Settings, run: Run, phase: str, log: Callable[[str], 
 
 
 def evaluate_all(
-    settings: Settings, runs: list[Run], experiments: Iterable[str], log: Callable[[str], None]
+    settings: Settings,
+    runs: list[Run],
+    experiments: Iterable[str],
+    log: Callable[[str], None],
+    jobs: int = 1,
 ) -> set[str]:
-    """Run the evaluation phases on every finished run; return the phases whose tool is missing.
-
-    A missing tool (its module is not installed) is reported once and its phase left out.
-    """
+    """Run the evaluation phases on every finished run, ``jobs`` at a time; return the phases
+    whose tool is missing (its module, or one it imports, is not installed: reported once, the
+    phase's table left out)."""
     missing: set[str] = set()
-    for phase, variants in evaluation_phases(experiments).items():
+    phases = evaluation_phases(experiments)
+    if phases:
+        settings.eval_data()  # the sample corpus prepared once, before the jobs read it
+    for phase, variants in phases.items():
         todo = [r for r in runs if r.variant in variants and is_done(settings, r)]
-        counts = {"ok": 0, "skipped": 0, "failed": 0}
-        for run in todo:
-            status = evaluate_run(settings, run, phase, log)
-            if status == "missing":
-                log(
-                    f"{phase}: tapered_megatron.eval.{phase} is not installed (No module named "
-                    f"...); its table is left out. Rerun this command once it is."
-                )
-                missing.add(phase)
-                break
-            counts[status] += 1
-        else:
+        with ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
+            statuses = list(pool.map(partial(evaluate_run, settings, phase=phase, log=log), todo))
+        if "missing" in statuses:
             log(
-                f"{phase}: {counts['ok']} evaluated, {counts['skipped']} already done, "
-                f"{counts['failed']} failed"
+                f"{phase}: tapered_megatron.eval.{phase} is not installed (No module named "
+                f"...); its table is left out. Rerun this command once it is."
             )
+            missing.add(phase)
+            continue
+        log(
+            f"{phase}: {statuses.count('ok')} evaluated, {statuses.count('skipped')} already "
+            f"done, {statuses.count('failed')} failed"
+        )
     return missing
