@@ -11,11 +11,13 @@ wider-early/middle/late thirds, (b) ``sweep`` cosine/linear/sigmoid x five ratio
 curves of all of them, (e) ``alignment`` (rho_block / rho_mlp of the uniform and tapered
 Transformer) and (f) zero-shot scores of the (c) models; and (g) ``scale``: the (c) comparisons
 of the Transformer and Titans again at a second, larger size (cpu scale). ``--headline-seeds``
-gives (c) and (g) more seeds than the rest. Each run is an ordinary ``pretrain/main.py`` job
-under ``--launcher``; finished runs and evaluations are skipped, so the command can be killed and
-rerun. A configuration's runs are trained by one code version (``--allow-mixed-commits`` lets
-them mix). At the end it copies each run's metrics to ``docs/results/runs/<run>/metrics.json``
-and writes ``docs/RESULTS.md`` and the plots under ``docs/results/`` from those files alone.
+gives (c) and (g) more seeds than the rest; ``--archs`` trains and evaluates a subset of the
+architectures (RESULTS.md still shows every planned row, the others as they were saved). Each run
+is an ordinary ``pretrain/main.py`` job under ``--launcher``; finished runs and evaluations are
+skipped, so the command can be killed and rerun. A configuration's runs are trained by one code
+version (``--allow-mixed-commits`` lets them mix). At the end it copies each run's metrics to
+``docs/results/runs/<run>/metrics.json`` and writes ``docs/RESULTS.md`` and the plots under
+``docs/results/`` from those files alone.
 
 On a machine without a GPU, scales ``440m`` and up print the launch plan and its cost (GPU-hours
 from the planner) and write the tables' structure instead of running.
@@ -59,6 +61,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default="",
         help="comma-separated subset of " + ",".join(grid.EXPERIMENTS) + " (default: all the "
         "scale has; scale needs a second size, which the cpu scale has)",
+    )
+    ap.add_argument(
+        "--archs",
+        default="",
+        help="comma-separated subset of " + ",".join(grid.ARCHS) + " whose runs to train and "
+        "evaluate (default: all); the others' rows stay as they are",
     )
     ap.add_argument(
         "--allow-mixed-commits",
@@ -111,6 +119,9 @@ def main(argv: list[str] | None = None) -> int:
         return _fail(
             f"--only {a.only!r}: choose from {','.join(scale.experiments())} (scale {scale.name})"
         )
+    archs = [x.strip() for x in a.archs.split(",") if x.strip()] or list(grid.ARCHS)
+    if set(archs) - set(grid.ARCHS):
+        return _fail(f"--archs {a.archs!r}: choose from {','.join(grid.ARCHS)}")
     if a.seeds < 1 or a.headline_seeds < 0:
         return _fail(f"--seeds {a.seeds} / --headline-seeds {a.headline_seeds}: need at least 1")
     if bool(a.data_path) != bool(a.tokenizer_model):
@@ -143,7 +154,8 @@ def main(argv: list[str] | None = None) -> int:
         env=provenance.environment(driver.REPO),
         allow_mixed_commits=a.allow_mixed_commits,
     )
-    runs = grid.plan_runs(only, seeds, headline_seeds)
+    planned = grid.plan_runs(only, seeds, headline_seeds)  # what RESULTS.md shows
+    runs = [r for r in planned if r.variant.arch in archs]  # what this invocation trains
     if not a.report_only and not (scale.gpu and not _has_gpu()):
         problem = driver.mixed_code_problem(settings, runs)
         if problem:
@@ -161,7 +173,7 @@ def main(argv: list[str] | None = None) -> int:
         "zeroshot_tasks": records.zeroshot_tasks_info(),
         "smoke": a.smoke,
         "only": only,
-        "runs_planned": len(runs),
+        "runs_planned": len(planned),
         "jobs": jobs,
         "missing_tools": [],
     }
@@ -176,7 +188,7 @@ def main(argv: list[str] | None = None) -> int:
 
     out.mkdir(parents=True, exist_ok=True)
     if a.report_only:
-        return _report_only(settings, runs, results, meta)
+        return _report_only(settings, planned, results, meta)
     lock = open(out / ".driver.lock", "w")  # noqa: SIM115 - held for the driver's whole life
     try:
         fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -207,7 +219,7 @@ def main(argv: list[str] | None = None) -> int:
     if failed:
         log(f"{failed} run(s) failed; rerun the same command to retry them")
     if not a.no_report:
-        records.sync_records(settings, runs, results / "results" / "runs")
+        records.sync_records(settings, planned, results / "results" / "runs")
         meta.update(wall_s=wall, missing_tools=sorted(missing))
         log(f"wrote {report.write_results(results, meta)}")
     log(f"finished in {time.time() - t0:.0f} s")

@@ -108,6 +108,7 @@ def test_public_entry_point():
             r"titans\.persistent_tokens",
         ),
         (["--model.arch", "titans", "--model.titans.max_step", "0.04"], r"titans\.max_step"),
+        (["--model.arch", "titans", "--model.titans.max_momentum", "0.8"], r"max_momentum"),
         (["--model.arch", "hope_attention", "--model.hope.rate", "adaptive"], r"hope\.rate"),
         (["--model.arch", "hope_attention", "--model.hope.rate_init", "1.0"], r"hope\.rate_init"),
         (["--model.arch", "hope_attention", "--model.hope.update", "outer"], r"hope\.update"),

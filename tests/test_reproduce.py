@@ -157,6 +157,7 @@ def test_bad_arguments_fail_with_one_line(tmp_path: Path) -> None:
         (["--only", "controlled,typo"], "--only"),
         (["--data-path", "x"], "--tokenizer-model"),
         (["--seeds", "0"], "--seeds"),
+        (["--archs", "transformer,mamba"], "--archs"),
     ):
         p = subprocess.run(
             [sys.executable, str(SCRIPT), "--out", str(tmp_path), *args],
@@ -165,6 +166,29 @@ def test_bad_arguments_fail_with_one_line(tmp_path: Path) -> None:
             env=_env(),
         )
         assert p.returncode == 2 and needle in p.stderr and len(p.stderr.splitlines()) == 1
+
+
+def test_archs_subset_keeps_the_whole_plan_in_the_report(tmp_path: Path) -> None:
+    """``--archs`` narrows what is trained, not what RESULTS.md plans: its saved records of the
+    other architectures are not removed."""
+    report = tmp_path / "report"
+    kept = report / "results" / "runs" / "titans-uniform-s1" / "metrics.json"
+    kept.parent.mkdir(parents=True)
+    kept.write_bytes(
+        (DOCS / "results" / "runs" / "titans-uniform-s1" / "metrics.json").read_bytes()
+    )
+    args = ["--only", "archs", "--archs", "transformer", "--seeds", "1", "--report-only"]
+    args += ["--results-dir", str(report)]
+    p = subprocess.run(
+        [sys.executable, str(SCRIPT), "--out", str(tmp_path / "out"), *args],
+        capture_output=True,
+        text=True,
+        env=_env(),
+    )
+    assert p.returncode == 0, p.stderr
+    meta = json.loads((report / "results" / "meta.json").read_text())
+    assert meta["runs_planned"] == 12 and kept.exists()
+    assert "| titans | uniform |" in (report / "RESULTS.md").read_text()
 
 
 # ----------------------------------------------------------------------------- RESULTS.md checks

@@ -13,8 +13,8 @@ from tiny_memory import assert_causal, assert_learns_real_text, tiny_cfg
 from tapered_megatron.config import load_config
 from tapered_megatron.models import build_model, count_model, lm_loss, take_diagnostics
 from tapered_megatron.models.titans import (
+    GATE_INIT,
     MAX_GRAD_NORM,
-    THETA_INIT,
     MemoryState,
     NeuralMemory,
     TitansMixer,
@@ -594,20 +594,30 @@ def test_compiled_model_matches_eager(arch, overrides):
         assert ((a.grad - b.grad).norm() / a.grad.norm()).item() < 1e-4, name
 
 
-@pytest.mark.parametrize("cap", [1.0, 0.1])
-def test_step_size_cap_bounds_theta_and_keeps_its_init(cap):
-    """``model.titans.max_step`` scales the sigmoid: theta starts at the uncapped gate's value
-    (same bias init otherwise) and never exceeds the cap, however large the gate logits get."""
-    cfg = tiny_cfg("titans", "--model.titans.max_step", str(cap))
+@pytest.mark.parametrize("caps", [(1.0, 1.0), (0.1, 0.95)])
+def test_gate_caps_bound_theta_and_eta_and_keep_their_init(caps):
+    """``model.titans.max_step`` / ``max_momentum`` scale theta's / eta's sigmoid: both start at
+    the uncapped gates' values (alpha's init unchanged) and never exceed their caps, however
+    large the gate logits get."""
+    step, momentum = caps
+    over = ["--model.titans.max_step", str(step), "--model.titans.max_momentum", str(momentum)]
+    cfg = tiny_cfg("titans", *over)
     mem = NeuralMemory(cfg)
     init_parameters(mem, 0)
+    plain = NeuralMemory(tiny_cfg("titans"))
+    init_parameters(plain, 0)
+    x = torch.randn(1, 5, cfg.model.d_model)
     with torch.no_grad():
         mem.gates.weight.zero_()
-        theta = mem.gate_values(torch.randn(1, 5, cfg.model.d_model))[0]
-        torch.testing.assert_close(theta, torch.full_like(theta, THETA_INIT))
+        theta, eta, alpha = mem.gate_values(x)
+        torch.testing.assert_close(theta, torch.full_like(theta, GATE_INIT["theta"]))
+        torch.testing.assert_close(eta, torch.full_like(eta, GATE_INIT["eta"]))
+        plain.gates.weight.zero_()
+        torch.testing.assert_close(alpha, plain.gate_values(x)[2])
         mem.gate_bias.fill_(30.0)
-        theta = mem.gate_values(torch.randn(1, 5, cfg.model.d_model))[0]
-    torch.testing.assert_close(theta, torch.full_like(theta, cap))
+        theta, eta, _ = mem.gate_values(x)
+    torch.testing.assert_close(theta, torch.full_like(theta, step))
+    torch.testing.assert_close(eta, torch.full_like(eta, momentum))
 
 
 def test_clip_tally_counts_the_tokens_the_clip_scales_down():

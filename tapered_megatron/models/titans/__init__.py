@@ -13,7 +13,7 @@ Design and measurements: docs/memory_architectures.md.
 
 from tapered_megatron.models.titans.attention import window_attention, window_mask
 from tapered_megatron.models.titans.modules import (
-    THETA_INIT,
+    GATE_INIT,
     NeuralMemory,
     TitansMixer,
     TitansOptions,
@@ -26,8 +26,8 @@ from tapered_megatron.models.titans.ops import (  # noqa: F401 - _head_rms_norm:
 from tapered_megatron.models.titans.scan import MAX_GRAD_NORM, MemoryState, memory_scan
 
 __all__ = [
+    "GATE_INIT",
     "MAX_GRAD_NORM",
-    "THETA_INIT",
     "MemoryState",
     "NeuralMemory",
     "TitansMixer",

@@ -57,7 +57,8 @@ if TYPE_CHECKING:
     from tapered_megatron.config import Config
 
 GATE_BIAS_INIT = {"theta": -3.0, "eta": 2.0}  # alpha: per head, see alpha_half_lives
-THETA_INIT = 1.0 / (1.0 + math.exp(-GATE_BIAS_INIT["theta"]))  # the step size at init, ~0.047
+# theta (~0.047) and eta (~0.881) at init, whatever their caps (max_step, max_momentum)
+GATE_INIT = {g: 1.0 / (1.0 + math.exp(-b)) for g, b in GATE_BIAS_INIT.items()}
 GATE_SPREAD_WIDTH = 512  # the gates' init std is held at its value for this width above it
 
 
@@ -76,9 +77,11 @@ class TitansOptions:
     memory_clip: float = at_least(0.0, 1.0)
     # initial forgetting half-lives of the first and last head, in windows (log-spaced between)
     forget_half_lives: tuple[float, float] = (0.25, 16.0)
-    # the largest step size: theta = max_step * sigmoid(x W + b), the bias set so that theta
-    # starts at THETA_INIT whatever the cap; 1: the plain sigmoid gate
+    # the largest step size and momentum: theta = max_step * sigmoid(x W + b), likewise eta
+    # with max_momentum, the biases set so that both start at GATE_INIT whatever the caps;
+    # 1: the plain sigmoid gate
     max_step: float = 1.0
+    max_momentum: float = 1.0
 
 
 def _validate(cfg: Config) -> None:
@@ -91,11 +94,15 @@ def _validate(cfg: Config) -> None:
             f"model.titans.forget_half_lives: {list(t.forget_half_lives)} must be two positive "
             "numbers of windows, the first no larger than the second (e.g. 0.25 16)"
         )
-    if not THETA_INIT < t.max_step <= 1.0:
-        raise ConfigError(
-            f"model.titans.max_step: {t.max_step} must lie in ({THETA_INIT:.4f}, 1] (the step "
-            "size starts at that lower bound); e.g. 0.1, or 1 for the uncapped gate"
-        )
+    for key, gate, cap in (
+        ("max_step", "theta", t.max_step),
+        ("max_momentum", "eta", t.max_momentum),
+    ):
+        if not GATE_INIT[gate] < cap <= 1.0:
+            raise ConfigError(
+                f"model.titans.{key}: {cap} must lie in ({GATE_INIT[gate]:.4f}, 1] ({gate} "
+                "starts at that lower bound); or 1 for the uncapped gate"
+            )
     if t.variant == "lmm" and t.persistent_tokens:
         raise ConfigError(
             "model.titans.persistent_tokens: variant lmm has no attention to prepend them to; "
@@ -148,19 +155,19 @@ def gate_std(init_std: float, d_model: int) -> float:
 
 
 def gate_bias_init(
-    heads: int, window: int, spread: tuple[float, float], max_step: float = 1.0
+    heads: int, window: int, spread: tuple[float, float], caps: tuple[float, float] = (1.0, 1.0)
 ) -> torch.Tensor:
     """Full gate bias ``[theta (heads) | eta (heads) | alpha (heads)]`` (logits); ``spread``:
-    the forgetting half-lives' range in windows (:func:`alpha_half_lives`); ``max_step``: the
-    step-size cap (``theta = max_step * sigmoid``), theta's logit chosen so that it starts at
-    ``THETA_INIT``."""
-    theta = THETA_INIT / max_step
+    the forgetting half-lives' range in windows (:func:`alpha_half_lives`); ``caps``: theta's
+    and eta's largest values (``theta = caps[0] * sigmoid``), their logits chosen so that they
+    start at ``GATE_INIT``."""
+    theta, eta = GATE_INIT["theta"] / caps[0], GATE_INIT["eta"] / caps[1]
     halves = alpha_half_lives(heads, window, spread)
     alpha = torch.tensor([1.0 - 2.0 ** (-1.0 / t) for t in halves])
     return torch.cat(
         (
             torch.full((heads,), math.log(theta) - math.log1p(-theta)),
-            torch.full((heads,), GATE_BIAS_INIT["eta"]),
+            torch.full((heads,), math.log(eta) - math.log1p(-eta)),
             torch.log(alpha) - torch.log1p(-alpha),
         )
     )
@@ -219,9 +226,9 @@ class NeuralMemory(Recomputed, nn.Module):
             dm.d, 3 * dm.heads, std=gate_std(std, dm.d), out_blocks=(3, dm.heads), split_dim=1
         )
         heads, window, spread = dm.heads, t.window, t.forget_half_lives
-        self.max_step = t.max_step
+        self.caps = (t.max_step, t.max_momentum)
         self.gate_bias = _per_head(
-            (3 * heads,), fn=lambda s, g: gate_bias_init(heads, window, spread, t.max_step)
+            (3 * heads,), fn=lambda s, g: gate_bias_init(heads, window, spread, self.caps)
         )
         mark_split(self.gate_bias, row_layout((3 * dm.heads,), (3, dm.heads), 1))
         self.memory = nn.ParameterList(
@@ -232,10 +239,10 @@ class NeuralMemory(Recomputed, nn.Module):
         self.clip_tally: list[torch.Tensor] = []
 
     def gate_values(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """theta (at most ``max_step``), eta, alpha, each [B, H_local, S]."""
+        """theta, eta (at most ``max_step``, ``max_momentum``), alpha, each [B, H_local, S]."""
         g = torch.sigmoid(self.gates(x) + self.gate_bias)  # [B, S, 3 H_local]
         theta, eta, alpha = g.view(*g.shape[:2], 3, self.local_heads).permute(2, 0, 3, 1).unbind(0)
-        return (theta * self.max_step if self.max_step != 1.0 else theta), eta, alpha
+        return theta * self.caps[0], eta * self.caps[1], alpha
 
     def _split_heads(self, t: torch.Tensor, parts: int) -> tuple[torch.Tensor, ...]:
         bsz, seq, _ = t.shape
