@@ -455,6 +455,9 @@ def _check_zeroshot(text: str, rows: list[list[str]], recs: list[dict], meta: di
         assert row[4:8] == delta, row
         for cell, t in zip(row[8:], tasks, strict=True):
             xs = list(_per_seed(recs, v.key, _acc(t)).values())
+            if not xs:  # no run of this configuration evaluated yet
+                assert cell == "—", (cell, t)
+                continue
             lo, hi = _wilson(statistics.fmean(xs) / 100, used[t])
             assert cell == f"{_fmt(xs, digits=1)} [{100 * lo:.1f}, {100 * hi:.1f}]", (cell, t)
     return len(rows) * len(rows[0])
@@ -542,6 +545,8 @@ def _check_reading(
         tasks = sorted({t for r in recs if r.get("zeroshot") for t in r["zeroshot"]["tasks"]})
         for row in tables["(f)"][1:]:
             for cell, t in zip(row[8:], tasks, strict=True):
+                if cell == "—":  # not evaluated yet
+                    continue
                 lo, hi = map(float, re.findall(r"\[(\S+), (\S+)\]", cell)[0])
                 total += 1
                 near += lo <= 100 * chance[t][1] <= hi
