@@ -104,6 +104,8 @@ def reading(
                     q = ppl_diffs(by, rev, uni)
                     text += f"; reverse vs uniform {verdict(q, False)} ({_diff_text(q)})"
                 lines.append(text + ".")
+            elif not any(by.get(v.key) for v in (uni, cos, rev)):
+                lines.append(f"  - {a}: no run finished yet (its rows are dashes).")
         if lines:
             out.append(
                 "- (c) Architectures (validation perplexity; the paper reports zero-shot accuracy "
