@@ -104,6 +104,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return ap.parse_args(argv)
 
 
+def _names(text: str) -> list[str]:
+    """The names of a comma-separated option (``--only``, ``--archs``), blanks dropped."""
+    return [x.strip() for x in text.split(",") if x.strip()]
+
+
 def _fail(msg: str) -> int:
     print(f"error: {msg}", file=sys.stderr)
     return 2
@@ -113,13 +118,13 @@ def main(argv: list[str] | None = None) -> int:
     """Run (or plan) the experiments; return the exit code."""
     a = parse_args(argv)
     scale = grid.SCALES[a.scale]
-    only = [x.strip() for x in a.only.split(",") if x.strip()] or list(scale.experiments())
+    only = _names(a.only) or list(scale.experiments())
     bad = [x for x in only if x not in scale.experiments()]
     if bad:
         return _fail(
             f"--only {a.only!r}: choose from {','.join(scale.experiments())} (scale {scale.name})"
         )
-    archs = [x.strip() for x in a.archs.split(",") if x.strip()] or list(grid.ARCHS)
+    archs = _names(a.archs) or list(grid.ARCHS)
     if set(archs) - set(grid.ARCHS):
         return _fail(f"--archs {a.archs!r}: choose from {','.join(grid.ARCHS)}")
     if a.seeds < 1 or a.headline_seeds < 0:
