@@ -283,13 +283,9 @@ def _second_size(settings: driver.Settings) -> str:
     cfg = load_config(settings.scale.presets["transformer"], over)
     batch = cfg.train.global_batch_size or cfg.train.micro_batch_size
     tokens = cfg.train.iters * batch * cfg.model.seq_len
-    own = "".join(
-        f" ({arch}: {' '.join(o.removeprefix('--') for o in args)}, its budget)"
-        for arch, args in settings.scale.second_size_arch.items()
-    )
     return (
         f"d_model {cfg.model.d_model}, {cfg.model.layers} layers, {cfg.model.heads} heads, "
-        f"baseline d_ff {cfg.model.d_ff}{own}; {cfg.train.iters} iterations = {tokens:,} tokens "
+        f"baseline d_ff {cfg.model.d_ff}; {cfg.train.iters} iterations = {tokens:,} tokens "
         "per run"
     )
 

@@ -97,7 +97,7 @@ def test_every_planned_run_is_a_valid_budget_preserving_config(smoke: bool) -> N
         cfg = load_config(scale.presets[v.arch], [*over, *v.overrides()])
         if v.size and not smoke:  # (g): about 4x the parameters and tokens of the first size
             assert (cfg.model.d_model, cfg.model.layers) == (256, 8)
-            assert cfg.model.d_ff == (448 if v.arch == "titans" else 768)  # budget-matched
+            assert cfg.model.d_ff == 768
             assert cfg.train.iters * cfg.train.micro_batch_size * cfg.model.seq_len == 1310720
         plan = cfg.taper_plan
         assert sum(plan.widths) == cfg.model.layers * cfg.model.d_ff, v.key
@@ -120,9 +120,9 @@ def test_run_command_is_a_plain_pretrain_job_behind_the_launcher(tmp_path: Path)
     assert "--taper.reverse true" in text and "--train.seed 1235" in text
     assert f"--logging.metrics_file {tmp_path}/runs/{run.name}/metrics.jsonl" in text
     assert f"--train.save_dir {tmp_path}/runs/{run.name}/checkpoints" in text
-    big = s.command(grid.Run(grid.Variant("titans", size=grid.SECOND), 1))
-    assert "titans-uniform-d256-s1" in " ".join(big)
-    assert big.count("--model.d_ff") == 1 and big[big.index("--model.d_ff") + 1] == "448"
+    big = s.command(grid.Run(grid.Variant("hope_attention", size=grid.SECOND), 1))
+    assert "hope_attention-uniform-d256-s1" in " ".join(big)
+    assert big.count("--model.d_ff") == 1 and big[big.index("--model.d_ff") + 1] == "768"
 
 
 def test_second_size_budgets_match_across_architectures() -> None:
