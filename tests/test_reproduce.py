@@ -170,7 +170,7 @@ def test_bad_arguments_fail_with_one_line(tmp_path: Path) -> None:
 
 def test_archs_subset_keeps_the_whole_plan_in_the_report(tmp_path: Path) -> None:
     """``--archs`` narrows what is trained, not what RESULTS.md plans: its saved records of the
-    other architectures are not removed."""
+    other architectures are not removed, and count as finished."""
     report = tmp_path / "report"
     kept = report / "results" / "runs" / "hope_attention-uniform-s1" / "metrics.json"
     kept.parent.mkdir(parents=True)
@@ -187,6 +187,7 @@ def test_archs_subset_keeps_the_whole_plan_in_the_report(tmp_path: Path) -> None
     assert p.returncode == 0, p.stderr
     meta = json.loads((report / "results" / "meta.json").read_text())
     assert meta["runs_planned"] == 12 and kept.read_bytes() == saved
+    assert "while 1 of 12 runs had finished" in meta["note"]  # the saved record counts
     assert "| hope_attention | uniform | 99.48 |" in (report / "RESULTS.md").read_text()
 
 

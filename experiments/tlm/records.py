@@ -138,10 +138,12 @@ def load_records(runs_dir: Path) -> list[dict[str, Any]]:
 
 
 def sync_records(settings: driver.Settings, runs: list[grid.Run], dest: Path) -> int:
-    """:func:`collect`, after removing saved records of runs outside this plan."""
+    """:func:`collect`, after removing saved records of runs outside this plan; returns how many
+    of the plan's runs have a saved record (also those saved from an earlier run directory)."""
     names = {r.name for r in runs}
     if dest.exists():
         for d in dest.iterdir():
             if d.is_dir() and d.name not in names:
                 shutil.rmtree(d)
-    return collect(settings, runs, dest)
+    collect(settings, runs, dest)
+    return sum((dest / name / "metrics.json").exists() for name in names)
