@@ -21,7 +21,15 @@ from experiments.tlm.stats import (
     wilson,
     zs_stat,
 )
-from experiments.tlm.tables import items_used, pooled, ppl_diffs, sweep_tapered, zeroshot_tasks
+from experiments.tlm.tables import (
+    MEMORY_WORK_NATS,
+    items_used,
+    pooled,
+    ppl_diffs,
+    probe_stat,
+    sweep_tapered,
+    zeroshot_tasks,
+)
 
 
 def verdict(d: Stat, expect_negative: bool) -> str:
@@ -112,6 +120,7 @@ def reading(
                 "here, tapered above uniform in 8/8 cases, and that the reverse taper hurts):"
             )
             out += lines
+        out += _probe_reading(by)
     rows = pooled(by, only)
     if rows:
         out.append("- Pooled over configurations (table above):")
@@ -182,3 +191,31 @@ def reading(
             "task's chance level (first row of (f))."
         )
     return out or ["- No finished runs yet."]
+
+
+def _probe_reading(by: dict) -> list[str]:
+    """The memory probe of (c)'s memory architectures against :data:`MEMORY_WORK_NATS`."""
+    parts, reach = [], []
+    for a in grid.MEMORY_ARCHS:
+        vs = [v for v in grid.experiment_variants("archs") if v.arch == a]
+        short = [probe_stat(by.get(v.key), 0) for v in vs]
+        long = [probe_stat(by.get(v.key), 1) for v in vs]
+        short, long = [s for s in short if s.n], [s for s in long if s.n]
+        if not short:
+            continue
+        runs = [x for s in short for x in s.values.values()]
+        means = sorted(s.mean for s in short)
+        far = sorted(s.mean for s in long)
+        parts.append(
+            f"{a} {means[0]:.3f}-{means[-1]:.3f} nats at the training length "
+            f"({sum(x > 0 for x in runs)} of {len(runs)} runs above 0) and "
+            f"{far[0]:.3f}-{far[-1]:.3f} at 4x it"
+        )
+        reach.append(f"{a} in {sum(m >= MEMORY_WORK_NATS for m in means)} of {len(means)}")
+    if not parts:
+        return []
+    return [
+        "  - Memory probe ((c), the budget table): switching the in-context memory off costs, "
+        f"in the configurations' means, {'; '.join(parts)}. A memory counts as doing "
+        f"measurable work from {MEMORY_WORK_NATS} nats: {', '.join(reach)} configurations reach it."
+    ]

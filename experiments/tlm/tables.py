@@ -204,11 +204,20 @@ def _against(r: dict, ref: dict | None, key: str) -> str:
     return f" ({r[key] / ref[key]:.2f}x)" if ref and key in ref else ""
 
 
+# The memory probe's gap (nats) from which an in-context memory counts as doing measurable work.
+MEMORY_WORK_NATS = 0.02
+
+
+def probe_stat(runs: dict | None, i: int) -> Stat:
+    """The memory probe's gap (memory off minus on, nats) over seeds: ``i`` 0 at the training
+    length, 1 at 4x it."""
+    return Stat(
+        {s: r["memory_probe"][i]["gap"] for s, r in (runs or {}).items() if r.get("memory_probe")}
+    )
+
+
 def _probe(runs: dict | None, i: int) -> str:
-    gaps = {
-        s: r["memory_probe"][i]["gap"] for s, r in (runs or {}).items() if r.get("memory_probe")
-    }
-    return pm(Stat(gaps), 3)
+    return pm(probe_stat(runs, i), 3)
 
 
 def table_budget_and_memory(by: dict, scale: str) -> list[str]:
