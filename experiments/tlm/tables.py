@@ -190,8 +190,7 @@ ARCH_NOTES = {
     "from the paper's equations; ours: chunk-start (mini-batch) gradients, a per-token clip of "
     "each memory gradient (its activity logged as memory_clip; at the cpu scale 0.25, not 1), "
     "forgetting half-lives spread over heads, the step size capped (max_step, cpu scale); the "
-    "MLP width shrunk to give the "
-    "memory branch's parameters back.",
+    "MLP width shrunk to give the memory branch's parameters back.",
     "hope_attention": "attention + a Continuum Memory System of SwiGLU levels splitting the MLP "
     "width; ours: updates inside the sequence at period boundaries, every level taught by the "
     "final layer's error signal (teach; not each level's own), normalised, clipped steps; "
