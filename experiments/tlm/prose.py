@@ -197,15 +197,13 @@ def _probe_reading(by: dict) -> list[str]:
     """The memory probe of (c)'s memory architectures against :data:`MEMORY_WORK_NATS`."""
     parts, reach = [], []
     for a in grid.MEMORY_ARCHS:
-        vs = [v for v in grid.experiment_variants("archs") if v.arch == a]
-        short = [probe_stat(by.get(v.key), 0) for v in vs]
-        long = [probe_stat(by.get(v.key), 1) for v in vs]
-        short, long = [s for s in short if s.n], [s for s in long if s.n]
+        configs = [by.get(v.key) for v in grid.experiment_variants("archs") if v.arch == a]
+        short = [s for s in (probe_stat(c, 0) for c in configs) if s.n]
         if not short:
             continue
         runs = [x for s in short for x in s.values.values()]
         means = sorted(s.mean for s in short)
-        far = sorted(s.mean for s in long)
+        far = sorted(s.mean for s in (probe_stat(c, 1) for c in configs) if s.n)
         parts.append(
             f"{a} {means[0]:.3f}-{means[-1]:.3f} nats at the training length "
             f"({sum(x > 0 for x in runs)} of {len(runs)} runs above 0) and "

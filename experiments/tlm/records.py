@@ -116,20 +116,17 @@ def repo_relative(path: str) -> str:
     return os.path.relpath(path, driver.REPO) if os.path.isabs(path) else path
 
 
-def collect(settings: driver.Settings, runs: Iterable[grid.Run], dest: Path) -> int:
-    """Write ``dest/<run>/metrics.json`` for every finished run; return how many were written.
+def collect(settings: driver.Settings, runs: Iterable[grid.Run], dest: Path) -> None:
+    """Write ``dest/<run>/metrics.json`` for every finished run.
 
     Saved runs no longer in the plan are left alone; ``dest`` holds small JSON only.
     """
-    n = 0
     for run in runs:
         if not driver.is_done(settings, run):
             continue
         rec = run_record(settings, run)
         (dest / run.name).mkdir(parents=True, exist_ok=True)
         (dest / run.name / "metrics.json").write_text(json.dumps(rec, indent=1) + "\n")
-        n += 1
-    return n
 
 
 def load_records(runs_dir: Path) -> list[dict[str, Any]]:
