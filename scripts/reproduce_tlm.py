@@ -210,11 +210,7 @@ def main(argv: list[str] | None = None) -> int:
         logf.flush()
 
     t0 = time.time()
-    record = out / "command.json"  # what RESULTS.md shows: a subset rerun keeps the full one
-    if set(only) == set(scale.experiments()) or not record.exists():
-        record.write_text(json.dumps({"command": meta["command"]}))
-    meta["command"] = json.loads(record.read_text())["command"]
-    log(f"reproduce_tlm: {_command(argv)} | {len(runs)} runs, {jobs} at a time | out {out}")
+    log(f"reproduce_tlm: {_invocation(argv)} | {len(runs)} runs, {jobs} at a time | out {out}")
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # so `finally` records the time
     try:
         failed = driver.train_all(settings, runs, jobs, log)
@@ -232,12 +228,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _report_only(settings: driver.Settings, runs: list, results: Path, meta: dict) -> int:
-    """RESULTS.md from the finished runs, with the command of the last training invocation that
-    ran every experiment (a rerun of a subset with ``--only`` does not replace it)."""
+    """RESULTS.md from the finished runs, without training or evaluating anything."""
     n = records.sync_records(settings, runs, results / "results" / "runs")
-    cmd = settings.out / "command.json"
-    if cmd.exists():
-        meta["command"] = json.loads(cmd.read_text())["command"]
     walls = settings.out / "driver_wall.json"
     meta["wall_s"] = sum(json.loads(walls.read_text())) if walls.exists() else 0.0
     if n < len(runs):
@@ -256,10 +248,33 @@ def _report_only(settings: driver.Settings, runs: list, results: Path, meta: dic
     return 0
 
 
-def _command(argv: list[str] | None) -> str:
-    """The invocation as RESULTS.md shows it (``--no-report`` dropped: the same runs)."""
+def _invocation(argv: list[str] | None) -> str:
+    """This invocation as typed (paths made repository-relative), for the driver's log."""
     args = sys.argv[1:] if argv is None else argv
-    kept = (records.repo_relative(x) for x in args if x != "--no-report")
+    return shlex.join(["python", "scripts/reproduce_tlm.py", *map(records.repo_relative, args)])
+
+
+# Options that pick which of the planned runs an invocation trains, or what it writes, but not
+# what the finished report holds: RESULTS.md's command leaves them out.
+_SUBSET_FLAGS = ("--no-report", "--report-only", "--allow-mixed-commits")
+_SUBSET_OPTIONS = ("--archs", "--jobs", "--results-dir")
+
+
+def _command(argv: list[str] | None) -> str:
+    """The command that trains, evaluates and reports every run of the report's plan, as
+    RESULTS.md shows it: this invocation without the options that only select a subset of the
+    runs or the output (``--archs``, ``--jobs``, ``--report-only``, ...), so a report assembled
+    from several resumed or partial invocations names the one command that reproduces it."""
+    args = sys.argv[1:] if argv is None else argv
+    kept: list[str] = []
+    skip = False
+    for x in args:
+        if skip:
+            skip = False
+        elif x in _SUBSET_FLAGS or x.split("=")[0] in _SUBSET_OPTIONS:
+            skip = x in _SUBSET_OPTIONS  # its value is the next word
+        else:
+            kept.append(records.repo_relative(x))
     return shlex.join(["python", "scripts/reproduce_tlm.py", *kept])
 
 

@@ -13,6 +13,7 @@ import statistics
 import subprocess
 import sys
 import time
+import types
 from pathlib import Path
 
 import pytest
@@ -640,6 +641,29 @@ def _driver(out: Path, *args: str) -> subprocess.CompletedProcess:
     )
 
 
+def _script() -> types.ModuleType:
+    """scripts/reproduce_tlm.py loaded as a module."""
+    spec = importlib.util.spec_from_file_location("reproduce_tlm", SCRIPT)
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    return script
+
+
+def test_results_command_is_the_whole_plans_not_a_subset_rerun() -> None:
+    """RESULTS.md shows the one command that reproduces the report, whichever resumed or partial
+    invocation (``--archs``, ``--jobs``, ``--report-only``) wrote it."""
+    cmd = _script()._command
+    assert (
+        cmd(["--out", "../r", "--only", "archs", "--archs", "titans", "--headline-seeds", "5",
+             "--jobs", "1", "--no-report", "--allow-mixed-commits"])
+        == "python scripts/reproduce_tlm.py --out ../r --only archs --headline-seeds 5"
+    )  # fmt: skip
+    assert (
+        cmd(["--headline-seeds", "5", "--archs=transformer", "--report-only", "--results-dir", "x"])
+        == "python scripts/reproduce_tlm.py --headline-seeds 5"
+    )
+
+
 def _start_and_kill_after(out: Path, finished: int, *args: str) -> None:
     """Start the driver, SIGKILL it (and its jobs) once ``finished`` runs are done."""
     p = subprocess.Popen(
@@ -695,14 +719,13 @@ def test_killed_driver_reruns_only_what_is_left(tmp_path: Path) -> None:
     assert _git_head()[:12] in (out / "report" / "RESULTS.md").read_text()
     tables = _table_lines(out / "report" / "RESULTS.md")
 
-    full = {"command": "python scripts/reproduce_tlm.py --out somewhere"}  # as if run before
-    (out / "command.json").write_text(json.dumps(full))
-    again = _driver(out, "--only", "alignment", "--jobs", "1")
+    again = _driver(out, "--only", "alignment", "--jobs", "1", "--archs", "transformer")
     assert "training: 2 of 2 runs already done, 0 to go" in again.stdout
     assert _table_lines(out / "report" / "RESULTS.md") == tables
-    # a rerun of a subset keeps the directory's full command as what RESULTS.md shows
-    assert json.loads((out / "command.json").read_text()) == full
-    assert f"Command: `{full['command']}`" in (out / "report" / "RESULTS.md").read_text()
+    # RESULTS.md names the command that reproduces the whole plan, not this subset rerun
+    rel = records.repo_relative(str(out))
+    full = f"Command: `python scripts/reproduce_tlm.py --smoke --out {rel} --only alignment`"
+    assert full in (out / "report" / "RESULTS.md").read_text()
 
 
 def test_rerun_from_another_checkout_or_launcher_is_accepted(tmp_path: Path) -> None:
@@ -770,9 +793,7 @@ def test_provenance_is_recorded_and_mixed_code_is_refused(
     _trained_by(s.run_dir(cos), "1" * 40, done=False)
     assert "111111111111" in driver.mixed_code_problem(s, [cos])
     # the driver's command line: one line, before anything is trained
-    spec = importlib.util.spec_from_file_location("reproduce_tlm", SCRIPT)
-    script = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(script)
+    script = _script()
     assert script.main(["--smoke", "--out", str(tmp_path), "--only", "alignment"]) == 2
     err = capsys.readouterr().err
     assert len(err.splitlines()) == 1 and "--allow-mixed-commits" in err and "111111111111" in err
