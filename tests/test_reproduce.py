@@ -8,6 +8,7 @@ import json
 import math
 import os
 import re
+import shutil
 import signal
 import statistics
 import subprocess
@@ -50,6 +51,21 @@ def test_paired_interval_and_p_match_scipy() -> None:
     assert stats.wilson(k / n, n) == pytest.approx((w.low, w.high))
     assert stats.sign_test_p(10, 12) == pytest.approx(scipy_stats.binomtest(10, 12).pvalue)
     assert stats.sign_test_p(15, 15) == pytest.approx(scipy_stats.binomtest(15, 15).pvalue)
+
+
+def test_unpaired_difference_is_welch_with_conservative_df() -> None:
+    a = stats.Stat({1: -0.5, 2: 0.4, 3: -1.1, 4: 0.2})
+    b = stats.Stat({1: -4.0, 2: -3.5, 3: -4.4})
+    d = stats.Unpaired(a, b)
+    welch = scipy_stats.ttest_ind(list(a.values.values()), list(b.values.values()), equal_var=False)
+    se = (d.mean - 0) / welch.statistic  # Welch's standard error, whatever its df
+    assert d.mean == pytest.approx(a.mean - b.mean) and d.n == 3
+    half = scipy_stats.t.ppf(0.975, 2) * se  # min(n) - 1 = 2 degrees of freedom
+    assert d.interval == pytest.approx((d.mean - half, d.mean + half))
+    assert d.p == pytest.approx(2 * scipy_stats.t.sf(abs(welch.statistic), 2))
+    assert d.p >= welch.pvalue  # never less conservative than Welch-Satterthwaite
+    assert stats.direction(d) == "higher, interval excludes 0"
+    assert stats.Unpaired(a, stats.Stat({1: 1.0})).interval is None
 
 
 def test_reading_words_follow_the_interval() -> None:
@@ -421,7 +437,7 @@ def check_results(results_dir: Path) -> int:
     if "(f)" in tables:
         checked += _check_zeroshot(text, tables["(f)"], recs, meta)
     if "(g)" in tables:
-        checked += _check_scale(tables["(g)"], recs)
+        checked += _check_scale(_all_tables(text)["(g)"], recs, text)
     if "Poo" in tables:
         checked += _check_pooled(tables["Poo"], recs, meta["only"])
     checked += _check_reading(text, tables, recs, meta["only"])
@@ -468,31 +484,93 @@ def _check_zeroshot(text: str, rows: list[list[str]], recs: list[dict], meta: di
     return len(rows) * len(rows[0])
 
 
-def _check_scale(rows: list[list[str]], recs: list[dict]) -> int:
+def _welch(a: list[float], b: list[float]) -> tuple[float, float, float]:
+    """95 % interval and two-sided p of ``mean(a) - mean(b)``: Welch's standard error with
+    min(n) - 1 degrees of freedom (>= 2 values each)."""
+    m = statistics.fmean(a) - statistics.fmean(b)
+    se = math.sqrt(statistics.variance(a) / len(a) + statistics.variance(b) / len(b))
+    df = min(len(a), len(b)) - 1
+    if se == 0:
+        return m, m, float(m == 0)
+    half = scipy_stats.t.ppf(0.975, df) * se
+    return m - half, m + half, 2 * scipy_stats.t.sf(abs(m) / se, df)
+
+
+def _summary(d: list[float]) -> str:
+    """A (g) cell: mean, interval, p and seeds of paired differences ``d``."""
+    if not d:
+        return "not run yet"
+    if len(d) == 1:
+        return f"{d[0]:+.2f} (1 seed)"
+    lo, hi, p = _ttest(d)
+    return f"{statistics.fmean(d):+.2f} [{lo:+.2f}, {hi:+.2f}], p {_p(p)} ({len(d)} seeds)"
+
+
+def _scale_expected(recs: list[dict]) -> list[tuple[list[str], list[str], str]]:
+    """Each (g) comparison's row of the Δ ppl table, of the relative table, and its Reading
+    line, recomputed from the records."""
     sched, ratio = grid.DEFAULT_TAPER
-    expected = []
+    out = []
     for a in grid.SCALE_ARCHS:
         for what, v in (
-            ("cosine 1.5/0.5 vs uniform", grid.Variant(a, sched, ratio)),
-            ("reverse vs uniform", grid.Variant(a, sched, ratio, True)),
+            ("cosine 1.5/0.5", grid.Variant(a, sched, ratio)),
+            ("reverse", grid.Variant(a, sched, ratio, True)),
         ):
-            cells = [a, what]
+            ppl, pct = [], []
             for size in (False, True):
                 mine = [r for r in recs if bool(r.get("size")) == size]
                 key = v.key + (f"-{grid.SECOND}" if size else "")
                 ukey = grid.Variant(a).key + (f"-{grid.SECOND}" if size else "")
-                d = _paired(_ppl(mine, key), _ppl(mine, ukey))
-                if not d:
-                    cells.append("not run yet")
-                elif len(d) == 1:
-                    cells.append(f"{d[0]:+.2f} (1 seed)")
-                else:
-                    lo, hi, p = _ttest(d)
-                    m = statistics.fmean(d)
-                    cells.append(f"{m:+.2f} [{lo:+.2f}, {hi:+.2f}], p {_p(p)} ({len(d)} seeds)")
-            expected.append(cells)
-    assert rows == expected
-    return 2 * len(rows)
+                t, u = _ppl(mine, key), _ppl(mine, ukey)
+                ppl.append(_paired(t, u))
+                pct.append([100 * (t[s] / u[s] - 1) for s in sorted(set(t) & set(u))])
+            n = min(len(pct[0]), len(pct[1]))
+            change, trend = "not run yet", "—"
+            if n:
+                m = statistics.fmean(pct[1]) - statistics.fmean(pct[0])
+                change, trend = f"{m:+.2f} (1 seed at a size)", "one seed at a size, no interval"
+            if n >= 2:
+                lo, hi, p = _welch(pct[1], pct[0])
+                change = f"{m:+.2f} [{lo:+.2f}, {hi:+.2f}], p {_p(p)}"
+                m0, m1 = statistics.fmean(pct[0]), statistics.fmean(pct[1])
+                word = (
+                    "changes sign"
+                    if (m0 < 0) != (m1 < 0)
+                    else "grows"
+                    if abs(m1) > abs(m0)
+                    else "shrinks"
+                )
+                trend = f"the effect {word}" + (
+                    ", interval of the change excludes 0"
+                    if lo > 0 or hi < 0
+                    else " in the mean, interval of the change includes 0"
+                )
+            line = ""
+            if ppl[0] and ppl[1]:
+                line = (
+                    f"relative to uniform {statistics.fmean(pct[0]):+.2f} % / "
+                    f"{statistics.fmean(pct[1]):+.2f} %, second minus first {m:+.2f} points: "
+                    f"{trend}."
+                )
+            out.append(
+                (
+                    [a, f"{what} vs uniform", *map(_summary, ppl)],
+                    [a, f"{what} vs uniform", *map(_summary, pct), change, trend],
+                    f"  - {a}, {what}: " + line if line else "",
+                )
+            )
+    return out
+
+
+def _check_scale(tables: list[list[list[str]]], recs: list[dict], text: str) -> int:
+    expected = _scale_expected(recs)
+    assert tables[0] == [e[0] for e in expected]
+    assert tables[1] == [e[1] for e in expected]
+    for _, _, line in expected:  # the Reading's relative effect and its trend at both sizes
+        if line:
+            head, tail = line.split(": ", 1)
+            assert any(x.startswith(head) and x.endswith(tail) for x in text.splitlines()), line
+    return 2 * len(tables[0]) + 4 * len(tables[1])
 
 
 def _check_pooled(rows: list[list[str]], recs: list[dict], only: list[str]) -> int:
@@ -533,7 +611,8 @@ def _check_reading(
     """Every decimal in the Reading is a number of the tables; its counts are recomputed."""
     reading = text[text.index("## Reading") :]
     reading = _check_probe_reading(reading, recs)
-    cells = {x for rows in tables.values() for row in rows for c in row for x in _numbers(c)}
+    every = [row for ts in _all_tables(text).values() for rows in ts for row in rows]
+    cells = {x for row in every for c in row for x in _numbers(c)}
     found = [x for x in _numbers(reading) if not x.startswith(("16.28", "14.44"))]  # the paper's
     assert set(found) <= cells | {"1.5", "0.5"}, set(found) - cells
     uni = _ppl(recs, grid.UNIFORM.key)
@@ -601,6 +680,27 @@ def test_committed_results_are_recomputed_from_saved_metrics() -> None:
         curve = [c[2] for c in rec["val_curve"]]
         assert len(curve) >= 4, rec["run"]
         assert abs(curve[-1] - curve[-2]) < 0.2 * abs(curve[0] - curve[1]), rec["run"]
+
+
+def test_scale_change_with_seeds_at_both_sizes_is_recomputed(tmp_path: Path) -> None:
+    """(g) with several seeds at the second size: the relative table's Welch column and the
+    Reading's trend words, rendered and recomputed (the committed runs may have one seed)."""
+    runs = tmp_path / "results" / "runs"
+    shutil.copytree(DOCS / "results" / "runs", runs)
+    base = [r for r in records.load_records(runs) if r.get("size") and r["seed"] == 1]
+    assert base, "no (g) run at the second size saved"
+    for seed, shift in ((2, 0.03), (3, -0.02), (4, 0.05)):
+        for r in base:
+            taper = r["schedule"] != "uniform"
+            rec = dict(r, seed=seed, run=r["run"][: -len("s1")] + f"s{seed}")
+            rec["final_val_loss"] = r["final_val_loss"] + shift * (1 + taper * seed / 4)
+            (runs / rec["run"]).mkdir()
+            (runs / rec["run"] / "metrics.json").write_text(json.dumps(rec))
+    meta = json.loads((DOCS / "results" / "meta.json").read_text())
+    report.write_results(tmp_path, meta)
+    assert check_results(tmp_path) > 300
+    g = _all_tables((tmp_path / "RESULTS.md").read_text())["(g)"][1]
+    assert any("(4 seeds)" in row[3] and ", p " in row[4] for row in g), g
 
 
 def test_committed_results_carry_no_absolute_path() -> None:

@@ -27,6 +27,7 @@ from experiments.tlm.tables import (
     pooled,
     ppl_diffs,
     probe_stat,
+    scale_comparisons,
     sweep_tapered,
     zeroshot_tasks,
 )
@@ -139,14 +140,20 @@ def reading(
             out.append(text + ".")
     if "archs" in only or "scale" in only:
         lines = []
-        for a in grid.SCALE_ARCHS:
-            small = [v for v in grid.scale_variants("") if v.arch == a]
-            large = [v for v in grid.scale_variants(grid.SECOND) if v.arch == a]
-            for i, what in ((1, "cosine 1.5/0.5"), (2, "reverse")):
-                d1, d2 = (ppl_diffs(by, vs[i], vs[0]) for vs in (small, large))
-                if d1.n or d2.n:
-                    second = direction(d2) if d2.n else "not run yet"
-                    lines.append(f"  - {a}, {what}: {direction(d1)} / {second}.")
+        for c in scale_comparisons(by):
+            d1, d2 = c.ppl
+            if not (d1.n or d2.n):
+                continue
+            text = f"  - {c.arch}, {c.what}: {direction(d1)} / "
+            if not d2.n:
+                lines.append(text + "not run yet.")
+                continue
+            p1, p2 = c.pct
+            lines.append(
+                text + f"{direction(d2)}; relative to uniform {signed(p1.mean)} % / "
+                f"{signed(p2.mean)} %, second minus first {signed(c.change.mean)} points: "
+                f"{c.trend}."
+            )
         if lines:
             out.append("- (g) Scale, Δ perplexity vs uniform at the first size / the second:")
             out += lines

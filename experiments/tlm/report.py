@@ -29,6 +29,7 @@ from experiments.tlm.tables import (
     table_controlled,
     table_pooled,
     table_scale,
+    table_scale_relative,
     table_sweep,
     table_zeroshot,
     zeroshot_tasks,
@@ -303,7 +304,23 @@ def scale_section(by: dict, records: list[dict[str, Any]], meta: dict[str, Any])
             f"The second size ({planned}) is not run yet: its column fills in as its runs "
             "finish. The first size's column is from the (c) runs."
         )
-    return [*lines, "", *table_scale(by, names), ""]
+    relative = (
+        "Relative to the uniform model's perplexity at each size (the sizes' perplexities "
+        "differ, so Δ ppl is not comparable across them): per seed 100 (ppl / uniform ppl - 1); "
+        "the last columns give how that relative effect moves from the first size to the second "
+        "(different runs: Welch's standard error with min(n) - 1 degrees of freedom, a "
+        "conservative interval)."
+    )
+    return [
+        *lines,
+        "",
+        *table_scale(by, names),
+        "",
+        relative,
+        "",
+        *table_scale_relative(by, names),
+        "",
+    ]
 
 
 def write_results(results_dir: Path, meta: dict[str, Any]) -> Path:

@@ -5,8 +5,9 @@ seed (same seed = same initialisation stream and data order): the paired differe
 a 95 % Student t interval and a two-sided p value (paired t test, n-1 degrees of freedom). The
 words follow the interval: "lower, interval excludes 0" or "lower in the mean, interval includes
 0". Accuracies on n items carry a Wilson 95 % interval; counts over configurations a two-sided
-sign test. The t distribution is computed here in closed form (integer degrees of freedom), so
-the reproduction needs no statistics package.
+sign test; the same comparison at two model sizes (independent runs) a Welch interval with
+conservative integer degrees of freedom. The t distribution is computed here in closed form
+(integer degrees of freedom), so the reproduction needs no statistics package.
 """
 
 from __future__ import annotations
@@ -137,13 +138,55 @@ class Paired:
         return Stat({s: self.config.values[s] - self.base.values[s] for s in common})
 
 
-def excludes_zero(d: Stat) -> bool:
+@dataclass(frozen=True)
+class Unpaired:
+    """The difference of two independent samples' means, ``a - b`` (different runs, e.g. the
+    same comparison at two model sizes): Welch's standard error, with ``min(n_a, n_b) - 1``
+    degrees of freedom, the conservative integer bound on Welch-Satterthwaite's (so the
+    closed-form t above applies and the interval is never narrower than Welch's)."""
+
+    a: Stat
+    b: Stat
+
+    @property
+    def n(self) -> int:
+        """The smaller sample's size (what the degrees of freedom follow)."""
+        return min(self.a.n, self.b.n)
+
+    @property
+    def mean(self) -> float:
+        """``mean(a) - mean(b)``."""
+        return self.a.mean - self.b.mean
+
+    @property
+    def _se(self) -> float:
+        return math.sqrt(self.a.std**2 / self.a.n + self.b.std**2 / self.b.n)
+
+    @property
+    def interval(self) -> tuple[float, float] | None:
+        """95 % t interval of the difference (None while a sample has fewer than two values)."""
+        if self.n < 2:
+            return None
+        half = t_quantile_975(self.n - 1) * self._se
+        return self.mean - half, self.mean + half
+
+    @property
+    def p(self) -> float | None:
+        """Two-sided p value of "the means are equal" (None below two values a sample)."""
+        if self.n < 2:
+            return None
+        if self._se == 0:
+            return 1.0 if self.mean == 0 else 0.0
+        return t_two_sided_p(self.mean / self._se, self.n - 1)
+
+
+def excludes_zero(d: Stat | Unpaired) -> bool:
     """Whether the 95 % interval of the mean of ``d`` lies on one side of 0."""
     ci = d.interval
     return ci is not None and (ci[0] > 0 or ci[1] < 0)
 
 
-def direction(d: Stat) -> str:
+def direction(d: Stat | Unpaired) -> str:
     """What the paired differences say, in words that follow the 95 % interval."""
     if d.n == 0:
         return "not measured"
@@ -169,7 +212,7 @@ def signed(x: float, digits: int = 2) -> str:
     return f"{x:+.{digits}f}"
 
 
-def ci_text(s: Stat, digits: int = 2) -> str:
+def ci_text(s: Stat | Unpaired, digits: int = 2) -> str:
     """``[lo, hi]`` of the 95 % t interval of the mean (an em dash below two values)."""
     ci = s.interval
     return "—" if ci is None else f"[{signed(ci[0], digits)}, {signed(ci[1], digits)}]"

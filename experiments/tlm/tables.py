@@ -3,14 +3,17 @@ beside the paper's figures."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 from experiments.tlm import grid
 from experiments.tlm.stats import (
     Paired,
     Stat,
+    Unpaired,
     ci_text,
     direction,
+    excludes_zero,
     p_text,
     pm,
     ppl_stat,
@@ -258,23 +261,90 @@ def _delta_summary(d: Stat) -> str:
     return f"{signed(d.mean)} {ci_text(d)}, p {p_text(d.p)} ({d.n} seeds)"
 
 
-def table_scale(by: dict, sizes: tuple[str, str]) -> list[str]:
-    """(g): the paired Δ perplexity of cosine 1.5/0.5 and reverse vs uniform, each (g)
-    architecture at both sizes side by side (``sizes``: the two column names)."""
-    rows = []
+@dataclass(frozen=True)
+class ScaleComparison:
+    """One (g) comparison of an architecture's taper against its uniform model at both sizes:
+    the paired per-seed differences in perplexity and in percent of the uniform perplexity."""
+
+    arch: str
+    what: str
+    ppl: tuple[Stat, Stat]
+    pct: tuple[Stat, Stat]
+
+    @property
+    def change(self) -> Unpaired:
+        """The relative effect at the second size minus at the first, in percentage points."""
+        return Unpaired(self.pct[1], self.pct[0])
+
+    @property
+    def trend(self) -> str:
+        """How the relative effect moves from the first size to the second, in words that
+        follow the interval of the change."""
+        first, second = self.pct
+        if min(first.n, second.n) < 2:
+            return "one seed at a size, no interval"
+        if (first.mean < 0) != (second.mean < 0):
+            word = "changes sign"
+        else:
+            word = "grows" if abs(second.mean) > abs(first.mean) else "shrinks"
+        if excludes_zero(self.change):
+            return f"the effect {word}, interval of the change excludes 0"
+        return f"the effect {word} in the mean, interval of the change includes 0"
+
+
+def scale_comparisons(by: dict) -> list[ScaleComparison]:
+    """(g): cosine 1.5/0.5 and reverse vs uniform for each (g) architecture, at both sizes."""
+    out = []
     for a in grid.SCALE_ARCHS:
         small = [v for v in grid.scale_variants("") if v.arch == a]
         large = [v for v in grid.scale_variants(grid.SECOND) if v.arch == a]
-        for i, what in ((1, "cosine 1.5/0.5 vs uniform"), (2, "reverse vs uniform")):
-            cells = [_delta_summary(ppl_diffs(by, vs[i], vs[0])) for vs in (small, large)]
-            rows.append([a, what, *cells])
+        for i, what in ((1, "cosine 1.5/0.5"), (2, "reverse")):
+            ppl = tuple(ppl_diffs(by, vs[i], vs[0]) for vs in (small, large))
+            pct = tuple(ppl_change_pct(by, vs[i], vs[0]) for vs in (small, large))
+            out.append(ScaleComparison(a, what, ppl, pct))
+    return out
+
+
+def table_scale(by: dict, sizes: tuple[str, str]) -> list[str]:
+    """(g): the paired Δ perplexity of cosine 1.5/0.5 and reverse vs uniform, each (g)
+    architecture at both sizes side by side (``sizes``: the two column names)."""
+    rows = [
+        [c.arch, f"{c.what} vs uniform", *map(_delta_summary, c.ppl)] for c in scale_comparisons(by)
+    ]
     head = ["architecture", "comparison"]
     return _table([*head, *(f"Δ val ppl, {s}: mean [95 % CI], p" for s in sizes)], rows)
+
+
+def table_scale_relative(by: dict, sizes: tuple[str, str]) -> list[str]:
+    """(g): the same comparisons in percent of the uniform model's perplexity at each size, and
+    the change of that relative effect from the first size to the second (Welch interval)."""
+    rows = []
+    for c in scale_comparisons(by):
+        ch = c.change
+        if ch.n == 0:
+            change = "not run yet"
+        elif ch.n == 1:
+            change = f"{signed(ch.mean)} (1 seed at a size)"
+        else:
+            change = f"{signed(ch.mean)} {ci_text(ch)}, p {p_text(ch.p)}"
+        trend = c.trend if ch.n else "—"
+        rows.append([c.arch, f"{c.what} vs uniform", *map(_delta_summary, c.pct), change, trend])
+    head = ["architecture", "comparison"]
+    head += [f"Δ % of uniform ppl, {s}: mean [95 % CI], p" for s in sizes]
+    head += ["second − first (points): mean [95 % CI], p", "reading"]
+    return _table(head, rows)
 
 
 def ppl_diffs(by: dict, v: grid.Variant, base: grid.Variant) -> Stat:
     """Per-seed perplexity differences ``v - base``."""
     return Paired(ppl_stat(by.get(v.key)), ppl_stat(by.get(base.key))).diffs
+
+
+def ppl_change_pct(by: dict, v: grid.Variant, base: grid.Variant) -> Stat:
+    """Per-seed perplexity of ``v`` relative to ``base``, in percent: ``100 (ppl_v / ppl_base -
+    1)``, comparable across model sizes whose perplexities differ."""
+    mine, ref = ppl_stat(by.get(v.key)).values, ppl_stat(by.get(base.key)).values
+    return Stat({s: 100 * (mine[s] / ref[s] - 1) for s in sorted(set(mine) & set(ref))})
 
 
 def sweep_tapered() -> list[grid.Variant]:
