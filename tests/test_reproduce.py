@@ -828,6 +828,20 @@ def test_killed_driver_reruns_only_what_is_left(tmp_path: Path) -> None:
     assert full in (out / "report" / "RESULTS.md").read_text()
 
 
+def test_a_resumed_runs_wall_time_counts_its_earlier_invocations(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A job's wall time is saved while it runs (what a killed driver would have lost) and is
+    added to what earlier invocations of the run spent."""
+    monkeypatch.setattr(driver, "_WALL_EVERY_S", 0.05)
+    spent = tmp_path / "wall_s"
+    spent.write_text("100.0")  # an earlier, killed invocation
+    peek = "import time; time.sleep(0.6); print(open('wall_s').read())"  # the job reads it
+    rc = driver._run_job([sys.executable, "-c", peek], tmp_path, dict(os.environ), spent)
+    assert rc == 0
+    assert 100.3 < float((tmp_path / "train.log").read_text()) < float(spent.read_text()) < 130
+
+
 def test_rerun_from_another_checkout_or_launcher_is_accepted(tmp_path: Path) -> None:
     s = driver.Settings(tmp_path, grid.SCALES["cpu"], ["python"])
     run = grid.Run(grid.UNIFORM, 1)

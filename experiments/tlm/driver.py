@@ -39,6 +39,7 @@ from experiments.tlm import provenance
 from experiments.tlm.grid import SMOKE_OVERRIDES, Run, Scale, evaluation_phases, shape_overrides
 
 REPO = Path(__file__).resolve().parents[2]
+_WALL_EVERY_S = 10.0  # how often a running job's wall time is saved (what a killed driver loses)
 
 
 @dataclass
@@ -157,25 +158,46 @@ def train_run(settings: Settings, run: Run, log: Callable[[str], None]) -> bool:
         return True
     cmd = settings.command(run)
     _check_command(d, cmd)
+    spent = d / "wall_s"  # seconds of every invocation of this run so far
     if not any((d / "checkpoints").glob("global_step*")):
-        (d / "metrics.jsonl").unlink(missing_ok=True)  # a fresh start: no stale records
-        (d / "provenance.json").unlink(missing_ok=True)
+        for stale in ("metrics.jsonl", "provenance.json", spent.name):  # a fresh start
+            (d / stale).unlink(missing_ok=True)
     if settings.env is not None:
         provenance.record(d, settings.env)
-    env = settings.job_env()
-    t0 = time.time()
     log(f"start {run.name}")
-    with open(d / "train.log", "a") as f:
-        rc = subprocess.call(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, cwd=str(d))
+    rc = _run_job(cmd, d, settings.job_env(), spent)
     recs = read_metrics(d / "metrics.jsonl")
     final = [r for r in recs if "val_loss" in r]
     if rc != 0 or not final:
         log(f"FAILED {run.name} (exit {rc}); see {d / 'train.log'}")
         return False
-    wall = time.time() - t0
+    wall = float(spent.read_text())
     (d / "done").write_text(json.dumps({"val_loss": final[-1]["val_loss"], "wall_s": wall}))
     log(f"done {run.name} in {wall:.0f} s: val loss {final[-1]['val_loss']:.4f}")
     return True
+
+
+def _run_job(cmd: list[str], d: Path, env: dict[str, str], spent: Path) -> int:
+    """Run one training job in ``d``; return its exit code. Its wall time is added to ``spent``
+    every few seconds, so the time of an invocation that was killed counts when the run
+    resumes."""
+    before = float(spent.read_text()) if spent.exists() else 0.0
+    t0 = time.time()
+    with open(d / "train.log", "a") as f:
+        p = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, cwd=str(d))
+        try:
+            while True:
+                try:
+                    rc = p.wait(timeout=_WALL_EVERY_S)
+                except subprocess.TimeoutExpired:
+                    rc = None
+                spent.write_text(f"{before + time.time() - t0:.1f}")
+                if rc is not None:
+                    return rc
+        except BaseException:  # the driver stops (SIGTERM, Ctrl-C): so does its job
+            p.kill()
+            p.wait()
+            raise
 
 
 def _recorded_code(run_dir: Path) -> list[dict[str, Any] | None]:
