@@ -191,7 +191,9 @@ def _run_job(cmd: list[str], d: Path, env: dict[str, str], spent: Path) -> int:
                     rc = p.wait(timeout=_WALL_EVERY_S)
                 except subprocess.TimeoutExpired:
                     rc = None
-                spent.write_text(f"{before + time.time() - t0:.1f}")
+                tmp = spent.with_suffix(".tmp")  # replaced whole: never read half-written
+                tmp.write_text(f"{before + time.time() - t0:.1f}")
+                os.replace(tmp, spent)
                 if rc is not None:
                     return rc
         except BaseException:  # the driver stops (SIGTERM, Ctrl-C): so does its job

@@ -161,8 +161,14 @@ def render(records: list[dict[str, Any]], meta: dict[str, Any]) -> str:
         "",
         "Statistics: mean ± sample std over seeds. Δ = the configuration minus its uniform "
         "baseline for the same seed (same initialisation stream and data order), averaged over "
-        "the seeds both have (the uniform runs shared with (c) have more seeds than the (a) and "
-        "(b) configurations, so Δ is not the difference of the two means shown); its 95 % CI is the Student t interval of the paired differences and p the "
+        "the seeds both have"
+        + (
+            " (the uniform runs shared with (c) have more seeds than the (a) and (b) "
+            "configurations, so Δ is not the difference of the two means shown)"
+            if len(seed_counts(meta)) > 1
+            else ""
+        )
+        + "; its 95 % CI is the Student t interval of the paired differences and p the "
         "two-sided paired t test (n - 1 degrees of freedom). The reading follows the interval: "
         "`lower, interval excludes 0` or `lower in the mean, interval includes 0` (likewise "
         "higher)."
