@@ -82,8 +82,30 @@ def sign_test_p(k: int, n: int) -> float:
     return min(1.0, 2 * tail)
 
 
+class _TInterval:
+    """The 95 % t interval and two-sided p value of an estimate whose subclass gives ``n``,
+    ``mean`` and its standard error ``_se``, with ``n - 1`` degrees of freedom."""
+
+    @property
+    def interval(self) -> tuple[float, float] | None:
+        """95 % t interval of the estimate (None below two values)."""
+        if self.n < 2:
+            return None
+        half = t_quantile_975(self.n - 1) * self._se
+        return self.mean - half, self.mean + half
+
+    @property
+    def p(self) -> float | None:
+        """Two-sided p value of "the estimate is 0" (t test; None below two values)."""
+        if self.n < 2:
+            return None
+        if self._se == 0:
+            return 1.0 if self.mean == 0 else 0.0
+        return t_two_sided_p(self.mean / self._se, self.n - 1)
+
+
 @dataclass(frozen=True)
-class Stat:
+class Stat(_TInterval):
     """Mean and sample std of per-seed values."""
 
     values: dict[int, float]
@@ -107,21 +129,8 @@ class Stat:
         return math.sqrt(sum((v - m) ** 2 for v in self.values.values()) / (self.n - 1))
 
     @property
-    def interval(self) -> tuple[float, float] | None:
-        """95 % t interval of the mean (None below two values)."""
-        if self.n < 2:
-            return None
-        half = t_quantile_975(self.n - 1) * self.std / math.sqrt(self.n)
-        return self.mean - half, self.mean + half
-
-    @property
-    def p(self) -> float | None:
-        """Two-sided p value of "the mean is 0" (one-sample t test; None below two values)."""
-        if self.n < 2:
-            return None
-        if self.std == 0:
-            return 1.0 if self.mean == 0 else 0.0
-        return t_two_sided_p(self.mean / (self.std / math.sqrt(self.n)), self.n - 1)
+    def _se(self) -> float:
+        return self.std / math.sqrt(self.n)
 
 
 @dataclass(frozen=True)
@@ -139,7 +148,7 @@ class Paired:
 
 
 @dataclass(frozen=True)
-class Unpaired:
+class Unpaired(_TInterval):
     """The difference of two independent samples' means, ``a - b`` (different runs, e.g. the
     same comparison at two model sizes): Welch's standard error, with ``min(n_a, n_b) - 1``
     degrees of freedom, the conservative integer bound on Welch-Satterthwaite's (so the
@@ -161,23 +170,6 @@ class Unpaired:
     @property
     def _se(self) -> float:
         return math.sqrt(self.a.std**2 / self.a.n + self.b.std**2 / self.b.n)
-
-    @property
-    def interval(self) -> tuple[float, float] | None:
-        """95 % t interval of the difference (None while a sample has fewer than two values)."""
-        if self.n < 2:
-            return None
-        half = t_quantile_975(self.n - 1) * self._se
-        return self.mean - half, self.mean + half
-
-    @property
-    def p(self) -> float | None:
-        """Two-sided p value of "the means are equal" (None below two values a sample)."""
-        if self.n < 2:
-            return None
-        if self._se == 0:
-            return 1.0 if self.mean == 0 else 0.0
-        return t_two_sided_p(self.mean / self._se, self.n - 1)
 
 
 def excludes_zero(d: Stat | Unpaired) -> bool:
