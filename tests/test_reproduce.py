@@ -636,6 +636,20 @@ def _check_reading(
                 total += 1
                 near += lo <= 100 * chance[t][1] <= hi
         assert f"{near} of {total} per-task accuracies have a Wilson interval" in reading
+        up, sure = 0, {"above": [], "below": []}
+        for row in tables["(f)"][1:]:
+            if row[1] == "cosine 1.5/0.5" and row[4] != "—":
+                up += float(row[4]) > 0
+                if "excludes 0" in row[7]:
+                    sure["above" if float(row[4]) > 0 else "below"].append(row[0])
+        n = sum(row[1] == "cosine 1.5/0.5" and row[4] != "—" for row in tables["(f)"][1:])
+        sides = " and ".join(
+            f"{len(v)} {k}" + (f" ({', '.join(v)})" if v else "") for k, v in sure.items()
+        )
+        assert (
+            f"tapered above uniform in mean average accuracy for {up} of {n} architectures "
+            f"(paper: 8/8 at 760M/1.3B); the paired 95 % interval excludes 0 for {sides}."
+        ) in reading
     return len(found)
 
 

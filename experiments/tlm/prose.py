@@ -174,14 +174,16 @@ def reading(
                     )
                 )
     if "archs" in only and any(r.get("zeroshot") for r in records):
-        up = total = sure = 0
+        up = total = 0
+        sure: dict[str, list[str]] = {"above": [], "below": []}
         for a in grid.ARCHS:
             uni, cos, _ = [v for v in grid.experiment_variants("archs") if v.arch == a]
             d = Paired(zs_stat(by.get(cos.key)), zs_stat(by.get(uni.key))).diffs
             if d.n:
                 total += 1
                 up += d.mean > 0
-                sure += excludes_zero(d)
+                if excludes_zero(d):
+                    sure["above" if d.mean > 0 else "below"].append(a)
         tasks = [t for t in zeroshot_tasks(records) if t in info]
         near = cells = 0
         for v in grid.experiment_variants("archs"):
@@ -193,8 +195,12 @@ def reading(
                     near += lo <= info[t]["chance"] <= hi
         out.append(
             f"- (f) Zero-shot: tapered above uniform in mean average accuracy for {up} of {total} "
-            f"architectures (paper: 8/8 at 760M/1.3B), {sure} with a 95 % interval that excludes "
-            f"0. {near} of {cells} per-task accuracies have a Wilson interval that includes the "
+            f"architectures (paper: 8/8 at 760M/1.3B); the paired 95 % interval excludes 0 for "
+            + " and ".join(
+                f"{len(names)} {side}" + (f" ({', '.join(names)})" if names else "")
+                for side, names in sure.items()
+            )
+            + f". {near} of {cells} per-task accuracies have a Wilson interval that includes the "
             "task's chance level (first row of (f))."
         )
     return out or ["- No finished runs yet."]
