@@ -369,3 +369,27 @@ def test_an_rng_file_holding_numpy_arrays_still_loads(tmp_path):
     want = (random.random(), np.random.rand(), torch.rand(1).item())
     set_rng_state(safe_load.load(tmp_path / "rng_rank00000.pt"))
     assert (random.random(), np.random.rand(), torch.rand(1).item()) == want
+
+
+def test_an_unreadable_pt_names_the_file_and_quotes_the_cause(tmp_path):
+    """A zip whose tensor data is missing: one line, the file and torch's own first line."""
+    import zipfile
+
+    from tapered_megatron import safe_load
+    from tapered_megatron.config_fields import first_line
+
+    good, bad = tmp_path / "good.pt", tmp_path / "bad.pt"
+    torch.save({"w": torch.ones(2)}, good)
+    with zipfile.ZipFile(good) as zin, zipfile.ZipFile(bad, "w") as zout:
+        for name in zin.namelist():
+            if not name.endswith("data/0"):  # the one tensor's storage
+                zout.writestr(name, zin.read(name))
+    with pytest.raises(RuntimeError) as raw:
+        torch.load(bad, weights_only=True)
+    cause = str(raw.value).splitlines()[0]
+    assert "data/0" in cause
+    with pytest.raises(safe_load.UnsafeFileError) as err:
+        safe_load.load(bad)
+    assert str(err.value) == f"{bad}: unreadable ({cause})"
+    assert first_line(ValueError("first\nsecond")) == "first"
+    assert first_line(EOFError()) == "EOFError"
