@@ -715,6 +715,8 @@ def test_scale_change_with_seeds_at_both_sizes_is_recomputed(tmp_path: Path) -> 
     assert check_results(tmp_path) > 300
     g = _all_tables((tmp_path / "RESULTS.md").read_text())["(g)"][1]
     assert any("(4 seeds)" in row[3] and ", p " in row[4] for row in g), g
+    assert "![scale](results/g_scale.png)" in (tmp_path / "RESULTS.md").read_text()
+    assert (tmp_path / "results" / "g_scale.png").stat().st_size > 1000
 
 
 def test_committed_results_carry_no_absolute_path() -> None:
@@ -946,7 +948,7 @@ def test_smoke_every_path_and_kill_rerun_gives_the_same_tables(tmp_path: Path) -
     # (g) at both sizes, one seed each: a number in every cell, no "not run yet"
     g = _tables((res_a / "RESULTS.md").read_text())["(g)"]
     assert len(g) == 4 and all("(1 seed)" in c for row in g for c in row[2:]), g
-    for png in ("a_controlled", "b_sweep", "c_archs", "d_curves"):
+    for png in ("a_controlled", "b_sweep", "c_archs", "d_curves", "g_scale"):
         assert (res_a / "results" / f"{png}.png").stat().st_size > 1000
     _start_and_kill_after(tmp_path / "b", 10)
     b = _driver(tmp_path / "b")

@@ -1,4 +1,4 @@
-"""The plots (a)-(f) of RESULTS.md (matplotlib, PNG)."""
+"""The plots (a)-(g) of RESULTS.md (matplotlib, PNG)."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ from typing import Any
 
 from experiments.tlm import grid
 from experiments.tlm.stats import Stat, perplexity, ppl_stat, rho_stats, zs_stat
+from experiments.tlm.tables import scale_comparisons, scale_size_names
 
 PLOTS = {
     "controlled": "a_controlled.png",
@@ -15,6 +16,7 @@ PLOTS = {
     "curves": "d_curves.png",
     "alignment": "e_alignment.png",
     "zeroshot": "f_zeroshot.png",
+    "scale": "g_scale.png",
 }
 
 
@@ -41,7 +43,8 @@ def _dots(ax: Any, labels: list[str], stats: list[Stat], ylabel: str) -> None:
 
 
 def plot_all(by: dict, keys: list[str], dest: Path) -> list[str]:
-    """Write the PNGs named by ``keys`` (:func:`plot_keys`) under ``dest``; return the names."""
+    """Write the PNGs named by ``keys`` (:func:`plot_keys`) under ``dest``; return the names.
+    ``by``: the run records by variant key and seed (:func:`~experiments.tlm.stats.by_variant`)."""
     plt = _plt()
     written = []
 
@@ -159,11 +162,33 @@ def plot_all(by: dict, keys: list[str], dest: Path) -> list[str]:
         )
         ax.set_title("(f) zero-shot")
         save(fig, "zeroshot")
+    if "scale" in keys:
+        fig, ax = plt.subplots(figsize=(5.5, 3.8))
+        for i, c in enumerate(scale_comparisons(by)):
+            pts = [(x + (i - 1.5) * 0.05, s) for x, s in enumerate(c.pct) if s.n]
+            cis = [s.interval or (s.mean, s.mean) for _, s in pts]
+            ax.errorbar(
+                [x for x, _ in pts],
+                [s.mean for _, s in pts],
+                [[s.mean - lo for (_, s), (lo, _) in zip(pts, cis, strict=True)],
+                 [hi - s.mean for (_, s), (_, hi) in zip(pts, cis, strict=True)]],
+                marker="o",
+                capsize=3,
+                label=f"{c.arch} {c.what}",
+            )  # fmt: skip
+        ax.axhline(0, color="k", lw=0.5)
+        records = [r for runs in by.values() for r in runs.values()]
+        ax.set_xticks([0, 1], list(scale_size_names(records)))
+        ax.set_xlim(-0.5, 1.5)
+        ax.set_ylabel("Δ val ppl vs uniform (% of uniform)")
+        ax.set_title("(g) scale: mean and 95 % CI over seeds")
+        ax.legend(fontsize=7)
+        save(fig, "scale")
     return written
 
 
 def plot_keys(by: dict, records: list[dict[str, Any]], only: list[str]) -> list[str]:
-    """Which of the plots (a)-(f) have data (the same rule for drawing and for linking)."""
+    """Which of the plots (a)-(g) have data (the same rule for drawing and for linking)."""
     keys = [k for k in ("controlled", "sweep", "archs") if k in only and records]
     if records and keys:
         keys.append("curves")
@@ -172,4 +197,6 @@ def plot_keys(by: dict, records: list[dict[str, Any]], only: list[str]) -> list[
         keys.append("alignment")
     if "archs" in only and any(r.get("zeroshot") for r in records):
         keys.append("zeroshot")
+    if "scale" in only and any(r.get("size") for r in records):
+        keys.append("scale")
     return keys

@@ -23,6 +23,7 @@ from experiments.tlm.stats import by_variant, late_drop_ratio, t_quantile_975
 from experiments.tlm.tables import (
     ARCH_NOTES,
     items_used,
+    scale_size_names,
     table_alignment,
     table_archs,
     table_budget_and_memory,
@@ -266,6 +267,8 @@ def render(records: list[dict[str, Any]], meta: dict[str, Any]) -> str:
             lines += ["Not measured (the zero-shot tool was not available or no run finished).", ""]
     if "archs" in only or "scale" in only:
         lines += scale_section(by, records, meta)
+        if "scale" in keys:
+            lines += [f"![scale](results/{PLOTS['scale']})", ""]
     if {"sweep", "archs"} & set(only) and records:
         lines += [
             "## Pooled over configurations",
@@ -288,19 +291,13 @@ def render(records: list[dict[str, Any]], meta: dict[str, Any]) -> str:
 def scale_section(by: dict, records: list[dict[str, Any]], meta: dict[str, Any]) -> list[str]:
     """(g): the (c) comparisons of the (g) architectures at both sizes, or what is not run yet."""
     large = [r for r in records if r.get("size")]
-    small = [r for r in records if not r.get("size") and r["arch"] in grid.SCALE_ARCHS]
-
-    def size(rs: list[dict[str, Any]]) -> str:
-        m = rs[0]["model"]
-        return f"d_model {m['d_model']}, {m['layers']} layers"
-
-    names = (size(small) if small else "first size", size(large) if large else "second size")
+    names = scale_size_names(records)
     lines = ["## (g) Scale", ""]
     if large:
         r = large[0]
         lines.append(
             f"The (c) comparisons of {' and '.join(grid.SCALE_ARCHS)} at a second size "
-            f"({size(large)}, baseline d_ff {r['model']['d_ff']}, "
+            f"({names[1]}, baseline d_ff {r['model']['d_ff']}, "
             f"{r['iterations'] * r['tokens_per_iteration']:,} training tokens per run) beside "
             "the first (the (c) runs): paired Δ validation perplexity vs the same "
             "architecture's uniform model."

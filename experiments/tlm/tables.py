@@ -292,6 +292,20 @@ class ScaleComparison:
         return f"the effect {word} in the mean, interval of the change includes 0"
 
 
+def scale_size_names(records: list[dict[str, Any]]) -> tuple[str, str]:
+    """The (g) sizes in words (``d_model 128, 6 layers``), first and second, from the runs of
+    the (g) architectures ("first size" / "second size" before any has finished)."""
+    names = []
+    for big, fallback in ((False, "first size"), (True, "second size")):
+        rec = next(
+            (r for r in records if bool(r.get("size")) == big and r["arch"] in grid.SCALE_ARCHS),
+            None,
+        )
+        m = rec["model"] if rec else None
+        names.append(f"d_model {m['d_model']}, {m['layers']} layers" if m else fallback)
+    return names[0], names[1]
+
+
 def scale_comparisons(by: dict) -> list[ScaleComparison]:
     """(g): cosine 1.5/0.5 and reverse vs uniform for each (g) architecture, at both sizes."""
     out = []
