@@ -595,6 +595,14 @@ def _check_pooled(rows: list[list[str]], recs: list[dict], only: list[str]) -> i
             d += _paired(_ppl(recs, vs[i].key), _ppl(recs, vs[0].key))
         if d:
             expected.append(_pooled_cells(d, "architecture × seed"))
+    sched, ratio = grid.DEFAULT_TAPER
+    for rev in (False, True) if "scale" in only else ():
+        d = []
+        for a in grid.SCALE_ARCHS:
+            key = grid.Variant(a, sched, ratio, rev).key + f"-{grid.SECOND}"
+            d += _paired(_ppl(recs, key), _ppl(recs, grid.Variant(a).key + f"-{grid.SECOND}"))
+        if d:
+            expected.append(_pooled_cells(d, "architecture × seed"))
     assert [row[1:8] for row in rows] == expected
     return 7 * len(rows)
 

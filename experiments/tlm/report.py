@@ -269,7 +269,7 @@ def render(records: list[dict[str, Any]], meta: dict[str, Any]) -> str:
         lines += scale_section(by, records, meta)
         if "scale" in keys:
             lines += [f"![scale](results/{PLOTS['scale']})", ""]
-    if {"sweep", "archs"} & set(only) and records:
+    if {"sweep", "archs", "scale"} & set(only) and records:
         lines += [
             "## Pooled over configurations",
             "",

@@ -376,8 +376,8 @@ def pooled(by: dict, only: list[str]) -> list[dict[str, Any]]:
     the sign and t tests), ``note``. (b): the 15 tapered schedules share the three
     uniform runs, so they are not 15 independent comparisons: per seed, the mean over the 15
     minus uniform is the paired test; the count of configuration means below uniform is given
-    with that caveat. (c): over (architecture, seed) pairs, each with its own uniform run.
-    Only the experiments in ``only`` are pooled.
+    with that caveat. (c), and (g) at its second size: over (architecture, seed) pairs, each
+    with its own uniform run. Only the experiments in ``only`` are pooled.
     """
     out: list[dict[str, Any]] = []
     uni = ppl_stat(by.get(grid.UNIFORM.key))
@@ -425,6 +425,24 @@ def pooled(by: dict, only: list[str]) -> list[dict[str, Any]]:
                     "test": True,
                     "note": "each pair has its own uniform run; the architectures are pooled as "
                     "one population",
+                }
+            )
+    for i, what in ((1, "cosine 1.5/0.5"), (2, "reverse")) if "scale" in only else ():
+        diffs = {}
+        for a in grid.SCALE_ARCHS:
+            vs = [v for v in grid.scale_variants(grid.SECOND) if v.arch == a]
+            for s, d in ppl_diffs(by, vs[i], vs[0]).values.items():
+                diffs[(a, s)] = d
+        if diffs:
+            archs = len({a for a, _ in diffs})
+            out.append(
+                {
+                    "what": f"(g) {what} vs uniform at the second size, {archs} architectures x "
+                    "seeds",
+                    "unit": "architecture × seed",
+                    "diffs": Stat(diffs),
+                    "test": True,
+                    "note": "as (c), at the second size",
                 }
             )
     return out
