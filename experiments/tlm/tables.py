@@ -409,42 +409,38 @@ def pooled(by: dict, only: list[str]) -> list[dict[str, Any]]:
                 "note": "paired over seeds; the shared uniform run is in each pair once",
             }
         )
-    for i, what in ((1, "cosine 1.5/0.5"), (2, "reverse")) if "archs" in only else ():
-        diffs: dict[Any, float] = {}
-        for a in grid.ARCHS:
-            vs = [v for v in grid.experiment_variants("archs") if v.arch == a]
-            for s, d in ppl_diffs(by, vs[i], vs[0]).values.items():
-                diffs[(a, s)] = d
-        if diffs:
-            archs = len({a for a, _ in diffs})
-            out.append(
-                {
-                    "what": f"(c) {what} vs uniform, {archs} architectures x seeds",
-                    "unit": "architecture × seed",
-                    "diffs": Stat(diffs),
-                    "test": True,
-                    "note": "each pair has its own uniform run; the architectures are pooled as "
-                    "one population",
-                }
-            )
-    for i, what in ((1, "cosine 1.5/0.5"), (2, "reverse")) if "scale" in only else ():
-        diffs = {}
-        for a in grid.SCALE_ARCHS:
-            vs = [v for v in grid.scale_variants(grid.SECOND) if v.arch == a]
-            for s, d in ppl_diffs(by, vs[i], vs[0]).values.items():
-                diffs[(a, s)] = d
-        if diffs:
-            archs = len({a for a, _ in diffs})
-            out.append(
-                {
-                    "what": f"(g) {what} vs uniform at the second size, {archs} architectures x "
-                    "seeds",
-                    "unit": "architecture × seed",
-                    "diffs": Stat(diffs),
-                    "test": True,
-                    "note": "as (c), at the second size",
-                }
-            )
+    over_archs = (  # (experiment, its (uniform, cosine, reverse) variants, label, note)
+        (
+            "archs",
+            grid.experiment_variants("archs"),
+            "(c) {what} vs uniform, {archs} architectures x seeds",
+            "each pair has its own uniform run; the architectures are pooled as one population",
+        ),
+        (
+            "scale",
+            grid.scale_variants(grid.SECOND),
+            "(g) {what} vs uniform at the second size, {archs} architectures x seeds",
+            "as (c), at the second size",
+        ),
+    )
+    for experiment, variants, label, note in over_archs:
+        for i, what in ((1, "cosine 1.5/0.5"), (2, "reverse")) if experiment in only else ():
+            diffs: dict[Any, float] = {}
+            for a in dict.fromkeys(v.arch for v in variants):
+                vs = [v for v in variants if v.arch == a]
+                for s, d in ppl_diffs(by, vs[i], vs[0]).values.items():
+                    diffs[(a, s)] = d
+            if diffs:
+                archs = len({a for a, _ in diffs})
+                out.append(
+                    {
+                        "what": label.format(what=what, archs=archs),
+                        "unit": "architecture × seed",
+                        "diffs": Stat(diffs),
+                        "test": True,
+                        "note": note,
+                    }
+                )
     return out
 
 
