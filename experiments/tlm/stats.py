@@ -259,3 +259,11 @@ def zs_stat(runs: dict[int, dict[str, Any]] | None, task: str | None = None) -> 
             acc = z["average_acc"] if task is None else z["tasks"][task]["acc"]
             vals[s] = 100.0 * acc
     return Stat(vals)
+
+
+def probe_stat(runs: dict[int, dict[str, Any]] | None, i: int) -> Stat:
+    """The memory probe's gap (memory off minus on, nats) over seeds: ``i`` 0 at the training
+    length, 1 at 4x it."""
+    return Stat(
+        {s: r["memory_probe"][i]["gap"] for s, r in (runs or {}).items() if r.get("memory_probe")}
+    )

@@ -17,6 +17,7 @@ from experiments.tlm.stats import (
     p_text,
     pm,
     ppl_stat,
+    probe_stat,
     rho_stats,
     sign_test_p,
     signed,
@@ -208,14 +209,6 @@ def _against(r: dict, ref: dict | None, key: str) -> str:
 
 # The memory probe's gap (nats) from which an in-context memory counts as doing measurable work.
 MEMORY_WORK_NATS = 0.02
-
-
-def probe_stat(runs: dict | None, i: int) -> Stat:
-    """The memory probe's gap (memory off minus on, nats) over seeds: ``i`` 0 at the training
-    length, 1 at 4x it."""
-    return Stat(
-        {s: r["memory_probe"][i]["gap"] for s, r in (runs or {}).items() if r.get("memory_probe")}
-    )
 
 
 def _probe(runs: dict | None, i: int) -> str:
