@@ -373,16 +373,19 @@ def check_results(results_dir: Path) -> int:
                 assert f"{r['arch']}: d_ff {m['d_ff']}" in text, r["arch"]
             if m["seq_len"] != m0["seq_len"]:
                 assert f"sequence {m['seq_len']}" in text.split(f"{r['arch']}: ")[1], r["arch"]
-        late = []
-        for r in base:
-            c = [p[2] for p in r["val_curve"]]
-            if len(c) >= 3 and c[0] != c[1]:
-                late.append(abs(c[-1] - c[-2]) / abs(c[0] - c[1]))
+        moved = "the last evaluation interval still moved the validation loss "
+        late = _late_drop_range(base)
         if late:
-            lo, hi, med = min(late), max(late), statistics.median(late)
-            assert f"by {100 * lo:.0f}-{100 * hi:.0f}% (median {100 * med:.0f}%)" in text
+            assert f"not at convergence: {moved}{late} of what the first" in text
         else:
             assert "- Training length" not in text
+        large = [r for r in recs if r.get("size")]
+        if large:  # the (g) intro: the second size's LR and how far from converged it stopped
+            intro = next(x for x in text.splitlines() if x.startswith("The (c) comparisons of"))
+            assert {r["lr"] for r in large} == {large[0]["lr"]}
+            assert f"training tokens per run, peak LR {large[0]['lr']:g})" in intro
+            late = _late_drop_range(large)
+            assert (f"At this size too, {moved}{late} of what the first" in intro) == bool(late)
         walls = statistics.fmean(r["wall_s"] for r in recs)
         assert f"Runs: {len(recs)} finished of {meta['runs_planned']} planned" in text
         assert f"; {walls:.0f} s wall per training run" in text
@@ -560,6 +563,19 @@ def _scale_expected(recs: list[dict]) -> list[tuple[list[str], list[str], str]]:
                 )
             )
     return out
+
+
+def _late_drop_range(runs: list[dict]) -> str:
+    """'by lo-hi% (median m%)': the last evaluation interval's loss change over the first's."""
+    late = []
+    for r in runs:
+        c = [p[2] for p in r["val_curve"]]
+        if len(c) >= 3 and c[0] != c[1]:
+            late.append(abs(c[-1] - c[-2]) / abs(c[0] - c[1]))
+    if not late:
+        return ""
+    lo, hi, med = min(late), max(late), statistics.median(late)
+    return f"by {100 * lo:.0f}-{100 * hi:.0f}% (median {100 * med:.0f}%)"
 
 
 def _check_scale(tables: list[list[list[str]]], recs: list[dict], text: str) -> int:

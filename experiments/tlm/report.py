@@ -149,14 +149,11 @@ def render(records: list[dict[str, Any]], meta: dict[str, Any]) -> str:
             + arch_setup(base, r0)
             + ".",
         ]
-        ratios = [x for x in map(late_drop_ratio, base) if x is not None]
-        if ratios:
+        moved = late_drop_text(base)
+        if moved:
             lines.append(
                 "- Training length: every comparison is at this fixed, short budget, not at "
-                "convergence: the last evaluation interval still moved the validation loss by "
-                f"{100 * min(ratios):.0f}-{100 * max(ratios):.0f}% (median "
-                f"{100 * statistics.median(ratios):.0f}%) of what the first interval did (curves "
-                "in (d))."
+                f"convergence: {moved} (curves in (d))."
             )
     lines += [
         "",
@@ -288,6 +285,19 @@ def render(records: list[dict[str, Any]], meta: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def late_drop_text(records: list[dict[str, Any]]) -> str:
+    """How far from converged ``records`` stopped: the range and median of
+    :func:`late_drop_ratio` in words ("" where no run has enough evaluations)."""
+    ratios = [x for x in map(late_drop_ratio, records) if x is not None]
+    if not ratios:
+        return ""
+    return (
+        "the last evaluation interval still moved the validation loss by "
+        f"{100 * min(ratios):.0f}-{100 * max(ratios):.0f}% (median "
+        f"{100 * statistics.median(ratios):.0f}%) of what the first interval did"
+    )
+
+
 def scale_section(by: dict, records: list[dict[str, Any]], meta: dict[str, Any]) -> list[str]:
     """(g): the (c) comparisons of the (g) architectures at both sizes, or what is not run yet."""
     large = [r for r in records if r.get("size")]
@@ -298,9 +308,10 @@ def scale_section(by: dict, records: list[dict[str, Any]], meta: dict[str, Any])
         lines.append(
             f"The (c) comparisons of {' and '.join(grid.SCALE_ARCHS)} at a second size "
             f"({names[1]}, baseline d_ff {r['model']['d_ff']}, "
-            f"{r['iterations'] * r['tokens_per_iteration']:,} training tokens per run) beside "
-            "the first (the (c) runs): paired Δ validation perplexity vs the same "
-            "architecture's uniform model."
+            f"{r['iterations'] * r['tokens_per_iteration']:,} training tokens per run, peak LR "
+            f"{r['lr']:g}) beside the first (the (c) runs): paired Δ validation perplexity vs the "
+            "same architecture's uniform model."
+            + (f" At this size too, {moved}." if (moved := late_drop_text(large)) else "")
         )
     else:
         planned = meta.get("second_size") or "not planned at this scale"
