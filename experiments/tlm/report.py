@@ -107,7 +107,8 @@ def render(records: list[dict[str, Any]], meta: dict[str, Any]) -> str:
         f"- Command: `{meta['command']}`",
         "- Wall time: "
         + (
-            f"{meta['wall_s'] / 60:.1f} min (all invocations)"
+            f"{meta['wall_s'] / 60:.1f} min (the invocations that ended; one killed outright, "
+            "e.g. with its machine, is not counted)"
             if meta["wall_s"]
             else ("none (plan only)" if meta.get("plan") else "in progress")
         )
