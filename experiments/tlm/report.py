@@ -306,13 +306,13 @@ def scale_section(by: dict, records: list[dict[str, Any]], meta: dict[str, Any])
     lines = ["## (g) Scale", ""]
     if large:
         r = large[0]
+        moved = late_drop_text(large)
         lines.append(
             f"The (c) comparisons of {' and '.join(grid.SCALE_ARCHS)} at a second size "
             f"({names[1]}, baseline d_ff {r['model']['d_ff']}, "
             f"{r['iterations'] * r['tokens_per_iteration']:,} training tokens per run, peak LR "
             f"{r['lr']:g}) beside the first (the (c) runs): paired Δ validation perplexity vs the "
-            "same architecture's uniform model."
-            + (f" At this size too, {moved}." if (moved := late_drop_text(large)) else "")
+            "same architecture's uniform model." + (f" At this size too, {moved}." if moved else "")
         )
     else:
         planned = meta.get("second_size") or "not planned at this scale"
