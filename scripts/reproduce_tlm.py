@@ -211,17 +211,17 @@ def main(argv: list[str] | None = None) -> int:
 
     t0 = time.time()
     log(f"reproduce_tlm: {_invocation(argv)} | {len(runs)} runs, {jobs} at a time | out {out}")
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # so `finally` records the time
-    try:
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # ends the `with`: a last save
+    with driver.invocation_wall(out) as walls:
         failed = driver.train_all(settings, runs, jobs, log)
         missing = driver.evaluate_all(settings, runs, only, log, jobs)
-    finally:  # an interrupted invocation's time counts too (SIGKILL aside)
-        wall = _total_wall(out, time.time() - t0)
     if failed:
         log(f"{failed} run(s) failed; rerun the same command to retry them")
     if not a.no_report:
         records.sync_records(settings, planned, results / "results" / "runs")
-        meta.update(wall_s=wall, missing_tools=sorted(missing))
+        meta.update(
+            wall_s=round(sum(walls), 1), invocations=len(walls), missing_tools=sorted(missing)
+        )
         log(f"wrote {report.write_results(results, meta)}")
     log(f"finished in {time.time() - t0:.0f} s")
     return 1 if failed else 0
@@ -230,10 +230,9 @@ def main(argv: list[str] | None = None) -> int:
 def _report_only(settings: driver.Settings, runs: list, results: Path, meta: dict) -> int:
     """RESULTS.md from the finished runs, without training or evaluating anything."""
     n = records.sync_records(settings, runs, results / "results" / "runs")
-    walls = settings.out / "driver_wall.json"
-    meta["wall_s"] = sum(json.loads(walls.read_text())) if walls.exists() else 0.0
-    if n < len(runs):
-        meta["wall_s"] = 0.0  # shown as "in progress"
+    f = settings.out / "driver_wall.json"
+    walls = json.loads(f.read_text()) if f.exists() and n == len(runs) else []
+    meta.update(wall_s=round(sum(walls), 1), invocations=len(walls))  # 0: "in progress"
     meta["missing_tools"] = sorted(
         phase
         for phase in grid.evaluation_phases(meta["only"])
@@ -276,15 +275,6 @@ def _command(argv: list[str] | None) -> str:
         else:
             kept.append(records.repo_relative(x))
     return shlex.join(["python", "scripts/reproduce_tlm.py", *kept])
-
-
-def _total_wall(out: Path, this_s: float) -> float:
-    """Wall seconds of every invocation on ``out`` so far (this one included)."""
-    f = out / "driver_wall.json"
-    past = json.loads(f.read_text()) if f.exists() else []
-    past.append(round(this_s, 1))
-    f.write_text(json.dumps(past))
-    return round(sum(past), 1)
 
 
 def _second_size(settings: driver.Settings) -> str:

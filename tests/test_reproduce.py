@@ -886,6 +886,49 @@ def test_a_resumed_runs_wall_time_counts_its_earlier_invocations(
     assert 100.3 < float((tmp_path / "train.log").read_text()) <= float(spent.read_text()) < 130
 
 
+def test_a_killed_invocations_wall_time_is_saved_while_it_runs(tmp_path: Path) -> None:
+    """The driver's own time is saved every few seconds: an invocation SIGKILLed (its machine
+    gone) still counts up to its last save, beside the earlier invocations'."""
+    walls = tmp_path / "driver_wall.json"
+    walls.write_text("[100.0]")  # an earlier invocation
+    code = (
+        "import sys, time; from pathlib import Path; from experiments.tlm import driver\n"
+        "driver._WALL_EVERY_S = 0.05\n"
+        "with driver.invocation_wall(Path(sys.argv[1])):\n"
+        "    time.sleep(60)\n"
+    )
+    t0 = time.time()
+    p = subprocess.Popen([sys.executable, "-c", code, str(tmp_path)], env=_env())
+    try:
+        while time.time() - t0 < 60:
+            assert p.poll() is None, "the invocation ended before it was killed"
+            saved = json.loads(walls.read_text())
+            if len(saved) == 2 and saved[1] >= 0.5:
+                break
+            time.sleep(0.05)
+    finally:
+        p.kill()
+        p.wait()
+    killed_after = time.time() - t0
+    before, this = json.loads(walls.read_text())
+    assert before == 100.0
+    assert 0.5 <= this <= killed_after  # counted up to its last save, no further
+
+
+def test_an_invocation_that_ends_adds_its_whole_time(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(driver, "_WALL_EVERY_S", 0.05)
+    (tmp_path / "driver_wall.json").write_text("[100.0, 20.0]")
+    t0 = time.time()
+    with pytest.raises(KeyboardInterrupt), driver.invocation_wall(tmp_path) as walls:
+        time.sleep(0.3)
+        raise KeyboardInterrupt  # Ctrl-C (SIGTERM exits the same way)
+    spent = time.time() - t0
+    assert json.loads((tmp_path / "driver_wall.json").read_text()) == walls
+    assert walls[:2] == [100.0, 20.0] and 0.3 <= walls[2] <= spent + 0.05
+
+
 def test_rerun_from_another_checkout_or_launcher_is_accepted(tmp_path: Path) -> None:
     s = driver.Settings(tmp_path, grid.SCALES["cpu"], ["python"])
     run = grid.Run(grid.UNIFORM, 1)

@@ -27,9 +27,11 @@ import re
 import shlex
 import subprocess
 import sys
+import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -39,7 +41,7 @@ from experiments.tlm import provenance
 from experiments.tlm.grid import SMOKE_OVERRIDES, Run, Scale, evaluation_phases, shape_overrides
 
 REPO = Path(__file__).resolve().parents[2]
-_WALL_EVERY_S = 10.0  # how often a running job's wall time is saved (what a killed driver loses)
+_WALL_EVERY_S = 10.0  # how often running wall times are saved (what a killed driver loses)
 
 
 @dataclass
@@ -191,15 +193,52 @@ def _run_job(cmd: list[str], d: Path, env: dict[str, str], spent: Path) -> int:
                     rc = p.wait(timeout=_WALL_EVERY_S)
                 except subprocess.TimeoutExpired:
                     rc = None
-                tmp = spent.with_suffix(".tmp")  # replaced whole: never read half-written
-                tmp.write_text(f"{before + time.time() - t0:.1f}")
-                os.replace(tmp, spent)
+                _replace(spent, f"{before + time.time() - t0:.1f}")
                 if rc is not None:
                     return rc
         except BaseException:  # the driver stops (SIGTERM, Ctrl-C): so does its job
             p.kill()
             p.wait()
             raise
+
+
+def _replace(f: Path, text: str) -> None:
+    """Write ``f`` whole through a temporary file, so a reader (or a kill) never sees half."""
+    tmp = f.with_suffix(".tmp")
+    tmp.write_text(text)
+    os.replace(tmp, f)
+
+
+@contextmanager
+def invocation_wall(out: Path) -> Iterator[list[float]]:
+    """Count this invocation's wall seconds in ``<out>/driver_wall.json`` (a list, one entry per
+    invocation of the driver on ``out``). The entry is saved every few seconds while the
+    invocation runs and once more when it ends, so an invocation killed outright (SIGKILL, its
+    machine gone) still counts up to its last save. Yields the list; after the ``with`` block
+    its sum is the time of every invocation so far."""
+    f = out / "driver_wall.json"
+    walls: list[float] = json.loads(f.read_text()) if f.exists() else []
+    walls.append(0.0)
+    t0 = time.time()
+    stop = threading.Event()
+
+    def save() -> None:
+        walls[-1] = round(time.time() - t0, 1)
+        _replace(f, json.dumps(walls))
+
+    def keep_saving() -> None:
+        while not stop.wait(_WALL_EVERY_S):
+            save()
+
+    saver = threading.Thread(target=keep_saving, daemon=True)
+    save()
+    saver.start()
+    try:
+        yield walls
+    finally:
+        stop.set()
+        saver.join()
+        save()
 
 
 def _recorded_code(run_dir: Path) -> list[dict[str, Any] | None]:

@@ -107,8 +107,8 @@ def render(records: list[dict[str, Any]], meta: dict[str, Any]) -> str:
         f"- Command: `{meta['command']}`",
         "- Wall time: "
         + (
-            f"{meta['wall_s'] / 60:.1f} min (the invocations that ended; one killed outright, "
-            "e.g. with its machine, is not counted)"
+            f"{meta['wall_s'] / 60:.1f} min over {meta['invocations']} invocation(s) of the "
+            "driver (one killed outright, e.g. with its machine, counts up to its last save)"
             if meta["wall_s"]
             else ("none (plan only)" if meta.get("plan") else "in progress")
         )
