@@ -422,6 +422,11 @@ def check_results(results_dir: Path) -> int:
             assert (f"  - {a}: no run finished yet" in text) == none, a
     if "(e)" in tables:
         uni_v, tap_v = grid.experiment_variants("alignment")
+        seeds = [
+            sum(1 for r in recs if r["variant"] == v.key and r.get("alignment"))
+            for v in (uni_v, tap_v)
+        ]
+        assert f"mean ± std over seeds (uniform {seeds[0]}, tapered {seeds[1]})" in text
         for row in tables["(e)"]:
             layer = int(row[0])
             for cell, v, key in zip(

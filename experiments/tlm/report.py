@@ -19,7 +19,7 @@ from experiments.tlm import grid, provenance
 from experiments.tlm.plots import PLOTS, plot_all, plot_keys
 from experiments.tlm.prose import reading
 from experiments.tlm.records import load_records
-from experiments.tlm.stats import by_variant, late_drop_ratio, t_quantile_975
+from experiments.tlm.stats import by_variant, late_drop_ratio, rho_stats, t_quantile_975
 from experiments.tlm.tables import (
     ARCH_NOTES,
     items_used,
@@ -221,10 +221,14 @@ def render(records: list[dict[str, Any]], meta: dict[str, Any]) -> str:
     if "alignment" in only:
         lines += ["## (e) Alignment with the residual stream", ""]
         if "alignment" in keys:
+            uni, tap = (
+                rho_stats(by, v, "rho_block") for v in grid.experiment_variants("alignment")
+            )
             lines += [
                 "ρ_block(l) = cos(h_{l+1} - h_l, h_l), ρ_mlp(l) = cos(F_l(z_l), h_l), averaged "
-                "over tokens; mean ± std over seeds. Paper: near 0 in early and middle layers, "
-                "rising in late layers.",
+                f"over tokens; mean ± std over seeds (uniform {uni[0].n if uni else 0}, tapered "
+                f"{tap[0].n if tap else 0}). Paper: near 0 in early and middle layers, rising in "
+                "late layers.",
                 "",
                 *table_alignment(by),
                 "",
