@@ -28,7 +28,6 @@ from __future__ import annotations
 import argparse
 import fcntl
 import importlib.util
-import json
 import os
 import shlex
 import signal
@@ -230,8 +229,7 @@ def main(argv: list[str] | None = None) -> int:
 def _report_only(settings: driver.Settings, runs: list, results: Path, meta: dict) -> int:
     """RESULTS.md from the finished runs, without training or evaluating anything."""
     n = records.sync_records(settings, runs, results / "results" / "runs")
-    f = settings.out / "driver_wall.json"
-    walls = json.loads(f.read_text()) if f.exists() and n == len(runs) else []
+    walls = driver.invocation_walls(settings.out) if n == len(runs) else []
     meta.update(wall_s=round(sum(walls), 1), invocations=len(walls))  # 0: "in progress"
     meta["missing_tools"] = sorted(
         phase

@@ -209,6 +209,12 @@ def _replace(f: Path, text: str) -> None:
     os.replace(tmp, f)
 
 
+def invocation_walls(out: Path) -> list[float]:
+    """Wall seconds of each invocation of the driver on ``out`` so far (``driver_wall.json``)."""
+    f = out / "driver_wall.json"
+    return json.loads(f.read_text()) if f.exists() else []
+
+
 @contextmanager
 def invocation_wall(out: Path) -> Iterator[list[float]]:
     """Count this invocation's wall seconds in ``<out>/driver_wall.json`` (a list, one entry per
@@ -217,8 +223,7 @@ def invocation_wall(out: Path) -> Iterator[list[float]]:
     machine gone) still counts up to its last save. Yields the list; after the ``with`` block
     its sum is the time of every invocation so far."""
     f = out / "driver_wall.json"
-    walls: list[float] = json.loads(f.read_text()) if f.exists() else []
-    walls.append(0.0)
+    walls = [*invocation_walls(out), 0.0]
     t0 = time.time()
     stop = threading.Event()
 
