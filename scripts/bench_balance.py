@@ -8,7 +8,7 @@
 DeepSpeed's pipeline engine (1F1B, 2 stages, our ``BalancedPipelineModule``) once per partition
 method, in one invocation, on the same batches, and reports per method: step time (median),
 per-stage busy time (forward + loss + backward per pass, thread CPU time from
-``tapered_megatron.pipeline.clock.StageClock`` hooks) next to the
+``tapered_megatron.planning.clock.StageClock`` hooks) next to the
 cost model's prediction (profiled per-unit times, and the analytic FLOP model), and the losses.
 It also runs the balancer's sub-layer split and checks its losses equal the whole-layer split's.
 ``memory`` starts fresh process pairs per configuration and compares each stage's peak resident
@@ -41,7 +41,7 @@ MICRO_BATCHES = 8
 # --------------------------------------------------------------------------- predicted (1.3B)
 def predict() -> list[dict]:
     from tapered_megatron.config import load_config
-    from tapered_megatron.pipeline.balance import METHODS, analyse
+    from tapered_megatron.planning.balance import METHODS, analyse
 
     rows = []
     for arch in ("transformer", "gated_attention", "titans", "hope_attention"):
@@ -86,8 +86,8 @@ class _Run:
         import torch
 
         from tapered_megatron.models import lm_loss, pipeline_layer_specs
-        from tapered_megatron.pipeline.clock import StageClock
-        from tapered_megatron.pipeline.module import BalancedPipelineModule
+        from tapered_megatron.parallel.pipeline import BalancedPipelineModule
+        from tapered_megatron.planning.clock import StageClock
 
         torch.manual_seed(cfg.train.seed)
         # thread CPU time: the compute this stage did, not time spent waiting for a core
@@ -198,7 +198,7 @@ def measure(steps: int) -> list[dict]:
     import torch
 
     from tapered_megatron.config import load_config
-    from tapered_megatron.pipeline.balance import analyse, evaluate
+    from tapered_megatron.planning.balance import analyse, evaluate
 
     torch.set_num_threads(1)
     cfg = load_config("quickstart", MODEL)
@@ -311,7 +311,7 @@ def _memory_worker(rank: int, world: int, unit: str, steps: int) -> dict:
     import deepspeed
 
     from tapered_megatron.config import load_config
-    from tapered_megatron.pipeline.balance import analyse, evaluate
+    from tapered_megatron.planning.balance import analyse, evaluate
 
     deepspeed.init_distributed(dist_backend="gloo")
     cfg = load_config("quickstart", MODEL)
@@ -336,7 +336,7 @@ def memory(steps: int) -> list[dict]:
     import torch
 
     from tapered_megatron.config import load_config
-    from tapered_megatron.pipeline.balance import analyse
+    from tapered_megatron.planning.balance import analyse
 
     # Freed tensors must go back to the OS, or RSS measures glibc's heap, not the job.
     os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", "65536")

@@ -9,7 +9,7 @@ leave the resident set. The three models (one per mode, same weights) each take 
 per mode the activation peak of one forward + backward is ``VmHWM`` (reset before it) minus the
 RSS before it, the smallest of two tries, and the step times come from rounds that alternate
 the modes (median of the thread's CPU time). The prediction is the cost model's
-(:func:`tapered_megatron.pipeline.cost.unit_costs` on the measured CPU peak, the call the
+(:func:`tapered_megatron.planning.cost.unit_costs` on the measured CPU peak, the call the
 planner makes): activations ``sum(act) + max(peak)`` over the units and the summed unit times.
 One JSON line per architecture.
 """
@@ -37,7 +37,7 @@ MODES = ("none", "selective", "full")
 
 
 def _predicted(cfg: Any, batch: int, mode: str) -> dict[str, float]:
-    from tapered_megatron.pipeline import cost
+    from tapered_megatron.planning import cost
 
     dev = cost.resolve_device("auto")
     shape = cost.RunShape(

@@ -24,7 +24,7 @@ before each, ``/proc/self/clear_refs``): ``first_step_peak`` and ``step_peak``, 
 all steps (DeepSpeed's ZeRO-3 schedule is steady from the third step). The ranks run with glibc's
 ``MALLOC_MMAP_THRESHOLD_`` set to ``--mmap-threshold`` (default 1 MiB; 0 leaves glibc's dynamic
 default), so freed tensors leave the resident set. The planner's prediction is the stage memory
-of :func:`tapered_megatron.pipeline.balance.analyse` (the call ``python -m tapered_megatron.plan``
+of :func:`tapered_megatron.planning.balance.analyse` (the call ``python -m tapered_megatron.plan``
 makes) for this layout and these ZeRO-3 sizes on the ``cpu`` device: model state (``static``)
 and the steady-state step peak. One JSON line per build with per-rank figures in MiB, then a
 summary line.
@@ -182,8 +182,8 @@ def planner_prediction(
     zero: dict[str, Any] | None = None,
 ) -> dict[str, float]:
     """The planner's per-rank memory for this run (MiB): model state and step peak."""
-    from tapered_megatron.pipeline import cost
-    from tapered_megatron.pipeline.balance import analyse
+    from tapered_megatron.planning import cost
+    from tapered_megatron.planning.balance import analyse
 
     cfg, ds = bench_config(name, seq_len, ranks, extra, zero)
     bal = analyse(

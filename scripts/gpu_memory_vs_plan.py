@@ -9,7 +9,7 @@ builds them without pipeline parallelism (``build_partitioned``, the trainer's o
 schedule, ``deepspeed.initialize``), then ``--steps`` optimizer steps run on random tokens
 (the config's micro-batch and accumulation). Measured: the peak the training log reports
 (``memory_gb``: ``get_accelerator().max_memory_allocated()``, on a CPU the peak RSS).
-Predicted: the stage memory of :func:`tapered_megatron.pipeline.balance.analyse` (what
+Predicted: the stage memory of :func:`tapered_megatron.planning.balance.analyse` (what
 ``python -m tapered_megatron.plan`` reports for this layout) on this accelerator's cost-model
 preset at the ds_config's precision. The preset's fixed overhead (CUDA context, allocator slack,
 communication buffers) is outside ``max_memory_allocated``, so the line gives the prediction
@@ -28,8 +28,8 @@ from bench_common import emit, stamp
 from deepspeed.accelerator import get_accelerator
 
 from tapered_megatron import parallel
-from tapered_megatron.pipeline import cost
-from tapered_megatron.pipeline.balance import analyse
+from tapered_megatron.planning import cost
+from tapered_megatron.planning.balance import analyse
 from tapered_megatron.training import launch, optim
 from tapered_megatron.training.logger import device_product_name, memory_gb
 from tapered_megatron.training.trainer import build_partitioned

@@ -13,9 +13,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from tapered_megatron.config import load_config
-from tapered_megatron.pipeline import cost as costlib
-from tapered_megatron.pipeline.balance import METHODS, analyse, baseline_parts, partition
-from tapered_megatron.pipeline.solver import InfeasibleError, Problem, solve
+from tapered_megatron.planning import cost as costlib
+from tapered_megatron.planning.balance import METHODS, analyse, baseline_parts, partition
+from tapered_megatron.planning.solver import InfeasibleError, Problem, solve
 
 
 def brute_force(pr: Problem) -> float:
@@ -231,7 +231,7 @@ def test_cli_json_smoke(capsys: pytest.CaptureFixture[str]) -> None:
         parts = m["parts"]
         sums = [sum(costs[a:b]) for a, b in pairwise(parts)]
         assert sums == pytest.approx(m["stage_times"])
-    from tapered_megatron.pipeline.balance import main
+    from tapered_megatron.planning.balance import main
 
     assert main(["--config", "quickstart", "--pp", "3", "--unit", "sublayer"]) == 0
     table = capsys.readouterr().out

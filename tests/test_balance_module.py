@@ -21,8 +21,8 @@ LR = 0.1
 def _module_worker(rank: int, world: int, unit: str) -> dict:
     import deepspeed
 
-    from tapered_megatron.pipeline.balance import partition
-    from tapered_megatron.pipeline.module import BalancedPipelineModule
+    from tapered_megatron.parallel.pipeline import BalancedPipelineModule
+    from tapered_megatron.planning.balance import partition
 
     deepspeed.init_distributed(dist_backend="gloo")
     cfg = load_config("quickstart", [*TINY, "--parallel.pipeline_unit", unit])

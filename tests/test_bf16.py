@@ -22,8 +22,8 @@ from launch_helpers import (
 )
 
 from tapered_megatron.config import load_config
-from tapered_megatron.pipeline import cost as costlib
-from tapered_megatron.plan import Candidate, ds_config
+from tapered_megatron.planning import cost as costlib
+from tapered_megatron.planning.planner import Candidate, ds_config
 
 pytestmark = pytest.mark.distributed
 

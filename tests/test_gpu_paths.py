@@ -86,7 +86,7 @@ def test_logger_peak_table_on_a_faked_gpu(fake_gpu, name, peak):
     [("NVIDIA H200", "h200"), ("NVIDIA A100-SXM4-80GB", "a100"), ("NVIDIA H100 PCIe", "h100")],
 )
 def test_cost_model_device_auto_on_a_faked_gpu(fake_gpu, name, preset):
-    from tapered_megatron.pipeline import cost, profile
+    from tapered_megatron.planning import cost, profile
 
     fake_gpu.set_name(name)
     assert cost.resolve_device("auto").name == preset
@@ -94,7 +94,7 @@ def test_cost_model_device_auto_on_a_faked_gpu(fake_gpu, name, preset):
 
 
 def test_cost_model_unknown_gpu_says_how_to_choose(fake_gpu, capsys):
-    from tapered_megatron.pipeline import cost
+    from tapered_megatron.planning import cost
 
     fake_gpu.set_name("NVIDIA L4")
     assert cost.resolve_device("auto").name == "h100"
@@ -104,7 +104,7 @@ def test_cost_model_unknown_gpu_says_how_to_choose(fake_gpu, capsys):
 def test_profiled_units_on_a_faked_gpu_time_between_synchronisations(fake_gpu):
     from tapered_megatron.config import load_config
     from tapered_megatron.models import units
-    from tapered_megatron.pipeline.profile import measure_units
+    from tapered_megatron.planning.profile import measure_units
 
     cfg = load_config("quickstart", TINY)
     out = measure_units(cfg, "layer", 1, False, reps=1)
@@ -118,8 +118,8 @@ def _split_worker(rank: int, world: int) -> dict:
 
     from tapered_megatron.config import load_config
     from tapered_megatron.models import units
-    from tapered_megatron.pipeline import balance, profile
-    from tapered_megatron.pipeline.module import BalancedPipelineModule
+    from tapered_megatron.parallel.pipeline import BalancedPipelineModule
+    from tapered_megatron.planning import balance, profile
 
     deepspeed.init_distributed(dist_backend="gloo")
     cfg = load_config("quickstart", TINY)

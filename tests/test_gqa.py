@@ -26,7 +26,7 @@ from tapered_megatron.parallel import (
     unshard,
 )
 from tapered_megatron.parallel.local_launch import run_workers
-from tapered_megatron.pipeline.cost import tp_local_params
+from tapered_megatron.planning.cost import tp_local_params
 
 SHAPE = [
     "--model.d_model", "32", "--model.layers", "2", "--model.heads", "8", "--model.d_ff", "176",
@@ -221,7 +221,7 @@ def test_cost_model_counts_the_smaller_or_replicated_kv_projection():
     """The 7B transformer (32 heads, d 4096) at TP 8: 8 key/value heads (one per rank) shrink
     each mixer's parameters, model state, activations and FLOPs by the key/value projection's
     share; 4 (replicated) leave every rank the whole, 4-head projection."""
-    from tapered_megatron.pipeline.cost import RunShape, get_device, unit_costs
+    from tapered_megatron.planning.cost import RunShape, get_device, unit_costs
 
     shape, dev = RunShape(tp=8, seq_len=4096), get_device("h100")
     cost = {}

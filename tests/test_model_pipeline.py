@@ -34,7 +34,7 @@ def _pipe_worker(rank: int, world: int) -> dict[str, dict]:
     import deepspeed
 
     from tapered_megatron.parallel import init_model_parallel
-    from tapered_megatron.pipeline.module import BalancedPipelineModule
+    from tapered_megatron.parallel.pipeline import BalancedPipelineModule
 
     deepspeed.init_distributed(dist_backend="gloo")
     topo = init_model_parallel(tp=1, pp=2)

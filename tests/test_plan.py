@@ -12,9 +12,9 @@ import pytest
 from tapered_megatron.config import PRESET_DIR, load_config
 from tapered_megatron.models.counters import count_model
 from tapered_megatron.models.language_model import meta_param_count
-from tapered_megatron.pipeline import cost as costlib
-from tapered_megatron.pipeline.balance import partition
-from tapered_megatron.plan import (
+from tapered_megatron.planning import cost as costlib
+from tapered_megatron.planning.balance import partition
+from tapered_megatron.planning.planner import (
     Candidate,
     ds_config,
     enumerate_candidates,

@@ -140,7 +140,7 @@ def test_tp2_sp_equals_tp1_every_arch():
 def _pipe_worker(rank: int, world: int) -> dict:
     import deepspeed
 
-    from tapered_megatron.pipeline.module import BalancedPipelineModule
+    from tapered_megatron.parallel.pipeline import BalancedPipelineModule
 
     deepspeed.init_distributed(dist_backend="gloo")
     topo = init_model_parallel(tp=2, pp=2)
@@ -209,7 +209,7 @@ def test_dropout_under_sp_resumes_exactly(corpus, tmp_path):
 
 
 def _unit_costs(arch: str, sp: bool, recompute: str = "none") -> list:
-    from tapered_megatron.pipeline import cost as costlib
+    from tapered_megatron.planning import cost as costlib
 
     cfg = load_config("quickstart", for_arch(arch, SHAPE))
     shape = costlib.RunShape(
@@ -258,7 +258,7 @@ def _mem_cfg(arch: str, tp: int, sp: bool, recompute: str):
 
 
 def _saved_per_rank(rank: int, world: int, settings: list) -> dict:
-    from tapered_megatron.pipeline.profile import model_saved_bytes
+    from tapered_megatron.planning.profile import model_saved_bytes
 
     init_model_parallel(tp=world, pp=1)
     model_parallel_seed(1234)
@@ -270,7 +270,7 @@ def test_activation_memory_matches_what_autograd_keeps():
     activations of the micro-batch within 15 % for every architecture at TP1, TP2 and TP2 + SP,
     without recompute and with selective recompute, and SP saves the predicted bytes within
     15 %."""
-    from tapered_megatron.pipeline import cost as costlib
+    from tapered_megatron.planning import cost as costlib
 
     runs = {
         1: [(a, False, r) for a in ARCHS for r in ("none", "selective")],
@@ -302,8 +302,8 @@ def test_planner_searches_sequence_parallelism_and_takes_it_where_memory_needs_i
     fits 90 % of 80 GiB only with SP."""
     from dataclasses import replace
 
-    from tapered_megatron.pipeline import cost as costlib
-    from tapered_megatron.plan import (
+    from tapered_megatron.planning import cost as costlib
+    from tapered_megatron.planning.planner import (
         Candidate,
         ds_config,
         enumerate_candidates,

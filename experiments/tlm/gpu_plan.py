@@ -27,9 +27,9 @@ def _gpus(launcher: list[str]) -> int:
 
 def launch_plan(settings: driver.Settings, runs: list[grid.Run], device: str = "h100") -> str:
     """The commands of every run and their cost in GPU-hours (planner step-time estimate)."""
-    from tapered_megatron import plan as planner
     from tapered_megatron.config import ConfigError, load_config
-    from tapered_megatron.pipeline import cost as costlib
+    from tapered_megatron.planning import cost as costlib
+    from tapered_megatron.planning import planner
 
     gpus = _gpus(settings.launcher)
     dev = costlib.get_device(device, gpus_per_node=min(gpus, 8))

@@ -11,7 +11,7 @@ needs the units maps over this one table:
 * :func:`pipeline_layer_specs` -> DeepSpeed ``LayerSpec`` list for ``PipelineModule``, with
   :func:`lm_loss` as ``loss_fn``; units pass one tensor, the residual stream;
 * the counters (:func:`tapered_megatron.models.count_model`), the pipeline cost model, balancer
-  and profiler (:mod:`tapered_megatron.pipeline`).
+  and profiler (:mod:`tapered_megatron.planning`).
 
 One loss path: the head returns a :class:`HeadOutput` (final-normed hidden states and the head
 weight) and :func:`lm_loss` fuses the vocabulary projection into the cross-entropy, chunk by

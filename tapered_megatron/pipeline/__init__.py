@@ -1,3 +1,4 @@
-"""Pipeline partitioning: cost model (:mod:`.cost`, :mod:`.profile`), exact solver
-(:mod:`.solver`), methods and CLI (:mod:`.balance`), and the explicit-boundary DeepSpeed
-``PipelineModule`` (:mod:`.module`). The scale planner is :mod:`tapered_megatron.plan`."""
+"""Command-line home of the pipeline balancer: ``python -m tapered_megatron.pipeline.balance``.
+
+The balancer itself is :mod:`tapered_megatron.planning.balance`; the pipeline runtime is
+:mod:`tapered_megatron.parallel.pipeline`."""

@@ -29,7 +29,7 @@ from deepspeed.accelerator import get_accelerator
 from tapered_megatron.accelerator import lookup, matmul_peak, on_cpu
 from tapered_megatron.accelerator import product_name as device_product_name
 from tapered_megatron.config import Config
-from tapered_megatron.pipeline.cost import PEAK_TFLOPS
+from tapered_megatron.planning.cost import PEAK_TFLOPS
 from tapered_megatron.training.alignment import LayerAlignment
 from tapered_megatron.training.alignment import figure as alignment_figure
 

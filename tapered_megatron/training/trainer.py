@@ -39,7 +39,7 @@ from tapered_megatron.models import (
     lm_loss,
     take_diagnostics,
 )
-from tapered_megatron.pipeline.clock import StageClock
+from tapered_megatron.planning.clock import StageClock
 from tapered_megatron.training import checkpoint, optim, reshard
 from tapered_megatron.training.alignment import AlignmentProbe
 from tapered_megatron.training.launch import Layout, precision_note
@@ -213,7 +213,7 @@ class Trainer:
 
     def _pipeline_module(self) -> Any:
         """Stages from our balancer (``parallel.partition``), never DeepSpeed's defaults."""
-        from tapered_megatron.pipeline.module import BalancedPipelineModule
+        from tapered_megatron.parallel.pipeline import BalancedPipelineModule
 
         lay = self.layout
         return BalancedPipelineModule.from_config(

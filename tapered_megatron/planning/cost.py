@@ -23,7 +23,7 @@ inside a node, the network beyond. Under sequence parallelism each becomes a red
 all-gather (the same ring time); a half whose module runs on the whole sequence (the memory
 architectures') adds one all-gather per pass. Alternatively the per-unit compute times (and the
 bytes autograd really saves) are *profiled* on the actual device
-(:mod:`tapered_megatron.pipeline.profile`), cached on disk keyed by config and device; both feed
+(:mod:`tapered_megatron.planning.profile`), cached on disk keyed by config and device; both feed
 the same solver.
 
 Memory of stage ``j`` under 1F1B with ``M`` micro-batches (stage ``j`` of ``P`` keeps
@@ -182,12 +182,12 @@ def resolve_device(name: str = "auto") -> Device:
             if preset is None:
                 print(
                     f"cost model: no device preset for {label!r}; using h100 (pass --device "
-                    f"one of {', '.join(DEVICES)} or add a preset to pipeline/cost.py DEVICES)",
+                    f"one of {', '.join(DEVICES)} or add a preset to planning/cost.py DEVICES)",
                     flush=True,
                 )
             dev = get_device(preset or "h100")
     if dev.name == "cpu":
-        from tapered_megatron.pipeline.profile import measure_cpu_peak
+        from tapered_megatron.planning.profile import measure_cpu_peak
 
         dev = replace(dev, peak_flops=measure_cpu_peak())
     return dev
@@ -517,7 +517,7 @@ def model_unit_costs(
     """Unit costs of ``cfg`` for ``shape`` on ``device`` (analytic, or profiled here and cached)."""
     if not profiled:
         return unit_costs(cfg, shape, device, unit)
-    from tapered_megatron.pipeline.profile import profile_units
+    from tapered_megatron.planning.profile import profile_units
 
     prof = profile_units(cfg, unit, shape.micro_batch_size, shape.recompute)
     # measured saved bytes win; under recompute autograd's hooks do not see what a

@@ -96,12 +96,12 @@ class BalancedPipelineModule(PipelineModule):
         ``method`` defaults to ``cfg.parallel.partition``, ``unit`` to
         ``cfg.parallel.pipeline_unit``; the number of stages comes from ``topology`` (or
         ``num_stages``, else ``cfg.parallel.pp``). ``partition_kwargs`` go to
-        :func:`tapered_megatron.pipeline.balance.analyse` (``device``, ``gpu_mem``, ``dp``, ...).
+        :func:`tapered_megatron.planning.balance.analyse` (``device``, ``gpu_mem``, ``dp``, ...).
         Other keyword arguments go to ``PipelineModule`` (``loss_fn`` defaults to
         :func:`tapered_megatron.models.lm_loss`, the fused LM-head loss of the single model).
         """
         from tapered_megatron.models import lm_loss, pipeline_layer_specs
-        from tapered_megatron.pipeline.balance import ALIASES, analyse
+        from tapered_megatron.planning.balance import ALIASES, analyse
 
         u = unit or cfg.parallel.pipeline_unit
         specs = pipeline_layer_specs(cfg, unit=u)

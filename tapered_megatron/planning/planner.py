@@ -1,0 +1,480 @@
+"""Scale planner: choose TP x PP x DP, sequence parallelism, ZeRO stage, micro-batch,
+recompute and pipeline unit.
+
+``python -m tapered_megatron.plan --config transformer_7b --gpus 64 --gpu-mem 80 [--nodes 8]``
+enumerates every layout that divides the GPUs (TP inside a node, dividing the heads, the taper
+unit and the vocabulary padding; PP up to the number of pipeline units; DP the rest), every ZeRO
+stage DeepSpeed allows for it (0-3 without pipeline, 0-1 with), micro-batch sizes that divide the
+global batch, activation recomputation (``train.recompute``: none, selective, full), sequence
+parallelism (TP > 1, a sequence the TP size divides: on, and also off where a half of the block
+runs on the whole sequence and SP costs an all-gather more; elsewhere off has the same time and
+more memory), and whole-layer or sub-layer pipeline units.
+For each it
+
+1. builds the unit costs and memory (:mod:`tapered_megatron.planning.cost`, the cost model the
+   trainer's balancer reads, tensor-parallel all-reduces included),
+2. runs the exact balancer under the per-GPU memory cap (infeasible -> rejected, with the reason)
+   through the same call as the trainer (:func:`tapered_megatron.planning.balance.analyse`),
+3. predicts the step time: the 1F1B pipeline (fill/drain + (M-1) x slowest stage, the stage
+   times including their tensor-parallel all-reduces), pipeline sends (activation forward and
+   gradient backward per micro-batch, NVLink when neighbouring stages share a node, else the
+   network), the data-parallel communication (:func:`tapered_megatron.planning.cost.dp_comm`:
+   the gradient reduce, per micro-batch under ZeRO-2/3, and the parameter all-gather, per pass
+   under ZeRO-3; over NVLink when the DP group fits in a node, else the network; without
+   pipeline, ZeRO-1/2/3 overlap the reduce with backward (``overlap_comm``) but for the last
+   bucket, the pipeline engine and ZeRO-0 overlap nothing) and the optimizer step (memory-bound,
+   the model state read and written once),
+4. reports MFU = model FLOPs (3 x forward FLOPs per token from the counters, recompute excluded) /
+   (step time x GPUs x peak).
+
+Candidates are ranked by step time (the global batch is fixed by the config, so this is
+throughput), ties broken by lower peak memory. The parameter total is checked on the meta device
+(the model is built there, never allocated) against the counters. Device constants
+(:data:`tapered_megatron.planning.cost.DEVICES`) are CLI options: ``--device``, ``--peak-tflops``,
+``--nvlink-gbps``, ``--network-gbps``.
+
+``--write-ds-config PATH`` and ``--write-slurm PATH`` fill a DeepSpeed JSON and the SLURM template
+``scripts/slurm_cluster_template.sbatch`` from the best candidate; the JSON's ZeRO section
+overlaps communication (``overlap_comm``) with the bucket sizes of
+:func:`tapered_megatron.planning.cost.reduce_bucket_elems`, whose two reduce buffers the memory
+prediction counts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+from tapered_megatron.config import Config, tp_problem
+from tapered_megatron.planning import cost as costlib
+from tapered_megatron.planning.balance import analyse
+from tapered_megatron.planning.solver import InfeasibleError
+from tapered_megatron.resources import resource
+
+TEMPLATE = resource("slurm_template")
+MICRO_BATCHES = (1, 2, 4, 8)
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One layout and its prediction."""
+
+    tp: int
+    pp: int
+    dp: int
+    zero: int
+    micro_batch_size: int
+    grad_accum: int
+    recompute: str
+    unit: str
+    sequence_parallel: bool = False
+    parts: tuple[int, ...] = ()
+    mem_gib: float = 0.0  # the most loaded stage
+    step_s: float = float("inf")
+    mfu: float = 0.0
+    tokens_per_s: float = 0.0
+    bottleneck: float = 0.0
+    breakdown: dict[str, float] = field(default_factory=dict)
+    dp_comm: str = ""  # how the DP communication runs (cost.DPComm.how)
+    reduce_bucket: int = 0  # ZeRO-1/2 reduce_bucket_size written to the DeepSpeed config
+
+    @property
+    def label(self) -> str:
+        """Short human-readable label."""
+        sp = " sp" if self.sequence_parallel else ""
+        return (
+            f"tp{self.tp}{sp} pp{self.pp} dp{self.dp} zero{self.zero} "
+            f"mbs{self.micro_batch_size} gas{self.grad_accum} rc-{self.recompute} {self.unit}"
+        )
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def evaluate(cfg: Config, c: Candidate, dev: costlib.Device, cap: float) -> Candidate | str:
+    """Predict one candidate; returns the filled candidate or the reason it is rejected.
+
+    The stages come from :func:`tapered_megatron.planning.balance.analyse`, the call the
+    trainer's balancer makes, so a run launched with this candidate's overrides on the same
+    device and memory cap gets these boundaries.
+    """
+    m = cfg.model
+    layout = dict(
+        unit=c.unit,
+        device=dev,
+        dp=c.dp,
+        zero_stage=c.zero,
+        recompute=c.recompute,
+        tp=c.tp,
+        sequence_parallel=c.sequence_parallel,
+        micro_batch_size=c.micro_batch_size,
+        methods=("balancer",),
+    )
+    elem = costlib.activation_scale(dev.precision)
+    try:
+        bal = analyse(cfg, c.pp, c.grad_accum, gpu_mem=cap / costlib.GiB, **layout)
+    except InfeasibleError:
+        bal = analyse(cfg, c.pp, c.grad_accum, gpu_mem=float("inf"), **layout)
+    r, costs = bal.methods["balancer"], bal.costs
+    # ZeRO-1/2 without pipeline: overlap_comm's two reduce buckets (a fixed size per rank; one
+    # stage, so adding them cannot change the partition)
+    stage_param = max(r.stage_params) / c.tp  # TP-local parameters of the heaviest stage
+    buckets = costlib.overlap_bucket_bytes(stage_param, elem, c.zero) if c.pp == 1 else 0.0
+    worst = max(r.stage_mem) + buckets
+    if worst > cap:
+        return f"out of memory: needs {worst / costlib.GiB:.1f} GiB on its worst stage"
+    act_bytes = c.micro_batch_size * m.seq_len * m.d_model * elem  # one residual-stream tensor
+    # Pipeline sends: neighbouring stages are dp*tp ranks apart (topology axes pipe, data, model).
+    pp_bw = dev.intra_bw if c.dp * c.tp < dev.gpus_per_node else dev.inter_bw
+    # 1/tp each: DeepSpeed's pipe_partitioned, or the sequence shards under sequence parallelism
+    p2p = act_bytes / c.tp / pp_bw if c.pp > 1 else 0.0
+    stage_times = [t + (2 * p2p if c.pp > 1 else 0.0) for t in r.stage_times]
+    pipe_s = costlib.step_time(stage_times, c.grad_accum)
+    # Data parallel: gradients of the heaviest stage (bf16 grads / fp32) over dp, overlapped
+    # with backward where DeepSpeed overlaps them (cost.dp_comm)
+    dp_bw = dev.intra_bw if c.dp * c.tp <= dev.gpus_per_node else dev.inter_bw
+    compute = max(r.stage_times)  # one micro-batch on the slowest stage
+    passes = 4 if c.recompute == "full" else 3
+    dp = costlib.dp_comm(
+        stage_param, c.dp, c.zero, c.grad_accum, c.pp > 1, elem, dp_bw,
+        compute * (passes - 1) / passes, compute,
+    )  # fmt: skip
+    bpp = costlib.bytes_per_param(dev.precision, c.zero, c.dp, c.pp > 1)
+    opt_s = 2 * stage_param * bpp / dev.mem_bw
+    step = pipe_s + dp.exposed + opt_s
+    gpus = c.tp * c.pp * c.dp
+    tokens = c.micro_batch_size * c.grad_accum * c.dp * m.seq_len
+    model_flops = 3 * sum(u.flops_fwd for u in costs) * tokens
+    ideal = sum(r.stage_times) * c.grad_accum / c.pp
+    return replace(
+        c,
+        parts=r.parts,
+        mem_gib=worst / costlib.GiB,
+        step_s=step,
+        mfu=model_flops / (step * gpus * dev.peak_flops),
+        tokens_per_s=tokens / step,
+        bottleneck=r.bottleneck,
+        breakdown={
+            "compute_ideal_s": ideal,
+            "pipeline_s": pipe_s,
+            "bubble_and_imbalance_s": pipe_s - ideal,
+            "tp_comm_s": sum(u.tp_comm for u in costs) * c.grad_accum / c.pp,
+            "p2p_s": 2 * p2p * c.grad_accum,
+            "dp_comm_s": dp.total,
+            "dp_overlapped_s": dp.overlapped,
+            "optimizer_s": opt_s,
+        },
+        dp_comm=dp.how,
+        reduce_bucket=costlib.reduce_bucket_elems(stage_param) if c.zero in (1, 2) else 0,
+    )
+
+
+def enumerate_candidates(cfg: Config, gpus: int, gpus_per_node: int) -> list[Candidate]:
+    """Every layout / ZeRO / micro-batch / recompute / unit combination to evaluate."""
+    from tapered_megatron.models import resolve_architecture
+
+    m, tr = cfg.model, cfg.train
+    gbs = tr.global_batch_size or tr.micro_batch_size * gpus
+    arch = resolve_architecture(m.arch)
+    # without SP: the same time and more memory, unless a half runs on the whole sequence
+    sp_off_too = not (arch.mixer.takes_sequence_shards and arch.mlp.takes_sequence_shards)
+    # a first pass of the whole model (Hope's teach signal) runs only without a pipeline
+    whole_model_pass = arch.first_pass_config(cfg) is not None
+    out = []
+    for tp in _divisors(gpus):
+        if tp > gpus_per_node or tp_problem(cfg, tp):
+            continue
+        for pp in _divisors(gpus // tp):
+            if pp > m.layers or (pp > 1 and whole_model_pass):
+                continue
+            dp = gpus // (tp * pp)
+            sps = (False,)
+            if tp > 1 and m.seq_len % tp == 0:
+                sps = (False, True) if sp_off_too else (True,)
+            for zero in (0, 1) if pp > 1 else (0, 1, 2, 3):
+                for mbs in MICRO_BATCHES:
+                    if gbs % (mbs * dp):
+                        continue
+                    gas = gbs // (mbs * dp)
+                    for rc in ("none", "selective", "full"):
+                        for unit in ("layer", "sublayer") if pp > 1 else ("layer",):
+                            for sp in sps:
+                                out.append(Candidate(tp, pp, dp, zero, mbs, gas, rc, unit, sp))
+    return out
+
+
+def plan(
+    cfg: Config, gpus: int, dev: costlib.Device, cap: float
+) -> tuple[list[Candidate], list[tuple[Candidate, str]]]:
+    """Evaluate all candidates: (fitting ones ranked best first, rejected ones with reasons)."""
+    ok, rejected = [], []
+    for c in enumerate_candidates(cfg, gpus, dev.gpus_per_node):
+        r = evaluate(cfg, c, dev, cap)
+        if isinstance(r, str):
+            rejected.append((c, r))
+        else:
+            ok.append(r)
+    ok.sort(key=lambda c: (c.step_s, c.mem_gib))
+    return ok, rejected
+
+
+def reasoning(
+    cfg: Config,
+    ranked: list[Candidate],
+    rejected: list[tuple[Candidate, str]],
+    dev: costlib.Device,
+    gpus: int,
+    nodes: int,
+    cap_gib: float,
+    meta_params: int,
+    counted: int,
+    mem_fraction: float = 1.0,
+) -> list[str]:
+    """Plain-language account of the choice (printed, and returned in --json)."""
+    lines = [
+        f"model {cfg.name}: {counted / 1e9:.2f}B parameters by the counters"
+        + f", {meta_params / 1e9:.2f}B built on the meta device",
+        f"cluster: {gpus} x {dev.name} ({cap_gib:.0f} GiB, {mem_fraction:.0%} usable, "
+        f"{dev.peak_flops / 1e12:.0f} TFLOP/s "
+        f"{dev.precision}), {nodes} node(s) of {dev.gpus_per_node}; NVLink "
+        f"{dev.intra_bw / 1e9:.0f} GB/s, network {dev.inter_bw / 1e9:.0f} GB/s per GPU",
+        f"{len(ranked) + len(rejected)} candidates, {len(ranked)} fit in memory, "
+        f"{len(rejected)} rejected",
+    ]
+    if not ranked:
+        lines.append("nothing fits: add GPUs, enable ZeRO-3/offload, or shorten the sequence")
+        return lines
+    best = ranked[0]
+    b = best.breakdown
+    lines.append(
+        f"best: {best.label}: step {best.step_s:.2f} s, {best.tokens_per_s:,.0f} tokens/s, "
+        f"MFU {best.mfu:.1%}, worst stage {best.mem_gib:.1f} GiB"
+    )
+    lines.append(
+        "  time: " + ", ".join(f"{k[:-2]} {v:.2f}s" for k, v in b.items() if k != "pipeline_s")
+    )
+    lines.append(
+        f"  DP communication {b['dp_comm_s']:.2f}s, {b['dp_overlapped_s']:.2f}s of it hidden: "
+        f"{best.dp_comm}"
+    )
+    no_pp = [c for c in ranked if c.pp == 1]
+    if best.pp > 1:
+        if not no_pp:
+            lines.append("  pipeline needed: no PP=1 layout fits the memory cap")
+        else:
+            lines.append(
+                f"  PP={best.pp} beats the best PP=1 layout ({no_pp[0].label}, "
+                f"{no_pp[0].step_s:.2f} s)"
+            )
+        lines.append(f"  partition {list(best.parts)} bottleneck {best.bottleneck:.3f}")
+    for key, what in (
+        ("tp", "TP"),
+        ("sequence_parallel", "sequence parallelism"),
+        ("zero", "ZeRO"),
+        ("recompute", "recompute"),
+        ("unit", "pipeline unit"),
+    ):
+        alt = [c for c in ranked if getattr(c, key) != getattr(best, key)]
+        if alt:
+            lines.append(
+                f"  vs other {what}: best alternative {alt[0].label} is "
+                f"{alt[0].step_s / best.step_s - 1:+.1%} slower"
+            )
+    reasons: dict[str, int] = {}
+    for _, why in rejected:
+        reasons[why.split(":")[0]] = reasons.get(why.split(":")[0], 0) + 1
+    for why, n in reasons.items():
+        lines.append(f"  rejected {n}: {why}")
+    return lines
+
+
+def ds_config(cfg: Config, best: Candidate, dev: costlib.Device) -> dict[str, Any]:
+    """A DeepSpeed JSON for the best candidate (batch keys match train.*)."""
+    out: dict[str, Any] = {
+        "train_batch_size": best.micro_batch_size * best.grad_accum * best.dp,
+        "train_micro_batch_size_per_gpu": best.micro_batch_size,
+        "gradient_accumulation_steps": best.grad_accum,
+        "gradient_clipping": cfg.train.clip_grad,
+        "bf16": {"enabled": dev.precision == "bf16"},
+        "zero_optimization": {"stage": best.zero},
+        "steps_per_print": 1000000000,
+        "wall_clock_breakdown": False,
+    }
+    if best.zero >= 3:
+        # the buffer sizes the memory model counted (cost.zero3_stage_bytes)
+        out["zero_optimization"].update(costlib.Zero3().ds_keys())
+    if best.pp == 1 and best.zero >= 1:
+        # the gradient reduce overlaps backward (cost.dp_comm); ZeRO-1/2's two reduce buckets
+        # of this size are in the memory prediction
+        z = out["zero_optimization"]
+        z.update(overlap_comm=True, contiguous_gradients=True)
+        if best.zero in (1, 2):
+            z.update(
+                reduce_scatter=True,
+                reduce_bucket_size=best.reduce_bucket,
+                allgather_bucket_size=best.reduce_bucket,
+            )
+    if dev.precision == "bf16" and best.zero >= 1:
+        # micro-batches accumulate in fp32; DeepSpeed refuses fp32 accumulation with bf16
+        # under ZeRO-0 (pipeline or not), which accumulates in bf16
+        out["data_types"] = {"grad_accum_dtype": "fp32"}
+    if best.pp > 1:
+        # BF16_Optimizer under the pipeline engine adds each micro-batch's cumulative 16-bit
+        # gradient to its fp32 buffer again (gradients counted several times) unless it moves
+        # them there in the backward hooks
+        out["bf16"]["immediate_grad_update"] = True
+        # recomputation is done by the model's own units (--train.recompute)
+        out["pipeline"] = {
+            "stages": best.pp,
+            "activation_checkpoint_interval": 0,
+            # sequence shards are already split over the TP group
+            "pipe_partitioned": best.tp > 1 and not best.sequence_parallel,
+            "grad_partitioned": best.tp > 1 and not best.sequence_parallel,
+        }
+    return out
+
+
+def overrides(cfg: Config, best: Candidate) -> list[str]:
+    """The dotted config overrides that select the best candidate."""
+    return [
+        "--parallel.tp", str(best.tp),
+        "--parallel.sequence_parallel", str(best.sequence_parallel).lower(),
+        "--parallel.pp", str(best.pp),
+        "--parallel.partition", "balanced",
+        "--parallel.pipeline_unit", best.unit,
+        "--train.recompute", best.recompute,
+        "--train.micro_batch_size", str(best.micro_batch_size),
+        "--train.global_batch_size", str(best.micro_batch_size * best.grad_accum * best.dp),
+    ]  # fmt: skip
+
+
+def fill_slurm(
+    cfg_name: str,
+    best: Candidate,
+    nodes: int,
+    gpus_per_node: int,
+    ds_path: str,
+    template: Path = TEMPLATE,
+) -> str:
+    """The SLURM template with the best candidate's values substituted."""
+    text = template.read_text()
+    values = {
+        "JOB_NAME": f"tm-{cfg_name}",
+        "NODES": str(nodes),
+        "GPUS_PER_NODE": str(gpus_per_node),
+        "CONFIG": cfg_name,
+        "DS_CONFIG": ds_path,
+        "OVERRIDES": " ".join(overrides(None, best)),
+        "PLAN": best.label,
+    }
+    for k, v in values.items():
+        text = text.replace("{{" + k + "}}", v)
+    return text
+
+
+def main(argv: list[str] | None = None) -> int:
+    """CLI entry (see the module docstring)."""
+    from tapered_megatron.config import load_config_or_exit
+    from tapered_megatron.models.counters import count_model
+    from tapered_megatron.models.language_model import meta_param_count
+
+    ap = argparse.ArgumentParser(
+        prog="python -m tapered_megatron.plan", description=__doc__.split("\n\n")[0]
+    )
+    ap.add_argument("--config", required=True, help="preset name or YAML path")
+    ap.add_argument("--gpus", type=int, required=True, help="total GPUs")
+    ap.add_argument("--gpu-mem", type=float, required=True, help="memory per GPU, GiB")
+    ap.add_argument("--nodes", type=int, default=None, help="nodes (default gpus / 8)")
+    ap.add_argument("--device", default="h100", help=f"one of {', '.join(costlib.DEVICES)}")
+    ap.add_argument("--peak-tflops", type=float, default=None, help="dense peak per GPU")
+    ap.add_argument("--nvlink-gbps", type=float, default=None, help="NVLink GB/s per GPU")
+    ap.add_argument("--network-gbps", type=float, default=None, help="network GB/s per GPU")
+    ap.add_argument(
+        "--mem-fraction",
+        type=float,
+        default=0.9,
+        help="usable share of --gpu-mem (allocator fragmentation headroom)",
+    )
+    ap.add_argument("--top", type=int, default=10, help="candidates to list")
+    ap.add_argument("--json", action="store_true", help="one JSON object")
+    ap.add_argument("--write-ds-config", default=None, help="write the best DeepSpeed JSON here")
+    ap.add_argument("--write-slurm", default=None, help="write the filled SLURM script here")
+    a, rest = ap.parse_known_args(argv)
+    cfg = load_config_or_exit(a.config, rest)
+    nodes = a.nodes or max(1, a.gpus // 8)
+    if a.gpus % nodes:
+        print(f"error: --gpus {a.gpus} is not a multiple of --nodes {nodes}", file=sys.stderr)
+        return 2
+    dev = costlib.get_device(
+        a.device,
+        peak_flops=a.peak_tflops * 1e12 if a.peak_tflops else None,
+        intra_bw=a.nvlink_gbps * 1e9 if a.nvlink_gbps else None,
+        inter_bw=a.network_gbps * 1e9 if a.network_gbps else None,
+        mem_bytes=a.gpu_mem * costlib.GiB,
+        gpus_per_node=a.gpus // nodes,
+    )
+    ranked, rejected = plan(cfg, a.gpus, dev, a.mem_fraction * a.gpu_mem * costlib.GiB)
+    counted = count_model(cfg).params_total
+    why = reasoning(
+        cfg,
+        ranked,
+        rejected,
+        dev,
+        a.gpus,
+        nodes,
+        a.gpu_mem,
+        meta_param_count(cfg),
+        counted,
+        a.mem_fraction,
+    )
+    if ranked and a.write_ds_config:
+        Path(a.write_ds_config).write_text(
+            json.dumps(ds_config(cfg, ranked[0], dev), indent=2) + "\n"
+        )
+    if ranked and a.write_slurm:
+        Path(a.write_slurm).write_text(
+            fill_slurm(
+                a.config,
+                ranked[0],
+                nodes,
+                a.gpus // nodes,
+                a.write_ds_config or "ds_configs/zero1.json",
+            )
+        )
+    if a.json:
+        print(
+            json.dumps(
+                {
+                    "config": cfg.name,
+                    "gpus": a.gpus,
+                    "nodes": nodes,
+                    "device": dev.name,
+                    "best": asdict(ranked[0]) if ranked else None,
+                    "candidates": [asdict(c) for c in ranked[: a.top]],
+                    "rejected": len(rejected),
+                    "reasoning": why,
+                }
+            )
+        )
+        return 0 if ranked else 1
+    print("\n".join(why))
+    print()
+    print(
+        f"{'rank':>4} {'layout':<48} {'step s':>8} {'tok/s':>10} {'MFU':>6} {'mem GiB':>8} "
+        f"{'bneck':>6}"
+    )
+    for i, c in enumerate(ranked[: a.top]):
+        print(
+            f"{i + 1:>4} {c.label:<48} {c.step_s:>8.3f} {c.tokens_per_s:>10,.0f} {c.mfu:>6.1%} "
+            f"{c.mem_gib:>8.1f} {c.bottleneck:>6.3f}"
+        )
+    return 0 if ranked else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
