@@ -19,7 +19,7 @@ from tapered_megatron.models import build_model
 from tapered_megatron.models.base import ARCHITECTURES
 from tapered_megatron.parallel import get_rng_tracker, init_model_parallel, model_parallel_seed
 from tapered_megatron.parallel.local_launch import run_workers
-from tapered_megatron.parallel.random import checkpoint
+from tapered_megatron.parallel.random import recompute
 
 TINY = [
     "--model.d_model", "64", "--model.layers", "2", "--model.heads", "4", "--model.d_ff", "128",
@@ -76,10 +76,10 @@ def test_recompute_gradients_equal_none(case, monkeypatch):
             return fn(*a)
 
         calls.append(1)
-        return checkpoint(run, *args)
+        return recompute(run, *args)
 
     calls: list[int] = []
-    monkeypatch.setattr(model_base, "checkpoint", counting)
+    monkeypatch.setattr(model_base, "recompute", counting)
     want = _step(_cfg(case, "none"))
     assert not calls
     got = _step(_cfg(case, "selective"))
@@ -124,7 +124,7 @@ def test_selective_titans_tallies_its_memory_clip_once():
     assert all(0 < t[0] < t[1] for t in seen[0])  # the clip scaled some token-heads, not all
 
 
-def _tracker_dropout_grads(recompute: bool) -> torch.Tensor:
+def _tracker_dropout_grads(replay: bool) -> torch.Tensor:
     model_parallel_seed(11)
     w = torch.ones(64, requires_grad=True)
 
@@ -133,7 +133,7 @@ def _tracker_dropout_grads(recompute: bool) -> torch.Tensor:
             return F.dropout(x * w, 0.5, training=True)
 
     x = torch.arange(64.0)
-    y = checkpoint(fn, x) if recompute else fn(x)
+    y = recompute(fn, x) if replay else fn(x)
     (y * y).sum().backward()
     return w.grad
 

@@ -78,7 +78,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import torch
 from torch import nn
 
-from tapered_megatron.parallel.random import checkpoint
+from tapered_megatron.parallel.random import recompute
 
 if TYPE_CHECKING:
     from tapered_megatron.config import Config
@@ -145,7 +145,7 @@ class Recomputed:
         """``fn(*args)``; under selective recompute, in training with gradients, its saved
         activations are dropped and recomputed in backward (the same random numbers)."""
         if self.selective_recompute and self.training and torch.is_grad_enabled():
-            return checkpoint(fn, *args)
+            return recompute(fn, *args)
         return fn(*args)
 
 

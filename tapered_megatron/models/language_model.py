@@ -45,7 +45,7 @@ from tapered_megatron.parallel import (
     vocab_parallel_cross_entropy,
     vocab_parallel_linear_cross_entropy_mean,
 )
-from tapered_megatron.parallel.random import checkpoint
+from tapered_megatron.parallel.random import recompute
 
 if TYPE_CHECKING:
     from deepspeed.pipe import LayerSpec
@@ -116,7 +116,7 @@ class Block(nn.Module):
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
         if self.recompute_full and self.training and torch.is_grad_enabled():
-            return checkpoint(self._forward, h)
+            return recompute(self._forward, h)
         return self._forward(h)
 
     def _forward(self, h: torch.Tensor) -> torch.Tensor:

@@ -12,7 +12,7 @@
 * :class:`RNGStatesTracker` keeps named streams (a CPU and an accelerator generator state each);
   ``with get_rng_tracker().fork():`` runs a block under the TP-local stream on both generators
   and restores the default ones afterwards.
-* :func:`checkpoint` recomputes a function's activations in backward (activation
+* :func:`recompute` recomputes a function's activations in backward (activation
   recomputation); the recomputation draws the same random numbers as the forward, from the
   default streams and the tracker's alike.
 
@@ -130,7 +130,7 @@ def get_rng_tracker() -> RNGStatesTracker:
     return _TRACKER
 
 
-def checkpoint(fn: Callable[..., Any], *args: Any) -> Any:
+def recompute(fn: Callable[..., Any], *args: Any) -> Any:
     """``fn(*args)`` whose saved activations are dropped after the forward and recomputed in
     backward (torch's non-reentrant checkpoint). The recomputation replays the random numbers
     of the forward: the default CPU and accelerator streams (torch's own stash) and the
