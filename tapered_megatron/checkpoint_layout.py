@@ -11,6 +11,7 @@ Layout of ``train.save_dir``::
         universal/             layout-free copy (train.universal_checkpoint; training/reshard.py)
         complete               written by rank 0 after every rank finished writing
     latest                     "global_step100", replaced atomically after ``complete``
+    job.lock                   held (``flock``) by the one job writing here (:func:`lock_save_dir`)
 
 A tag without ``complete`` (a save cut short) is never loaded or exported. ``complete`` also
 holds the checkpoint's manifest: the size and sha256 of every other file of the tag
@@ -22,12 +23,14 @@ directory records the same manifest in ``manifest.json`` (:data:`EXPORT_MANIFEST
 from __future__ import annotations
 
 import concurrent.futures
+import fcntl
 import hashlib
 import json
 import os
 import re
+import socket
 from pathlib import Path, PurePosixPath
-from typing import Any
+from typing import IO, Any
 
 COMPLETE = "complete"
 LATEST = "latest"
@@ -37,6 +40,7 @@ TAPER_PLAN = "taper_plan.json"
 HASH_THREADS = 8  # files hashed at once per process (at most its cores)
 UNIVERSAL, UNIVERSAL_META = "universal", "meta.pt"
 EXPORT_MANIFEST = "manifest.json"
+LOCK = "job.lock"
 _TAG = re.compile(r"^global_step(\d+)$")
 
 
@@ -230,3 +234,29 @@ def manifest_problem(
             f = tag_dir / name
             return f"{f}: sha256 differs from the manifest's (the file changed after saving)"
     return None
+
+
+def lock_save_dir(save_dir: Path) -> IO[str] | None:
+    """Take ``save_dir``'s lock for this process (created as needed): an exclusive ``flock``
+    on ``save_dir / LOCK``, held while the returned file stays open and released by the kernel
+    when the process ends, however it ends (``kill -9`` included). None when another process
+    holds it (:func:`lock_holder` says which)."""
+    save_dir.mkdir(parents=True, exist_ok=True)
+    f = open(save_dir / LOCK, "a+")  # noqa: SIM115 - open for as long as the lock is held
+    try:
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        f.close()
+        return None
+    f.truncate(0)
+    f.write(f"pid {os.getpid()} on {socket.gethostname()}\n")
+    f.flush()
+    return f
+
+
+def lock_holder(save_dir: Path) -> str:
+    """Who holds ``save_dir``'s lock, as its holder wrote it (``pid N on HOST``)."""
+    try:
+        return (save_dir / LOCK).read_text()[:200].strip() or "another process"
+    except OSError:
+        return "another process"

@@ -175,6 +175,9 @@ class TrainConfig:
     # disk) so the checkpoint resumes under any other parallel layout; false: same layout only
     universal_checkpoint: bool = True
     resume: str = ""  # "" (fresh), "auto" (newest complete checkpoint in save_dir) or a path
+    # a fresh run into a save_dir holding checkpoints: move them aside into
+    # save_dir/earlier-run-<UTC time>/ (nothing is deleted); false: refuse to start
+    start_over: bool = False
     exit_interval: int = at_least(0, 0)  # stop (after saving) at multiples of it; 0: never
     # on this signal (e.g. SIGUSR1, which SLURM's --signal sends before the time limit) every
     # rank stops at the same iteration boundary after saving; exit code 75. "": no handler

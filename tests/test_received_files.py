@@ -19,9 +19,9 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from launch_helpers import MAIN, ROOT, common_args, job_env, popen_job, reseal
+from launch_helpers import MAIN, ROOT, common_args, hold_save_dir, job_env, popen_job, reseal
 
-from tapered_megatron.checkpoint_layout import file_digest, write_manifest
+from tapered_megatron.checkpoint_layout import complete_tags, file_digest, write_manifest
 from tapered_megatron.export.__main__ import main as export_main
 
 pytestmark = pytest.mark.distributed
@@ -393,3 +393,53 @@ def test_an_unreadable_pt_names_the_file_and_quotes_the_cause(tmp_path):
     assert str(err.value) == f"{bad}: unreadable ({cause})"
     assert first_line(ValueError("first\nsecond")) == "first"
     assert first_line(EOFError()) == "EOFError"
+
+
+def listing(folder: Path) -> list[str]:
+    """Every path under ``folder``, relative, sorted."""
+    return sorted(str(p.relative_to(folder)) for p in folder.rglob("*"))
+
+
+def test_export_overwrite_never_deletes_what_an_export_did_not_write(trained, tmp_path, capsys):
+    """``--overwrite`` replaces only an earlier export: the checkpoint directory itself, a
+    folder of someone's files, or an export with an unlisted file in it is refused in one line
+    and left as it was."""
+    run_dir = copy_run(trained, tmp_path / "run", ("global_step2", "global_step4"))
+    ckpt = run_dir / "ckpt"
+    (ckpt / "notes").mkdir()
+    (ckpt / "notes" / "plan.txt").write_text("mine")
+    before = listing(ckpt)
+    export = ["--checkpoint", str(ckpt), "--overwrite", "--out"]
+    earlier = tmp_path / "export"
+    assert export_main([*export, str(earlier)]) == 0
+    assert export_main([*export, str(earlier)]) == 0  # an earlier export is replaced
+    (earlier / "notes.txt").write_text("mine")
+    for out, why in [
+        (ckpt, "not an earlier export"),
+        (ckpt / "notes", "not an earlier export"),
+        (earlier, "holds notes.txt, which its manifest.json does not list"),
+    ]:
+        capsys.readouterr()
+        assert export_main([*export, str(out)]) == 2, out
+        lines = capsys.readouterr().err.strip().splitlines()
+        assert len(lines) == 1 and why in lines[0], lines
+    assert listing(ckpt) == before
+    assert (earlier / "notes.txt").read_text() == "mine"
+
+
+def test_a_second_job_on_a_save_dir_in_use_is_refused(corpus, trained, tmp_path):
+    """A job whose save directory another job holds (its lock, here held by a small process)
+    stops in one line before training, writing no checkpoint (the lock's release at ``kill -9``
+    of its holder: ``test_train_units.py``)."""
+    run_dir = copy_run(trained, tmp_path / "run", ("global_step2", "global_step4"))
+    ckpt = run_dir / "ckpt"
+    holder = hold_save_dir(ckpt)
+    try:
+        rc, log = run(corpus, run_dir, RESUME)
+    finally:
+        holder.kill()
+        holder.wait()
+    err = [line for line in log.splitlines() if line.startswith("error: ")]
+    assert rc == 1 and len(err) == 1 and "Traceback" not in log, log[-3000:]
+    assert f"in use by another job (pid {holder.pid} on" in err[0], err[0]
+    assert [t for _, t in complete_tags(ckpt)] == ["global_step2", "global_step4"]

@@ -335,3 +335,101 @@ def test_resume_passes_over_an_unusable_checkpoint_with_a_note(tmp_path):
     f.write_bytes(f.read_bytes()[:64])
     with pytest.raises(ConfigError, match=r"no usable checkpoint .*global_step20/layout\.json"):
         checkpoint.find_resume(resume)
+
+
+def _tamper(f: Path) -> None:
+    """Invert 16 bytes in the middle of ``f``: same size, another sha256."""
+    data = bytearray(f.read_bytes())
+    mid = len(data) // 2
+    data[mid : mid + 16] = bytes(255 - b for b in data[mid : mid + 16])
+    f.write_bytes(bytes(data))
+
+
+def test_pruning_counts_only_usable_checkpoints_and_spares_the_resumed_one(tmp_path):
+    """The newest checkpoint unusable (changed after saving), the run resumed from the older
+    one with keep_last 1: its saves never prune the checkpoint it resumed from nor the newest
+    one it saved, and ``latest`` always names a tag that exists."""
+    for it in (2, 4):
+        checkpoint.save(FakeEngine(), _cfg(tmp_path), it, it * 8)
+    _tamper(tmp_path / "global_step4" / "mp_rank_00_model_states.pt")  # found by the sha256
+    over = ["--train.save_dir", str(tmp_path), "--train.keep_last", "1", "--train.resume", "auto"]
+    cfg = load_config("quickstart", over)
+    lineage = checkpoint.Lineage(resumed="global_step2")  # what the trainer resumed from
+    checkpoint.save(FakeEngine(), cfg, 3, 24, lineage=lineage)
+    assert [t for _, t in checkpoint.complete_tags(tmp_path)] == [
+        "global_step2",
+        "global_step3",
+        "global_step4",
+    ]
+    assert checkpoint.find_resume(cfg, known={"global_step4": "changed"}) == (
+        tmp_path,
+        "global_step3",
+    )
+    checkpoint.save(FakeEngine(), cfg, 4, 32, lineage=lineage)  # replaces the unusable one
+    assert [t for _, t in checkpoint.complete_tags(tmp_path)] == ["global_step2", "global_step4"]
+    assert (tmp_path / "latest").read_text() == "global_step4"
+    assert checkpoint.hash_problem(tmp_path / "global_step4") is None
+
+
+def _checkpoints_of_another_run(save_dir: Path) -> list[str]:
+    for it in (2, 4):
+        checkpoint.save(FakeEngine(), _cfg(save_dir), it, it * 8)
+    (save_dir / "notes").mkdir()
+    (save_dir / "notes" / "mine.txt").write_text("keep")
+    return sorted(p.name for p in save_dir.iterdir())
+
+
+def test_a_fresh_run_into_another_runs_save_dir_stops_in_one_line(tmp_path):
+    from tapered_megatron.training.preflight import check_owner
+
+    before = _checkpoints_of_another_run(tmp_path)
+    with pytest.raises(ConfigError) as e:
+        check_owner(_cfg(tmp_path))
+    line = str(e.value)
+    assert "\n" not in line and "another run's checkpoints" in line and "--resume auto" in line
+    assert "--train.start_over" in line
+    elsewhere = tmp_path / "elsewhere" / "global_step4"
+    with pytest.raises(ConfigError):  # resuming from another directory into this one
+        check_owner(_cfg(tmp_path, "--train.resume", str(elsewhere)))
+    check_owner(_cfg(tmp_path, "--train.resume", "auto"))
+    check_owner(_cfg(tmp_path, "--train.resume", str(tmp_path / "global_step2")))
+    with pytest.raises(ConfigError, match="one of the two"):
+        check_owner(_cfg(tmp_path, "--train.resume", "auto", "--train.start_over", "true"))
+    assert sorted(p.name for p in tmp_path.iterdir()) == before
+    with pytest.raises(checkpoint.SaveDirTaken), checkpoint.own_save_dir(_cfg(tmp_path)):
+        pass  # checked again once the lock is held
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([*before, "job.lock"])
+
+
+def test_start_over_moves_the_earlier_checkpoints_aside(tmp_path, capsys):
+    _checkpoints_of_another_run(tmp_path)
+    cfg = _cfg(tmp_path, "--train.start_over", "true")
+    with checkpoint.own_save_dir(cfg):
+        checkpoint.save(FakeEngine(), cfg, 1, 8, lineage=checkpoint.Lineage())
+    (aside,) = tmp_path.glob("earlier-run-*")
+    assert sorted(p.name for p in aside.iterdir()) == ["global_step2", "global_step4", "latest"]
+    assert checkpoint.hash_problem(aside / "global_step4") is None  # moved, intact
+    assert (tmp_path / "notes" / "mine.txt").read_text() == "keep"
+    assert (tmp_path / "latest").read_text() == "global_step1"
+    assert "moved to" in capsys.readouterr().out
+
+
+def test_a_save_dir_in_use_is_refused_and_freed_when_its_holder_is_killed(tmp_path):
+    """Another process holds the directory's lock: a job is refused in one line naming it;
+    after ``kill -9`` of the holder the kernel has released the lock and the job proceeds."""
+    from launch_helpers import hold_save_dir
+
+    holder = hold_save_dir(tmp_path)
+    try:
+        cfg = _cfg(tmp_path)
+        with pytest.raises(checkpoint.SaveDirTaken) as e, checkpoint.own_save_dir(cfg):
+            pass
+        line = str(e.value)
+        assert "\n" not in line and "in use by another job" in line
+        assert f"pid {holder.pid}" in line
+    finally:
+        holder.kill()  # SIGKILL: no clean-up of its own
+        holder.wait()
+    with checkpoint.own_save_dir(cfg):
+        checkpoint.save(FakeEngine(), cfg, 1, 8, lineage=checkpoint.Lineage())
+    assert (tmp_path / "latest").read_text() == "global_step1"
