@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 import yaml
 
-from tapered_megatron import parallel, safe_load
+from tapered_megatron import parallel, received, safe_load
 from tapered_megatron.checkpoint_layout import (
     COMPLETE,
     CONFIG,
@@ -52,6 +52,7 @@ from tapered_megatron.checkpoint_layout import (
     resume_candidates,
     saved_bytes,
     saved_layout,
+    tag_entries,
     tag_files,
     tag_of,
     tags,
@@ -320,9 +321,7 @@ def _digests(tag_dir: Path) -> dict[str, list[Any]]:
 def hash_problem(tag_dir: Path) -> str | None:
     """:func:`~tapered_megatron.checkpoint_layout.manifest_problem` with the hashing shared by
     the ranks (collective: every rank gets the same answer)."""
-    files = manifest(tag_dir)
-    if files is None:
-        return None
+    files = manifest(tag_dir) or {}
     why = manifest_problem(tag_dir, sorted(files)[_rank() :: _world()])
     if _world() == 1:
         return why
@@ -360,7 +359,7 @@ def usable_tags(save_dir: Path, lineage: Lineage | None = None) -> list[tuple[in
     found = []
     for it, tag in complete_tags(save_dir):
         d = save_dir / tag
-        sound = manifest(d) is not None and manifest_problem(d, hashes=False) is None
+        sound = manifest_problem(d, hashes=False) is None
         if tag in known or (sound and (lineage is None or it < start)):
             found.append((it, tag))
     return found
@@ -390,14 +389,15 @@ def checkpoint_problem(tag_dir: Path) -> str | None:
     group, the trainer after it); the answer is kept per tag and file sizes and mtimes, so each
     tag's files are read once unless they change."""
     try:
-        stamp = tuple((n, *_stat(tag_dir / n)) for n in (*tag_files(tag_dir), COMPLETE))
+        names = [n for found in tag_entries(tag_dir) for n in found]
+        stamp = tuple((n, *_stat(tag_dir / n)) for n in names)
     except OSError:  # a file went away while listing: check without the memory
         return _checked_problem.__wrapped__(str(tag_dir), ())
     return _checked_problem(str(tag_dir), stamp)
 
 
 def _stat(path: Path) -> tuple[int, int]:
-    st = path.stat()
+    st = path.lstat()
     return st.st_size, st.st_mtime_ns
 
 
@@ -416,14 +416,35 @@ def _checked_problem(tag: str, _stamp: tuple) -> str | None:
     why = manifest_problem(tag_dir, hashes=False)  # sizes only: cheap on every rank
     if why is not None:
         return why
-    for name, parse in ((LAYOUT, json.loads), (TAPER_PLAN, json.loads), (CONFIG, yaml.safe_load)):
+    for name, parse, what in _SAVED_RECORDS:
         f = tag_dir / name
         try:
-            if f.exists() and not isinstance(parse(f.read_text()), dict):
-                return f"{f}: not a mapping"
-        except (OSError, UnicodeDecodeError, ValueError, yaml.YAMLError) as e:
+            if f.exists() and not _is_record(name, parse(f)):
+                return f"{f}: not {what}"
+        except (OSError, received.ReceivedFileError) as e:
             return f"{f}: unreadable ({first_line(e)})"
     return None
+
+
+_SAVED_RECORDS = (
+    (LAYOUT, received.load_json, "a layout record (tp, pp, dp, zero_stage, pipeline_unit)"),
+    (TAPER_PLAN, received.load_json, "a taper plan (a mapping with its widths)"),
+    (CONFIG, received.load_yaml, "a complete configuration (a mapping, without 'base')"),
+)
+_LAYOUT_KEYS = {"tp": 1, "pp": 1, "dp": 1, "zero_stage": 0}  # each key's least value
+
+
+def _is_record(name: str, data: Any) -> bool:
+    """Whether ``data``, parsed from the tag's file ``name``, has the shape we write."""
+    if not isinstance(data, dict):
+        return False
+    if name == LAYOUT:
+        counts = all(type(data.get(k)) is int and data[k] >= lo for k, lo in _LAYOUT_KEYS.items())
+        return counts and set(data) <= {*_LAYOUT_KEYS, "pipeline_unit"}
+    if name == TAPER_PLAN:
+        widths = data.get("widths")
+        return isinstance(widths, list) and all(type(w) is int and w > 0 for w in widths)
+    return "base" not in data
 
 
 def _quiet(line: str) -> None:
