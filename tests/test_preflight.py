@@ -130,6 +130,15 @@ def _saved_checkpoint(
     return save
 
 
+def _ds_with(tmp: Path, **params: object) -> str:
+    """The tiny runs' ds_config with an AdamW optimizer section of ``params``."""
+    ds = json.loads((ROOT / "ds_configs" / "zero0.json").read_text())
+    ds["optimizer"] = {"type": "AdamW", "params": params}
+    path = tmp / "ds_optimizer.json"
+    path.write_text(json.dumps(ds))
+    return str(path)
+
+
 CASES = {
     "missing dataset": (lambda c, t, k: ["--data.path", str(t / "nope")], "index file not found"),
     "corrupt index": (lambda c, t, k: ["--data.path", _corrupt_magic(c, t)], "wrong magic"),
@@ -180,6 +189,18 @@ CASES = {
             "4",
         ],
         "bytes) free on",
+    ),
+    "split without training documents": (
+        lambda c, t, k: ["--data.path", c, "--data.split", "0,0,100"],
+        "data.split '0,0,100' leaves the training split of",
+    ),
+    "ds_config optimizer lr a quoted number": (
+        lambda c, t, k: ["--data.path", c, "--ds_config", _ds_with(t, lr="3e-4")],
+        'ds_config "optimizer.params.lr": "3e-4" is not a number; write "lr": 0.0003',
+    ),
+    "ds_config optimizer betas not numbers": (
+        lambda c, t, k: ["--data.path", c, "--ds_config", _ds_with(t, betas=["0.9", 0.95])],
+        '"optimizer.params.betas": ["0.9", 0.95] is not a number',
     ),
     "resume path missing": (
         lambda c, t, k: ["--data.path", c, "--resume", str(t / "gone")],
