@@ -23,11 +23,12 @@ from tapered_megatron.models.titans.ops import (  # noqa: F401 - _head_rms_norm:
     conv_silu_normalize,
     gated_head_norms,
 )
-from tapered_megatron.models.titans.scan import MAX_GRAD_NORM, MemoryState, memory_scan
+from tapered_megatron.models.titans.scan import MAX_GRAD_NORM, NLMS_EPS, MemoryState, memory_scan
 
 __all__ = [
     "GATE_INIT",
     "MAX_GRAD_NORM",
+    "NLMS_EPS",
     "MemoryState",
     "NeuralMemory",
     "TitansMixer",
