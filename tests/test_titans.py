@@ -251,14 +251,18 @@ def test_scan_gradients_match_finite_differences(depth, from_state, max_norm, no
         )  # fmt: skip
         return (y, *end.layers)
 
-    # the first chunk's gradients (at the initial weights) fall on both sides of the clip
+    # the first chunk's steps (at the initial weights) fall on both sides of the clip
     m = [x[:, :, 0] for x in start] or [w.expand(bsz, -1, -1, -1) for w in weights]
     norms = []
     for t in range(3):
         wg = [w.detach().clone().requires_grad_() for w in m]
-        loss = (_mlp(wg, k[:, :, t].detach()) - v[:, :, t].detach()).pow(2).sum()
-        grads = torch.autograd.grad(loss, wg)
-        norms.append(torch.sqrt(sum(x.pow(2).sum((-1, -2)) for x in grads)))  # per sequence, head
+        err = _mlp(wg, k[:, :, t].detach()) - v[:, :, t].detach()
+        grads = torch.autograd.grad(err.pow(2).sum(), wg)
+        norm = torch.sqrt(sum(x.pow(2).sum((-1, -2)) for x in grads))  # per sequence, head
+        if normalized:  # the normalised step's norm, as a multiple of theta
+            e_sq = err.detach().pow(2).sum(-1)
+            norm = norm * e_sq / (2 * (norm**2 / 4 + NLMS_EPS * e_sq))
+        norms.append(norm)
     norms = torch.stack(norms)
     assert norms.min() < (max_norm or MAX_GRAD_NORM) < norms.max()
     assert torch.autograd.gradcheck(

@@ -134,27 +134,20 @@ def _step_scales(
 
 
 def _step_scale_grads(
-    g_rs: torch.Tensor,
-    sq: torch.Tensor,
-    n: torch.Tensor,
-    rs: torch.Tensor,
-    max_norm: float,
-    normalized: bool,
+    g_rs: torch.Tensor, sq: torch.Tensor, n: torch.Tensor, max_norm: float, normalized: bool
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The gradients of ``sq`` and ``n`` (None: the rule does not depend on it) from the step
-    scale's ``g_rs`` (:func:`_step_scales`, ``rs`` the scale it took)."""
+    scale's ``g_rs`` (:func:`_step_scales`: the clip's where it is below the rule's)."""
     rule, clip = _step_scales(sq, n, max_norm, normalized)
     zero = torch.zeros_like(sq)
+    clipped = clip < rule if clip is not None else torch.zeros_like(sq, dtype=torch.bool)
     g_sq, g_n = zero, None
     if normalized:  # rule = n / D, D = sq + eps n: d/dsq = -n / D^2, d/dn = sq / D^2
         inv = 1 / (sq + NLMS_EPS * n).clamp_min(torch.finfo(sq.dtype).tiny)
-        taken = rs == rule
-        g_sq = torch.where(taken, -g_rs * rule * inv, zero)
-        g_n = torch.where(taken, g_rs * sq * inv * inv, zero)
-    if clip is not None:  # clip = max_norm sq^(-1/2): d/dsq = -clip^3 / (2 max_norm^2)
-        g_sq = torch.where(clip < rule, -g_rs * clip.pow(3) / (2 * max_norm**2), g_sq)
-        if g_n is not None:
-            g_n = torch.where(clip < rule, zero, g_n)
+        g_sq = -g_rs * rule * inv
+        g_n = torch.where(clipped, zero, g_rs * sq * inv * inv)
+    if clip is not None:  # where clipped: clip = max_norm sq^(-1/2), d/dsq = -clip^3 / (2 max^2)
+        g_sq = torch.where(clipped, -g_rs * clip.pow(3) / (2 * max_norm**2), g_sq)
     return g_sq, g_n
 
 
@@ -336,9 +329,7 @@ def _chunk_backward(
     g_coef = gc * th[..., None, :]
     g_ends = gh * th[..., None]
     g_theta = g_th * rs
-    g_sq, g_n = _step_scale_grads(
-        g_th * theta, sq, deltas[-1].pow(2).sum(-1), rs, max_norm, normalized
-    )
+    g_sq, g_n = _step_scale_grads(g_th * theta, sq, deltas[-1].pow(2).sum(-1), max_norm, normalized)
     g_k_sq = g_sq * deltas[0].pow(2).sum(-1)
     gd[0] = gd[0] + (2 * g_sq * k_sq)[..., None] * deltas[0]
     if g_n is not None:
