@@ -62,7 +62,11 @@ def test_zero_bubble_fills_the_bubble_with_weight_passes() -> None:
     chunks = ChunkTimes.split([t / 2] * pp * 2)
     inter = simulate("interleaved", pp, 2, m, chunks, ones).makespan
     for schedule in ("zbv", "zero_bubble"):
-        assert simulate(schedule, pp, 2, m, chunks, ones).makespan < inter
+        sim = simulate(schedule, pp, 2, m, chunks, ones)
+        assert sim.makespan < inter
+        # activations stay until the weight pass: every rank holds P micro-batches of its two
+        # chunks at its worst moment (ZB-V's peak is 1F1B's first stage's, arXiv 2401.10241)
+        assert sim.peak_act == (2.0 * pp,) * pp
 
 
 def test_balancer_cuts_by_rank_sums_and_finds_the_optimum() -> None:
