@@ -11,6 +11,7 @@ from tapered_megatron.planning import cost as costlib
 from tapered_megatron.planning.chunks import ChunkSetup, balance_chunks, evaluate_chunks
 from tapered_megatron.planning.schedule import (
     SCHEDULES,
+    TORCH_SCHEDULES,
     ChunkTimes,
     pipeline_order,
     schedule_problem,
@@ -108,7 +109,7 @@ def test_balancer_respects_the_memory_cap() -> None:
 def test_schedule_problems_are_named(schedule: str, v: int, m: int, needle: str) -> None:
     assert needle in (schedule_problem(schedule, 2, v, m) or "")
     assert all(schedule_problem(s, 2, v, 8) is None for s, v in LAYOUTS)
-    assert set(SCHEDULES) == {s for s, _ in LAYOUTS}
+    assert set(SCHEDULES) == {s for s, _ in LAYOUTS} == set(TORCH_SCHEDULES)
 
 
 def test_cli_chunk_table(capsys: pytest.CaptureFixture[str]) -> None:

@@ -24,17 +24,19 @@ import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import cache
-from typing import Any
+from typing import Any, get_args
+
+from tapered_megatron.config import PipelineSchedule
 
 #: ``parallel.schedule`` values -> torch.distributed.pipelining schedule class names.
-TORCH_SCHEDULES = {
+TORCH_SCHEDULES: dict[str, str] = {
     "1f1b": "Schedule1F1B",  # the reference runs on DeepSpeed's engine (its TrainSchedule)
     "interleaved": "ScheduleInterleaved1F1B",
     "zbv": "ScheduleZBVZeroBubble",
     "dualpipev": "ScheduleDualPipeV",
     "zero_bubble": "ScheduleInterleavedZeroBubble",
 }
-SCHEDULES = tuple(TORCH_SCHEDULES)
+SCHEDULES: tuple[str, ...] = get_args(PipelineSchedule)
 #: Schedules that place a rank's two chunks in a V (rank r: stages r and 2P - 1 - r).
 V_SCHEDULES = ("zbv", "dualpipev")
 
