@@ -1,0 +1,204 @@
+"""Virtual-stage pipeline runtime: torch.distributed.pipelining's schedules over this rank's chunks.
+
+``parallel.schedule`` ``interleaved``, ``zbv``, ``dualpipev`` or ``zero_bubble`` with
+``parallel.virtual_stages v`` cuts the units into ``P x v`` chunks with the virtual-stage
+balancer (:mod:`tapered_megatron.planning.chunks`), builds this rank's chunks
+(:class:`RankChunks`) and runs them with torch's schedule class (:data:`~tapered_megatron.
+planning.schedule.TORCH_SCHEDULES`). DeepSpeed stays the launcher, the topology and the
+optimizer: ``deepspeed.initialize`` wraps the rank's chunks with ZeRO-0/1 (fp32, or bf16 with
+fp32 gradient accumulation) and :class:`StageGrid` as ``mpu``. After the schedule's step the
+gradients are reduced over the data-parallel axis explicitly (:meth:`VirtualPipeline.
+reduce_gradients`: torch's weight-gradient pass bypasses the hooks through which DeepSpeed
+reduces otherwise), then ``engine.step()`` clips by the global norm and steps. ``1f1b`` stays on
+DeepSpeed's PipelineEngine (:mod:`tapered_megatron.parallel.pipeline`).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Iterator, Sequence
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+from deepspeed.runtime.pipe.topology import PipelineParallelGrid
+from torch import nn
+
+from tapered_megatron import parallel
+from tapered_megatron.parallel.pipeline import agree_on_parts
+from tapered_megatron.planning.schedule import TORCH_SCHEDULES, stage_ranks
+
+if TYPE_CHECKING:
+    from tapered_megatron.config import Config
+
+
+class StageGrid(PipelineParallelGrid):
+    """DeepSpeed's pipeline grid as ``mpu``, with the model-parallel *rank* the tensor-parallel
+    one. DeepSpeed's gradient clipping (``runtime/utils.clip_grad_norm_``) counts a parameter
+    that is not a TP shard only where ``mpu.get_model_parallel_rank() == 0``; the grid's rank
+    spans pipe x model, so every stage but the first would leave its parameters out of the
+    norm. The group the norm is summed over stays pipe x model."""
+
+    def get_model_parallel_rank(self) -> int:
+        """The tensor-parallel rank: one copy of each replicated parameter per stage counts."""
+        return self.get_slice_parallel_rank()
+
+
+class RankChunks(nn.Module):
+    """This rank's chunks: their units registered under the unit index (the parameter names of
+    a DeepSpeed pipeline stage, ``<unit>.<name in the unit>``, hence one name per parameter in
+    every layout), and per chunk (stage index) an ``nn.Sequential`` over the same modules."""
+
+    def __init__(self, cfg: Config, parts: Sequence[int], stages: Sequence[int]) -> None:
+        from tapered_megatron.models import units
+
+        super().__init__()
+        table = units(cfg)
+        chunks: dict[int, nn.Module] = {}
+        head = None
+        for s in stages:
+            mods = OrderedDict((str(i), table[i].build()) for i in range(parts[s], parts[s + 1]))
+            for name, m in mods.items():
+                self.add_module(name, m)
+            chunks[s] = nn.Sequential(mods)
+            if parts[s + 1] == len(table):
+                head = mods[str(len(table) - 1)]
+                chunks[s] = _HiddenOut(chunks[s])
+        # views of the units, not registered twice
+        object.__setattr__(self, "chunks", chunks)
+        object.__setattr__(self, "head", head)
+
+    def loss(self, hidden: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """The single model's fused LM-head loss of the last chunk's output."""
+        from tapered_megatron.models import lm_loss
+        from tapered_megatron.models.language_model import HeadOutput
+
+        return lm_loss(HeadOutput(hidden, self.head.proj.weight), labels)
+
+    def forward(self, *args: Any) -> Any:
+        """Not called: the schedule runs the chunks."""
+        raise RuntimeError("RankChunks runs through VirtualPipeline.train_batch, chunk by chunk")
+
+
+class _HiddenOut(nn.Module):
+    """The last chunk, handing on only the head's hidden states: a stage's outputs must be
+    activations (torch detaches them in place), and the head's weight is a parameter; the
+    loss (:meth:`RankChunks.loss`) takes it from the head."""
+
+    def __init__(self, chunk: nn.Sequential) -> None:
+        super().__init__()
+        self.chunk = chunk
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        """The chunk's units, then the head's hidden states."""
+        return self.chunk(h).hidden
+
+
+def chunk_parts(cfg: Config, micro_batches: int, dp: int, zero_stage: int) -> tuple[list[int], str]:
+    """The balancer's ``P x v`` cut of ``cfg`` (rank 0's, on every rank) and its table."""
+    from tapered_megatron.planning.balance import analyse_chunks
+    from tapered_megatron.planning.chunks import chunk_table
+
+    p = cfg.parallel
+    setup, plans = analyse_chunks(
+        cfg, p.pp, p.virtual_stages, p.schedule, micro_batches, dp=dp, zero_stage=zero_stage
+    )
+    return agree_on_parts(list(plans["balancer"].parts), chunk_table(setup, plans))
+
+
+class VirtualPipeline:
+    """This rank's chunks, their DeepSpeed engine and torch's schedule over them.
+
+    Args:
+        cfg: the run's config (``parallel.schedule``, ``parallel.virtual_stages``).
+        ds_config: the DeepSpeed config (ZeRO stage 0 or 1, fp32 or bf16).
+        micro_batches: micro-batches per optimizer step on this data-parallel rank.
+        optimizer: a function of the module giving the optimizer (or None: ``ds_config``'s).
+        parts: the chunk boundaries (default: the virtual-stage balancer's).
+    """
+
+    def __init__(
+        self,
+        cfg: Config,
+        ds_config: dict[str, Any],
+        micro_batches: int,
+        optimizer: Any = None,
+        parts: Sequence[int] | None = None,
+    ) -> None:
+        import deepspeed
+        from torch.distributed.pipelining import PipelineStage
+        from torch.distributed.pipelining import schedules as torch_schedules
+
+        p = cfg.parallel
+        topo = parallel.get_topology()
+        self.grid = StageGrid(topology=topo, process_group=dist.group.WORLD)
+        self.pp, self.v, self.micro_batches = p.pp, p.virtual_stages, micro_batches
+        self.pipe_rank = parallel.get_pipeline_model_parallel_rank()
+        zero = int(ds_config.get("zero_optimization", {}).get("stage", 0))
+        if zero > 1:
+            raise ValueError(
+                f"parallel.schedule {p.schedule}: ZeRO stage {zero} partitions gradients, which "
+                "pipeline schedules cannot accumulate; use ZeRO stage 0 or 1"
+            )
+        if parts is None:
+            dp = parallel.get_data_parallel_world_size()
+            parts, table = chunk_parts(cfg, micro_batches, dp, zero)
+            if dist.get_rank() == 0:
+                print(table, flush=True)
+        self.parts = list(parts)
+        ranks = stage_ranks(p.schedule, self.pp, self.v)
+        self.stage_ids = [s for s in range(self.pp * self.v) if ranks[s] == self.pipe_rank]
+        self.module = RankChunks(cfg, self.parts, self.stage_ids)
+        kwargs: dict[str, Any] = {"model": self.module, "config": ds_config, "mpu": self.grid}
+        if optimizer is not None:
+            kwargs["optimizer"] = optimizer(self.module)
+        else:
+            kwargs["model_parameters"] = self.module.parameters()
+        self.engine, *_ = deepspeed.initialize(**kwargs)
+        device = torch.device(self.engine.device)
+        group = parallel.get_pipeline_model_parallel_group()
+        self.stages = [
+            PipelineStage(self.module.chunks[s], s, self.pp * self.v, device, group=group)
+            for s in self.stage_ids
+        ]
+        cls = getattr(torch_schedules, TORCH_SCHEDULES[p.schedule])
+        self.schedule = cls(self.stages, n_microbatches=micro_batches, loss_fn=self.module.loss)
+        self.first = 0 in self.stage_ids
+        self.last = self.pp * self.v - 1 in self.stage_ids
+        self.last_rank = ranks[-1]
+
+    def train_batch(self, batches: Iterator[tuple[torch.Tensor, torch.Tensor]]) -> float:
+        """One optimizer step over the next ``micro_batches`` micro-batches of ``batches``;
+        returns the mean loss (on every rank)."""
+        xs, ys = zip(*(next(batches) for _ in range(self.micro_batches)), strict=True)
+        args = (torch.cat(xs),) if self.first else ()
+        losses: list[torch.Tensor] = []
+        kwargs: dict[str, Any] = {"target": torch.cat(ys), "losses": losses} if self.last else {}
+        self.schedule.step(*args, **kwargs)
+        self.reduce_gradients()
+        self.engine.set_gradient_accumulation_boundary(True)
+        self.engine.step()
+        loss = (
+            torch.stack(losses).mean().double()
+            if self.last
+            else torch.zeros((), dtype=torch.float64)
+        )
+        if self.pp > 1:
+            src = dist.get_global_rank(parallel.get_pipeline_model_parallel_group(), self.last_rank)
+            dist.broadcast(loss, src=src, group=parallel.get_pipeline_model_parallel_group())
+        return float(loss)
+
+    def reduce_gradients(self) -> None:
+        """Data-parallel reduction of this step's gradients, the way DeepSpeed's optimizer
+        expects it: ZeRO-1 reduces into its partitions, bf16's optimizer first copies the
+        bf16 gradients into its fp32 accumulation buffer, ZeRO-0 all-reduces."""
+        eng = self.engine
+        opt = eng.optimizer
+        if eng.bfloat16_enabled() and hasattr(opt, "update_hp_grads"):
+            opt.update_hp_grads(clear_lp_grads=False)
+            if parallel.get_data_parallel_world_size() > 1:
+                eng.buffered_allreduce_fallback(grads=None, elements_per_buffer=500_000_000)
+        elif eng.zero_optimization_stage() == 1:
+            opt.reduce_gradients(pipeline_parallel=True)
+        elif parallel.get_data_parallel_world_size() > 1:
+            eng.allreduce_gradients()
