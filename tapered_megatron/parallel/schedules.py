@@ -15,13 +15,16 @@ DeepSpeed's PipelineEngine (:mod:`tapered_megatron.parallel.pipeline`).
 
 from __future__ import annotations
 
+import math
 from collections import OrderedDict
 from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
+from deepspeed.runtime.bf16_optimizer import BF16_Optimizer
 from deepspeed.runtime.pipe.topology import PipelineParallelGrid
+from deepspeed.runtime.utils import is_model_parallel_parameter
 from torch import nn
 
 from tapered_megatron import parallel
@@ -162,43 +165,97 @@ class VirtualPipeline:
             for s in self.stage_ids
         ]
         cls = getattr(torch_schedules, TORCH_SCHEDULES[p.schedule])
-        self.schedule = cls(self.stages, n_microbatches=micro_batches, loss_fn=self.module.loss)
+        # Each micro-batch's loss is divided by M before its backward, not the summed gradients
+        # after the step (torch's scale_grads): bf16's optimizer takes gradients as they
+        # accumulate, and what it has taken is no longer on the parameters to be divided.
+        self.schedule = cls(
+            self.stages, n_microbatches=micro_batches, loss_fn=self._loss, scale_grads=False
+        )
         self.first = 0 in self.stage_ids
         self.last = self.pp * self.v - 1 in self.stage_ids
         self.last_rank = ranks[-1]
 
+    def _loss(self, hidden: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """One micro-batch's share of the step's mean loss."""
+        return self.module.loss(hidden, labels) / self.micro_batches
+
     def train_batch(self, batches: Iterator[tuple[torch.Tensor, torch.Tensor]]) -> float:
         """One optimizer step over the next ``micro_batches`` micro-batches of ``batches``;
-        returns the mean loss (on every rank)."""
+        returns the mean loss over the global batch (on every rank); ``last_grad_norm`` is the
+        step's global gradient norm before clipping."""
         xs, ys = zip(*(next(batches) for _ in range(self.micro_batches)), strict=True)
         args = (torch.cat(xs),) if self.first else ()
         losses: list[torch.Tensor] = []
         kwargs: dict[str, Any] = {"target": torch.cat(ys), "losses": losses} if self.last else {}
         self.schedule.step(*args, **kwargs)
+        self.engine.set_gradient_accumulation_boundary(True)  # ZeRO keeps reduced grads only then
         self.reduce_gradients()
-        self.engine.set_gradient_accumulation_boundary(True)
+        from tapered_megatron.training.trainer import computes_grad_norm
+
+        own_norm = not computes_grad_norm(self.engine)
+        self.last_grad_norm = self._grad_norm() if own_norm else None
         self.engine.step()
+        if not own_norm:
+            self.last_grad_norm = float(self.engine.get_global_grad_norm())
         loss = (
-            torch.stack(losses).mean().double()
+            torch.stack(losses).sum().double()
             if self.last
             else torch.zeros((), dtype=torch.float64)
         )
         if self.pp > 1:
             src = dist.get_global_rank(parallel.get_pipeline_model_parallel_group(), self.last_rank)
             dist.broadcast(loss, src=src, group=parallel.get_pipeline_model_parallel_group())
+        dp = parallel.get_data_parallel_world_size()
+        if dp > 1:
+            dist.all_reduce(loss, group=parallel.get_data_parallel_group())
+            loss /= dp
         return float(loss)
+
+    def _grad_norm(self) -> float:
+        """The global gradient 2-norm from the parameters' gradients (fp32 ZeRO-0, where
+        DeepSpeed keeps none): each stage's replicated parameters once, TP shards summed, over
+        every stage (the grid's model-parallel group)."""
+        sq = torch.zeros((), dtype=torch.float64)
+        tp_rank = self.grid.get_slice_parallel_rank()
+        for p in self.module.parameters():
+            if p.grad is not None and (tp_rank == 0 or is_model_parallel_parameter(p)):
+                sq += p.grad.detach().double().pow(2).sum()
+        dist.all_reduce(sq, group=self.grid.get_model_parallel_group())
+        return math.sqrt(float(sq))
 
     def reduce_gradients(self) -> None:
         """Data-parallel reduction of this step's gradients, the way DeepSpeed's optimizer
-        expects it: ZeRO-1 reduces into its partitions, bf16's optimizer first copies the
-        bf16 gradients into its fp32 accumulation buffer, ZeRO-0 all-reduces."""
+        expects it: bf16's optimizer (fp32 accumulation) first takes every bf16 gradient into
+        its fp32 buffer, then all-reduces that; ZeRO-1 reduces into its partitions; ZeRO-0
+        all-reduces."""
         eng = self.engine
         opt = eng.optimizer
-        if eng.bfloat16_enabled() and hasattr(opt, "update_hp_grads"):
-            opt.update_hp_grads(clear_lp_grads=False)
+        if isinstance(opt, BF16_Optimizer):
+            _take_bf16_grads(opt)
             if parallel.get_data_parallel_world_size() > 1:
-                eng.buffered_allreduce_fallback(grads=None, elements_per_buffer=500_000_000)
+                eng.buffered_allreduce_fallback(grads=None, elements_per_buffer=BF16_BUCKET)
         elif eng.zero_optimization_stage() == 1:
             opt.reduce_gradients(pipeline_parallel=True)
         elif parallel.get_data_parallel_world_size() > 1:
             eng.allreduce_gradients()
+
+
+#: Elements per all-reduce of the bf16 optimizer's fp32 gradients (DeepSpeed's pipeline
+#: engine's ``MEMORY_OPT_ALLREDUCE_SIZE``).
+BF16_BUCKET = 500_000_000
+
+
+def _take_bf16_grads(opt: BF16_Optimizer) -> None:
+    """Add each bf16 gradient the optimizer has not taken yet into its fp32 gradient.
+
+    DeepSpeed's pipeline engine calls ``update_hp_grads`` after each backward; with
+    ``bf16.immediate_grad_update`` hooks take each gradient as autograd accumulates it, but
+    torch's weight-gradient pass (zero-bubble schedules) sets gradients without them, so what
+    is left on a parameter is taken here."""
+    if not opt.immediate_grad_update:
+        opt.update_hp_grads(clear_lp_grads=False)
+        return
+    for i, group in enumerate(opt.bf16_groups):
+        for j, lp in enumerate(group):
+            if lp.grad is not None:
+                opt.accumulate_hp_grads_and_remove_lp(lp, i, j)
