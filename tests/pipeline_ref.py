@@ -63,9 +63,13 @@ def reference_steps(
         model.zero_grad()
         loss = sum(model(x, y) for x, y in batches) / len(batches)
         loss.backward()
-        norm = torch.sqrt(sum(p.grad.double().pow(2).sum() for p in model.parameters())).item()
+        raw = {
+            n: torch.zeros_like(p) if p.grad is None else p.grad
+            for n, p in model.named_parameters()
+        }  # a parameter the loss does not reach has no gradient
+        norm = torch.sqrt(sum(g.double().pow(2).sum() for g in raw.values())).item()
         coef = min(1.0, clip / (norm + 1e-6))
-        grads = {n: p.grad * coef for n, p in model.named_parameters()}
+        grads = {n: g * coef for n, g in raw.items()}
         with torch.no_grad():
             for n, p in model.named_parameters():
                 p -= lr * grads[n]

@@ -45,14 +45,10 @@ def _steps(cfg, dp: int) -> list[list[tuple[torch.Tensor, torch.Tensor]]]:
     return out
 
 
-def _run(case: dict[str, Any], dp: int) -> dict[str, Any]:
-    """One case on this rank: losses and parameters (by single-model name) before and after
-    every step. ``case["reduce"] = False`` skips the data-parallel reduction."""
-    from tapered_megatron.parallel import get_data_parallel_rank
-    from tapered_megatron.parallel.schedules import VirtualPipeline
-
-    cfg = _cfg(case)
-    ds_config = {
+def _ds_config(case: dict[str, Any]) -> dict[str, Any]:
+    """SGD under ZeRO ``case["zero"]`` (default 1), clipping at :data:`CLIP`; with
+    ``case["bf16"]`` bf16 with fp32 gradient accumulation (DeepSpeed's BF16_Optimizer)."""
+    out: dict[str, Any] = {
         "train_micro_batch_size_per_gpu": 1,
         "gradient_accumulation_steps": MICRO,
         "gradient_clipping": CLIP,
@@ -60,6 +56,20 @@ def _run(case: dict[str, Any], dp: int) -> dict[str, Any]:
         "zero_allow_untested_optimizer": True,
         "steps_per_print": 10**9,
     }
+    if case.get("bf16"):
+        out["bf16"] = {"enabled": True, "immediate_grad_update": case.get("immediate", True)}
+        out["data_types"] = {"grad_accum_dtype": "fp32"}
+    return out
+
+
+def _run(case: dict[str, Any], dp: int) -> dict[str, Any]:
+    """One case on this rank: losses and parameters (by single-model name) before and after
+    every step. ``case["reduce"] = False`` skips the data-parallel reduction."""
+    from tapered_megatron.parallel import get_data_parallel_rank
+    from tapered_megatron.parallel.schedules import VirtualPipeline
+
+    cfg = _cfg(case)
+    ds_config = _ds_config(case)
     pipe = VirtualPipeline(
         cfg, ds_config, MICRO, optimizer=lambda m: torch.optim.SGD(m.parameters(), lr=LR)
     )
@@ -68,7 +78,7 @@ def _run(case: dict[str, Any], dp: int) -> dict[str, Any]:
     names = canonical_names(pipe.module, cfg)
 
     def params() -> dict[str, np.ndarray]:
-        return {names[p]: p.detach().numpy().copy() for p in pipe.module.parameters()}
+        return {names[p]: p.detach().float().numpy().copy() for p in pipe.module.parameters()}
 
     r = get_data_parallel_rank()
     out = {"losses": [], "norms": [], "params": [params()], "parts": pipe.parts}
@@ -153,3 +163,52 @@ def test_memory_architectures_pp2_v2_match_one_process(arch: str):
     per_rank = run_workers(_worker, 2, cases)
     for i, case in enumerate(cases):
         assert _mismatch([r[i] for r in per_rank], case) is None, case
+
+
+def _one_process_worker(rank: int, world: int, case: dict[str, Any]) -> dict[str, Any]:
+    """The single model under DeepSpeed in one process, with ``case``'s DeepSpeed config."""
+    import deepspeed
+
+    from tapered_megatron.models import build_model
+
+    deepspeed.init_distributed(dist_backend="gloo")
+    cfg = _cfg(case)
+    model = build_model(cfg)
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    engine, *_ = deepspeed.initialize(model=model, optimizer=opt, config=_ds_config(case))
+
+    def params() -> dict[str, np.ndarray]:
+        return {n: p.detach().float().numpy().copy() for n, p in model.named_parameters()}
+
+    out = {"losses": [], "norms": [], "params": [params()]}
+    for batches in _steps(cfg, 1):
+        total = 0.0
+        for x, y in batches:
+            loss = engine(x, y)
+            engine.backward(loss)
+            engine.step()
+            total += float(loss) / MICRO
+        out["losses"].append(total)
+        out["norms"].append(float(engine.get_global_grad_norm()))
+        out["params"].append(params())
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_bf16_with_fp32_accumulation_matches_one_process_under_deepspeed():
+    cases = [
+        {"schedule": s, "v": v, "bf16": True, "immediate": imm}
+        for s, v in SCHEDULES
+        for imm in (True, False)
+    ]
+    per_rank = run_workers(_worker, 2, cases)
+    ref = run_workers(_one_process_worker, 1, cases[0])[0]
+    for i, case in enumerate(cases):
+        for k in range(STEPS):
+            assert abs(per_rank[0][i]["losses"][k] - ref["losses"][k]) < 1e-4, case
+            assert per_rank[1][i]["norms"][k] == pytest.approx(ref["norms"][k], rel=1e-4), case
+            got = {**per_rank[0][i]["params"][k + 1], **per_rank[1][i]["params"][k + 1]}
+            assert sorted(got) == sorted(ref["params"][k + 1])
+            for name, want in ref["params"][k + 1].items():  # within two bf16 steps
+                np.testing.assert_allclose(got[name], want, rtol=2**-7, atol=1e-6, err_msg=name)

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import math
 from collections import OrderedDict
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -26,6 +26,7 @@ from deepspeed.runtime.bf16_optimizer import BF16_Optimizer
 from deepspeed.runtime.pipe.topology import PipelineParallelGrid
 from deepspeed.runtime.utils import is_model_parallel_parameter
 from torch import nn
+from torch.distributed.pipelining import PipelineStage
 
 from tapered_megatron import parallel
 from tapered_megatron.parallel.pipeline import agree_on_parts
@@ -97,6 +98,28 @@ class _HiddenOut(nn.Module):
         return self.chunk(h).hidden
 
 
+class _Stage(PipelineStage):
+    """torch's pipeline stage, calling ``after_backward`` after each backward pass of a
+    micro-batch (full, input or weight), where DeepSpeed's pipeline engine hands the bf16
+    optimizer the gradients (fp32 accumulation)."""
+
+    def __init__(self, *args: Any, after_backward: Callable[[], None], **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.after_backward = after_backward
+
+    def backward_one_chunk(self, *args: Any, **kwargs: Any) -> Any:
+        """torch's backward of one micro-batch, then ``after_backward``."""
+        out = super().backward_one_chunk(*args, **kwargs)
+        self.after_backward()
+        return out
+
+    def backward_weight_one_chunk(self, *args: Any, **kwargs: Any) -> Any:
+        """torch's weight pass of one micro-batch, then ``after_backward``."""
+        out = super().backward_weight_one_chunk(*args, **kwargs)
+        self.after_backward()
+        return out
+
+
 def chunk_parts(cfg: Config, micro_batches: int, dp: int, zero_stage: int) -> tuple[list[int], str]:
     """The balancer's ``P x v`` cut of ``cfg`` (rank 0's, on every rank) and its table."""
     from tapered_megatron.planning.balance import analyse_chunks
@@ -129,7 +152,6 @@ class VirtualPipeline:
         parts: Sequence[int] | None = None,
     ) -> None:
         import deepspeed
-        from torch.distributed.pipelining import PipelineStage
         from torch.distributed.pipelining import schedules as torch_schedules
 
         p = cfg.parallel
@@ -161,7 +183,14 @@ class VirtualPipeline:
         device = torch.device(self.engine.device)
         group = parallel.get_pipeline_model_parallel_group()
         self.stages = [
-            PipelineStage(self.module.chunks[s], s, self.pp * self.v, device, group=group)
+            _Stage(
+                self.module.chunks[s],
+                s,
+                self.pp * self.v,
+                device,
+                group=group,
+                after_backward=self._after_backward,
+            )
             for s in self.stage_ids
         ]
         cls = getattr(torch_schedules, TORCH_SCHEDULES[p.schedule])
@@ -198,7 +227,7 @@ class VirtualPipeline:
         if not own_norm:
             self.last_grad_norm = float(self.engine.get_global_grad_norm())
         loss = (
-            torch.stack(losses).sum().double()
+            torch.stack(losses).detach().sum().double()
             if self.last
             else torch.zeros((), dtype=torch.float64)
         )
@@ -210,6 +239,11 @@ class VirtualPipeline:
             dist.all_reduce(loss, group=parallel.get_data_parallel_group())
             loss /= dp
         return float(loss)
+
+    def _after_backward(self) -> None:
+        """The bf16 optimizer takes the new gradients into its fp32 buffer."""
+        if isinstance(self.engine.optimizer, BF16_Optimizer):
+            _take_bf16_grads(self.engine.optimizer)
 
     def _grad_norm(self) -> float:
         """The global gradient 2-norm from the parameters' gradients (fp32 ZeRO-0, where
@@ -225,16 +259,17 @@ class VirtualPipeline:
 
     def reduce_gradients(self) -> None:
         """Data-parallel reduction of this step's gradients, the way DeepSpeed's optimizer
-        expects it: bf16's optimizer (fp32 accumulation) first takes every bf16 gradient into
-        its fp32 buffer, then all-reduces that; ZeRO-1 reduces into its partitions; ZeRO-0
-        all-reduces."""
+        expects it: bf16's optimizer (fp32 accumulation) all-reduces its fp32 gradients,
+        ZeRO-1 reduces into its partitions, ZeRO-0 all-reduces."""
         eng = self.engine
         opt = eng.optimizer
         if isinstance(opt, BF16_Optimizer):
-            _take_bf16_grads(opt)
             if parallel.get_data_parallel_world_size() > 1:
                 eng.buffered_allreduce_fallback(grads=None, elements_per_buffer=BF16_BUCKET)
         elif eng.zero_optimization_stage() == 1:
+            for p in self.module.parameters():  # ZeRO flattens them with view()
+                if p.grad is not None and not p.grad.is_contiguous():
+                    p.grad = p.grad.contiguous()
             opt.reduce_gradients(pipeline_parallel=True)
         elif parallel.get_data_parallel_world_size() > 1:
             eng.allreduce_gradients()
@@ -246,14 +281,14 @@ BF16_BUCKET = 500_000_000
 
 
 def _take_bf16_grads(opt: BF16_Optimizer) -> None:
-    """Add each bf16 gradient the optimizer has not taken yet into its fp32 gradient.
+    """Add each bf16 gradient the optimizer has not taken yet into its fp32 gradient and clear
+    it, so gradients accumulate over micro-batches in fp32.
 
-    DeepSpeed's pipeline engine calls ``update_hp_grads`` after each backward; with
-    ``bf16.immediate_grad_update`` hooks take each gradient as autograd accumulates it, but
-    torch's weight-gradient pass (zero-bubble schedules) sets gradients without them, so what
-    is left on a parameter is taken here."""
+    With ``bf16.immediate_grad_update`` hooks take each gradient as autograd accumulates it,
+    but torch's weight-gradient pass (zero-bubble schedules) sets gradients without them: what
+    is left on a parameter is taken here. Without it, everything is."""
     if not opt.immediate_grad_update:
-        opt.update_hp_grads(clear_lp_grads=False)
+        opt.update_hp_grads(clear_lp_grads=True)
         return
     for i, group in enumerate(opt.bf16_groups):
         for j, lp in enumerate(group):
