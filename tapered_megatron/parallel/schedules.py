@@ -6,10 +6,11 @@ balancer (:mod:`tapered_megatron.planning.chunks`), builds this rank's chunks
 (:class:`RankChunks`) and runs them with torch's schedule class (:data:`~tapered_megatron.
 planning.schedule.TORCH_SCHEDULES`). DeepSpeed stays the launcher, the topology and the
 optimizer: ``deepspeed.initialize`` wraps the rank's chunks with ZeRO-0/1 (fp32, or bf16 with
-fp32 gradient accumulation) and :class:`StageGrid` as ``mpu``. After the schedule's step the
-gradients are reduced over the data-parallel axis explicitly (:meth:`VirtualPipeline.
-reduce_gradients`: torch's weight-gradient pass bypasses the hooks through which DeepSpeed
-reduces otherwise), then ``engine.step()`` clips by the global norm and steps. ``1f1b`` stays on
+fp32 gradient accumulation) and DeepSpeed's ``PipelineParallelGrid`` as ``mpu``. After the
+schedule's step the gradients are reduced over the data-parallel axis explicitly
+(:meth:`VirtualPipeline.reduce_gradients`: torch's weight-gradient pass bypasses the hooks
+through which DeepSpeed reduces otherwise), then ``engine.step()`` clips by the global norm
+and steps (fp32 ZeRO-0: the pipeline clips, see :class:`VirtualPipeline`). ``1f1b`` stays on
 DeepSpeed's PipelineEngine (:mod:`tapered_megatron.parallel.pipeline`).
 """
 
@@ -34,18 +35,6 @@ from tapered_megatron.planning.schedule import TORCH_SCHEDULES, stage_ranks
 
 if TYPE_CHECKING:
     from tapered_megatron.config import Config
-
-
-class StageGrid(PipelineParallelGrid):
-    """DeepSpeed's pipeline grid as ``mpu``, with the model-parallel *rank* the tensor-parallel
-    one. DeepSpeed's gradient clipping (``runtime/utils.clip_grad_norm_``) counts a parameter
-    that is not a TP shard only where ``mpu.get_model_parallel_rank() == 0``; the grid's rank
-    spans pipe x model, so every stage but the first would leave its parameters out of the
-    norm. The group the norm is summed over stays pipe x model."""
-
-    def get_model_parallel_rank(self) -> int:
-        """The tensor-parallel rank: one copy of each replicated parameter per stage counts."""
-        return self.get_slice_parallel_rank()
 
 
 class RankChunks(nn.Module):
@@ -154,9 +143,11 @@ class VirtualPipeline:
         import deepspeed
         from torch.distributed.pipelining import schedules as torch_schedules
 
+        from tapered_megatron.training.trainer import computes_grad_norm
+
         p = cfg.parallel
         topo = parallel.get_topology()
-        self.grid = StageGrid(topology=topo, process_group=dist.group.WORLD)
+        self.grid = PipelineParallelGrid(topology=topo, process_group=dist.group.WORLD)
         self.pp, self.v, self.micro_batches = p.pp, p.virtual_stages, micro_batches
         self.pipe_rank = parallel.get_pipeline_model_parallel_rank()
         zero = int(ds_config.get("zero_optimization", {}).get("stage", 0))
@@ -180,6 +171,14 @@ class VirtualPipeline:
         else:
             kwargs["model_parameters"] = self.module.parameters()
         self.engine, *_ = deepspeed.initialize(**kwargs)
+        # DeepSpeed's fp32 ZeRO-0 clipping (runtime/utils.clip_grad_norm_) counts a parameter
+        # that is not a TP shard only where mpu.get_model_parallel_rank() == 0, a rank over pipe
+        # x model: every stage but the first would drop out of the norm. There the pipeline
+        # computes the norm itself and clips with DeepSpeed's coefficient.
+        self.own_norm = not computes_grad_norm(self.engine)
+        self.clip = self.engine.gradient_clipping() if self.own_norm else 0.0
+        if self.own_norm:
+            self.engine._config.gradient_clipping = 0.0
         device = torch.device(self.engine.device)
         group = parallel.get_pipeline_model_parallel_group()
         self.stages = [
@@ -219,12 +218,11 @@ class VirtualPipeline:
         self.schedule.step(*args, **kwargs)
         self.engine.set_gradient_accumulation_boundary(True)  # ZeRO keeps reduced grads only then
         self.reduce_gradients()
-        from tapered_megatron.training.trainer import computes_grad_norm
-
-        own_norm = not computes_grad_norm(self.engine)
-        self.last_grad_norm = self._grad_norm() if own_norm else None
+        self.last_grad_norm = self._grad_norm() if self.own_norm else None
+        if self.clip > 0 and self.last_grad_norm is not None:
+            self._clip(self.clip / (self.last_grad_norm + 1e-6))
         self.engine.step()
-        if not own_norm:
+        if not self.own_norm:
             self.last_grad_norm = float(self.engine.get_global_grad_norm())
         loss = (
             torch.stack(losses).detach().sum().double()
@@ -256,6 +254,13 @@ class VirtualPipeline:
                 sq += p.grad.detach().double().pow(2).sum()
         dist.all_reduce(sq, group=self.grid.get_model_parallel_group())
         return math.sqrt(float(sq))
+
+    def _clip(self, coef: float) -> None:
+        """Scale the gradients by ``coef`` when it is below 1 (DeepSpeed's clipping rule)."""
+        if coef < 1.0:
+            for p in self.module.parameters():
+                if p.grad is not None:
+                    p.grad.detach().mul_(coef)
 
     def reduce_gradients(self) -> None:
         """Data-parallel reduction of this step's gradients, the way DeepSpeed's optimizer
