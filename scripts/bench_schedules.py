@@ -75,6 +75,9 @@ def _engines(pp: int, cuts: dict[str, list[int]]) -> list:
     def adam(m: torch.nn.Module) -> torch.optim.Optimizer:
         return torch.optim.AdamW(m.parameters(), lr=1e-3, weight_decay=0.0)
 
+    def engine_kwargs(m: torch.nn.Module) -> dict:
+        return {"optimizer": adam(m)}
+
     out = []
     for schedule, v in LAYOUTS:
         cfg = _cfg(pp, schedule, v)
@@ -88,7 +91,9 @@ def _engines(pp: int, cuts: dict[str, list[int]]) -> list:
             )
             out.append(lambda b, e=engine: float(e.train_batch(iter(b))))
         else:
-            pipe = VirtualPipeline(cfg, _ds_config(cfg), MICRO_BATCHES, adam, cuts[schedule])
+            pipe = VirtualPipeline(
+                cfg, _ds_config(cfg), MICRO_BATCHES, engine_kwargs, cuts[schedule]
+            )
             out.append(lambda b, p=pipe: p.train_batch(iter(b)))
     return out
 

@@ -71,7 +71,7 @@ def _run(case: dict[str, Any], dp: int) -> dict[str, Any]:
     cfg = _cfg(case)
     ds_config = _ds_config(case)
     pipe = VirtualPipeline(
-        cfg, ds_config, MICRO, optimizer=lambda m: torch.optim.SGD(m.parameters(), lr=LR)
+        cfg, ds_config, MICRO, lambda m: {"optimizer": torch.optim.SGD(m.parameters(), lr=LR)}
     )
     if not case.get("reduce", True):
         pipe.reduce_gradients = lambda: None
@@ -82,6 +82,10 @@ def _run(case: dict[str, Any], dp: int) -> dict[str, Any]:
 
     r = get_data_parallel_rank()
     out = {"losses": [], "norms": [], "params": [params()], "parts": pipe.parts}
+    first = _steps(cfg, dp)[0][r * MICRO : (r + 1) * MICRO]
+    pipe.eval()
+    out["eval"] = pipe.eval_batch(iter(first), MICRO)  # forward only: the first step's loss
+    pipe.train()
     for batches in _steps(cfg, dp):
         out["losses"].append(pipe.train_batch(iter(batches[r * MICRO : (r + 1) * MICRO])))
         out["norms"].append(pipe.last_grad_norm)
@@ -100,11 +104,14 @@ def _worker(rank: int, world: int, cases: list[dict[str, Any]]) -> list[dict[str
 
 
 def _mismatch(per_rank: list[dict[str, Any]], case: dict[str, Any]) -> str | None:
-    """The first difference from one process (losses, gradient norms before clipping, the
-    gradient each step applied, the parameters after it), or None."""
+    """The first difference from one process (the evaluation loss before training; per step
+    the loss, the gradient norm before clipping, the gradient the step applied and the
+    parameters after it), or None."""
     cfg = _cfg(case)
     ref = reference_steps(cfg, _steps(cfg, len(per_rank) // 2), LR, CLIP)
     assert all(step["norm"] > CLIP for step in ref)  # clipping is active in every step
+    if any(abs(rank["eval"] - ref[0]["loss"]) > 1e-5 for rank in per_rank):
+        return f"evaluation loss {per_rank[0]['eval']} vs {ref[0]['loss']}"
     for k, step in enumerate(ref):
         got: dict[str, np.ndarray] = {}
         before: dict[str, np.ndarray] = {}

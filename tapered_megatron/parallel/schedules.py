@@ -128,7 +128,9 @@ class VirtualPipeline:
         cfg: the run's config (``parallel.schedule``, ``parallel.virtual_stages``).
         ds_config: the DeepSpeed config (ZeRO stage 0 or 1, fp32 or bf16).
         micro_batches: micro-batches per optimizer step on this data-parallel rank.
-        optimizer: a function of the module giving the optimizer (or None: ``ds_config``'s).
+        engine_kwargs: a function of the rank's module giving ``deepspeed.initialize``'s
+            other arguments (``optimizer`` or ``model_parameters``, ``lr_scheduler``); default
+            ``model_parameters`` (the optimizer of ``ds_config``).
         parts: the chunk boundaries (default: the virtual-stage balancer's).
     """
 
@@ -137,7 +139,7 @@ class VirtualPipeline:
         cfg: Config,
         ds_config: dict[str, Any],
         micro_batches: int,
-        optimizer: Any = None,
+        engine_kwargs: Callable[[nn.Module], dict[str, Any]] | None = None,
         parts: Sequence[int] | None = None,
     ) -> None:
         import deepspeed
@@ -165,12 +167,14 @@ class VirtualPipeline:
         ranks = stage_ranks(p.schedule, self.pp, self.v)
         self.stage_ids = [s for s in range(self.pp * self.v) if ranks[s] == self.pipe_rank]
         self.module = RankChunks(cfg, self.parts, self.stage_ids)
-        kwargs: dict[str, Any] = {"model": self.module, "config": ds_config, "mpu": self.grid}
-        if optimizer is not None:
-            kwargs["optimizer"] = optimizer(self.module)
-        else:
-            kwargs["model_parameters"] = self.module.parameters()
-        self.engine, *_ = deepspeed.initialize(**kwargs)
+        extra = (
+            engine_kwargs(self.module)
+            if engine_kwargs is not None
+            else {"model_parameters": self.module.parameters()}
+        )
+        self.engine, *_ = deepspeed.initialize(
+            model=self.module, config=ds_config, mpu=self.grid, **extra
+        )
         # DeepSpeed's fp32 ZeRO-0 clipping (runtime/utils.clip_grad_norm_) counts a parameter
         # that is not a TP shard only where mpu.get_model_parallel_rank() == 0, a rank over pipe
         # x model: every stage but the first would drop out of the norm. There the pipeline
@@ -211,11 +215,7 @@ class VirtualPipeline:
         """One optimizer step over the next ``micro_batches`` micro-batches of ``batches``;
         returns the mean loss over the global batch (on every rank); ``last_grad_norm`` is the
         step's global gradient norm before clipping."""
-        xs, ys = zip(*(next(batches) for _ in range(self.micro_batches)), strict=True)
-        args = (torch.cat(xs),) if self.first else ()
-        losses: list[torch.Tensor] = []
-        kwargs: dict[str, Any] = {"target": torch.cat(ys), "losses": losses} if self.last else {}
-        self.schedule.step(*args, **kwargs)
+        loss = self._run(batches, self.schedule.step)
         self.engine.set_gradient_accumulation_boundary(True)  # ZeRO keeps reduced grads only then
         self.reduce_gradients()
         self.last_grad_norm = self._grad_norm() if self.own_norm else None
@@ -224,14 +224,40 @@ class VirtualPipeline:
         self.engine.step()
         if not self.own_norm:
             self.last_grad_norm = float(self.engine.get_global_grad_norm())
-        loss = (
-            torch.stack(losses).detach().sum().double()
-            if self.last
-            else torch.zeros((), dtype=torch.float64)
-        )
-        if self.pp > 1:
-            src = dist.get_global_rank(parallel.get_pipeline_model_parallel_group(), self.last_rank)
-            dist.broadcast(loss, src=src, group=parallel.get_pipeline_model_parallel_group())
+        return loss
+
+    def eval_batch(
+        self, batches: Iterator[tuple[torch.Tensor, torch.Tensor]], num_micro_batches: int
+    ) -> float:
+        """Mean loss of the next ``num_micro_batches`` (the schedule's own count) micro-batches,
+        forward only (the pipeline engine's ``eval_batch``, for the validation loss)."""
+        if num_micro_batches != self.micro_batches:
+            raise ValueError(
+                f"the schedule runs {self.micro_batches} micro-batches, not {num_micro_batches}"
+            )
+        with torch.no_grad():
+            return self._run(batches, self.schedule.eval)
+
+    def eval(self) -> None:
+        """Evaluation mode (dropout off)."""
+        self.engine.eval()
+
+    def train(self) -> None:
+        """Training mode."""
+        self.engine.train()
+
+    def _run(self, batches: Iterator[tuple[torch.Tensor, torch.Tensor]], run: Callable) -> float:
+        """Feed the next micro-batches to ``run`` (the schedule's ``step`` or ``eval``) on the
+        ranks of the first and the last chunk; the mean loss over the global batch."""
+        xs, ys = zip(*(next(batches) for _ in range(self.micro_batches)), strict=True)
+        args = (torch.cat(xs),) if self.first else ()
+        losses: list[torch.Tensor] = []
+        kwargs: dict[str, Any] = {"target": torch.cat(ys), "losses": losses} if self.last else {}
+        run(*args, **kwargs)
+        zero = torch.zeros((), dtype=torch.float64)
+        loss = torch.stack(losses).detach().sum().double() if self.last else zero
+        pipe = parallel.get_pipeline_model_parallel_group()
+        dist.broadcast(loss, src=dist.get_global_rank(pipe, self.last_rank), group=pipe)
         dp = parallel.get_data_parallel_world_size()
         if dp > 1:
             dist.all_reduce(loss, group=parallel.get_data_parallel_group())
