@@ -8,16 +8,16 @@ order): the objective is, in this order, the memory overflow of the worst rank (
 its chunks + the most activations it holds at once + one unit's transient, against the cap),
 the simulated makespan, and the spread of the per-rank chunk sums (sum of squares). It starts
 from two cuts, the exact min-max chunk partition of :mod:`.solver` over ``P * v`` stages and
-equal unit counts, and takes the best neighbouring cut (one boundary moved anywhere between its
-neighbours, or a run of boundaries shifted by one unit) while the objective improves: a local
+equal unit counts, and moves to the best neighbouring cut (one boundary moved anywhere between
+its neighbours, or a short run of boundaries shifted by one unit) while it is better: a local
 search, since the replay makes the objective non-separable and the exact programme does not
-apply. On small cases it matches exhaustive search (tests).
+apply (on small cases it is checked against exhaustive search).
 """
 
 from __future__ import annotations
 
 import itertools
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -134,27 +134,29 @@ def start_cuts(setup: ChunkSetup) -> dict[str, list[int]]:
     }
 
 
-def _neighbours(parts: Sequence[int]) -> list[list[int]]:
-    """Cuts one move away: one boundary anywhere between its neighbours, or a run of
-    consecutive boundaries shifted together by one unit (a unit passed along several chunks)
-    with the boundary after the run moved by at most one unit."""
-    out = []
+def _neighbours(parts: Sequence[int]) -> Iterator[list[int]]:
+    """Cuts one move away: one boundary anywhere between its neighbours, a run of consecutive
+    boundaries shifted together by one unit (a unit passed along several chunks), or two
+    neighbouring boundaries each moved by one unit."""
     k = len(parts) - 1
     for i in range(1, k):
         for x in range(parts[i - 1] + 1, parts[i + 1]):
             if x != parts[i]:
-                out.append([*parts[:i], x, *parts[i + 1 :]])
-    for i, j in itertools.combinations(range(1, k), 2):
-        for step, other in itertools.product((-1, 1), (-1, 0, 1)):
-            cand = [x + step if i <= n < j else x for n, x in enumerate(parts)]
+                yield [*parts[:i], x, *parts[i + 1 :]]
+    moves = [
+        (i, j, step, 0) for i, j in itertools.combinations(range(1, k + 1), 2) for step in (-1, 1)
+    ]
+    moves += [(i, i + 1, a, b) for i in range(1, k - 1) for a in (-1, 1) for b in (-1, 1)]
+    for i, j, step, other in moves:
+        cand = [x + step if i <= n < j else x for n, x in enumerate(parts)]
+        if j < k:
             cand[j] += other
-            if all(b > a for a, b in itertools.pairwise(cand)):
-                out.append(cand)
-    return out
+        if all(b > a for a, b in itertools.pairwise(cand)):
+            yield cand
 
 
 def improve(setup: ChunkSetup, parts: Sequence[int]) -> ChunkPlan:
-    """Take the best neighbouring cut (:func:`_neighbours`) while the objective improves."""
+    """Take the best neighbouring cut (:func:`_neighbours`) while it improves the objective."""
     best = evaluate_chunks(setup, parts, "balancer")
     while True:
         plans = [evaluate_chunks(setup, c, "balancer") for c in _neighbours(best.parts)]

@@ -26,6 +26,8 @@ from dataclasses import dataclass
 from functools import cache
 from typing import Any, get_args
 
+import numpy as np
+
 from tapered_megatron.config import PipelineSchedule
 
 #: ``parallel.schedule`` values -> torch.distributed.pipelining schedule class names.
@@ -183,25 +185,54 @@ class Simulation:
     live: tuple[int, ...]  # per chunk: most micro-batches whose activations it holds at once
 
 
+@dataclass(frozen=True)
+class _Replay:
+    """A schedule's order compiled for replaying it many times: actions in an order where each
+    follows its rank's previous actions and its inputs, as (rank, kind, chunk, inputs), the
+    inputs as positions in that order and whether they cross ranks; per rank the number of
+    micro-batches of each chunk whose activations it holds after each of its actions."""
+
+    steps: tuple[tuple[int, str, int, tuple[tuple[int, bool], ...]], ...]
+    held: tuple[np.ndarray, ...]  # per rank: [actions, chunks]
+
+
 @cache
-def _topological(order: tuple[tuple[Action, ...], ...], n: int) -> tuple[tuple[int, Action], ...]:
-    """(rank, action) in an order where every action follows its rank's previous actions and
-    its inputs; a schedule whose order cannot run raises."""
-    pos = [0] * len(order)
-    done: set[Action] = set()
-    out = []
-    while len(out) < sum(len(o) for o in order):
+def _replay(schedule: str, pp: int, v: int, micro_batches: int) -> _Replay:
+    """Compile :func:`pipeline_order` (raises when the order cannot run)."""
+    order = pipeline_order(schedule, pp, v, micro_batches)
+    n = pp * v
+    ranks = stage_ranks(schedule, pp, v)
+    pos = [0] * pp
+    made: dict[Action, int] = {}
+    steps = []
+    total = sum(len(o) for o in order)
+    while len(steps) < total:
         progressed = False
         for r, acts in enumerate(order):
-            while pos[r] < len(acts) and all(d in done for d in _deps(acts[pos[r]], n)):
-                out.append((r, acts[pos[r]]))
-                done.update(_made(acts[pos[r]]))
+            while pos[r] < len(acts) and all(d in made for d in _deps(acts[pos[r]], n)):
+                a = acts[pos[r]]
+                inputs = tuple((made[d], ranks[d[1]] != r) for d in _deps(a, n))
+                for key in _made(a):
+                    made[key] = len(steps)
+                steps.append((r, a[0], a[1], inputs))
                 pos[r] += 1
                 progressed = True
         if not progressed:
             stuck = [acts[p] for acts, p in zip(order, pos, strict=True) if p < len(acts)]
             raise RuntimeError(f"pipeline order cannot proceed past {stuck}")
-    return tuple(out)
+    return _Replay(tuple(steps), tuple(_held(acts, n) for acts in order))
+
+
+def _held(acts: Sequence[Action], n: int) -> np.ndarray:
+    """Micro-batches of each chunk whose activations a rank holds after each of its actions:
+    from a chunk's ``F`` to its ``B``, or to its ``W`` (a split backward's input pass keeps
+    them for the weight pass)."""
+    out = np.zeros((len(acts), n))
+    now = np.zeros(n)
+    for i, (kind, s, _) in enumerate(acts):
+        now[s] += 1 if kind == "F" else -1 if kind in ("B", "W") else 0
+        out[i] = now
+    return out
 
 
 def _made(a: Action) -> tuple[Action, ...]:
@@ -232,48 +263,27 @@ def simulate(
 ) -> Simulation:
     """Replay ``schedule``'s order with chunk ``times`` and activation bytes ``act`` (one
     micro-batch's, per chunk); ``p2p`` is the send time of an activation or its gradient."""
-    order = pipeline_order(schedule, pp, v, micro_batches)
-    n = pp * v
-    ranks = stage_ranks(schedule, pp, v)
-    end: dict[Action, float] = {}
+    replay = _replay(schedule, pp, v, micro_batches)
+    dur = {
+        "F": times.fwd,
+        "B": times.bwd,
+        "I": [b - w for b, w in zip(times.bwd, times.wgt, strict=True)],
+        "W": times.wgt,
+    }
+    end = [0.0] * len(replay.steps)
     free = [0.0] * pp
     busy = [0.0] * pp
-    for r, a in _topological(order, n):
-        kind, s, _ = a
+    for i, (r, kind, s, inputs) in enumerate(replay.steps):
         start = free[r]
-        for d in _deps(a, n):
-            start = max(start, end[d] + (p2p if ranks[d[1]] != r else 0.0))
-        dur = {"F": times.fwd[s], "W": times.wgt[s], "I": times.bwd[s] - times.wgt[s]}.get(
-            kind, times.bwd[s]
-        )
-        free[r] = start + dur
-        busy[r] += dur
-        for made in _made(a):
-            end[made] = free[r]
-    peak, live = _in_flight(order, n, act)
-    return Simulation(max(free), tuple(busy), peak, live)
-
-
-def _in_flight(
-    order: tuple[tuple[Action, ...], ...], n: int, act: Sequence[float]
-) -> tuple[tuple[float, ...], tuple[int, ...]]:
-    """Per rank the most activation bytes held at once; per chunk the most micro-batches."""
-    peaks = []
-    live = [0] * n
-    for acts in order:
-        held = dict.fromkeys(range(n), 0)
-        now = most = 0.0
-        for kind, s, _ in acts:
-            if kind == "F":
-                held[s] += 1
-                now += act[s]
-                live[s] = max(live[s], held[s])
-                most = max(most, now)
-            elif kind in ("B", "W"):  # a split backward's input pass keeps them for W
-                held[s] -= 1
-                now -= act[s]
-        peaks.append(most)
-    return tuple(peaks), tuple(live)
+        for j, crosses in inputs:
+            start = max(start, end[j] + p2p) if crosses else max(start, end[j])
+        d = dur[kind][s]
+        end[i] = free[r] = start + d
+        busy[r] += d
+    a = np.asarray(act, dtype=np.float64)
+    peak = tuple(float((h @ a).max(initial=0.0)) for h in replay.held)
+    live = np.max([h.max(axis=0) for h in replay.held], axis=0)
+    return Simulation(max(free), tuple(busy), peak, tuple(int(x) for x in live))
 
 
 def rank_sums(values: Sequence[float], ranks: Sequence[int], pp: int) -> list[float]:
