@@ -125,3 +125,25 @@ def test_cli_chunk_table(capsys: pytest.CaptureFixture[str]) -> None:
     assert obj["predicted"]["balancer"]["ranks"] == [0, 1, 1, 0]
     assert main([*args, "--schedule", "zbv", "--virtual-stages", "3"]) == 1
     assert "virtual_stages 2" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_local_search_against_exhaustive_search() -> None:
+    """docs/balancer.md: on 60 random small cases the balancer finds the exhaustive optimum of
+    the replayed makespan in all but a few, and is never more than 3 % above it."""
+    import random
+
+    rng = random.Random(0)
+    gaps = []
+    for _ in range(60):
+        n = rng.randint(6, 12)
+        schedule = rng.choice(["interleaved", "zbv", "dualpipev", "zero_bubble"])
+        times = [rng.choice([0.5, 1, 2, 3, 5, 8]) for _ in range(n)]
+        setup = ChunkSetup(units(times), schedule, 2, 2, 4)
+        got = balance_chunks(setup)["balancer"].sim.makespan
+        best = min(
+            evaluate_chunks(setup, [0, *cuts, n], "x").sim.makespan
+            for cuts in itertools.combinations(range(1, n), 3)
+        )
+        gaps.append(got / best - 1)
+    assert sum(g > 1e-9 for g in gaps) <= 4 and max(gaps) < 0.03, gaps
