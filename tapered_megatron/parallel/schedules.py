@@ -145,8 +145,6 @@ class VirtualPipeline:
         import deepspeed
         from torch.distributed.pipelining import schedules as torch_schedules
 
-        from tapered_megatron.training.trainer import computes_grad_norm
-
         p = cfg.parallel
         topo = parallel.get_topology()
         self.grid = PipelineParallelGrid(topology=topo, process_group=dist.group.WORLD)
@@ -172,17 +170,23 @@ class VirtualPipeline:
             if engine_kwargs is not None
             else {"model_parameters": self.module.parameters()}
         )
-        self.engine, *_ = deepspeed.initialize(
-            model=self.module, config=ds_config, mpu=self.grid, **extra
-        )
         # DeepSpeed's fp32 ZeRO-0 clipping (runtime/utils.clip_grad_norm_) counts a parameter
         # that is not a TP shard only where mpu.get_model_parallel_rank() == 0, a rank over pipe
-        # x model: every stage but the first would drop out of the norm. There the pipeline
-        # computes the norm itself and clips with DeepSpeed's coefficient.
-        self.own_norm = not computes_grad_norm(self.engine)
-        self.clip = self.engine.gradient_clipping() if self.own_norm else 0.0
-        if self.own_norm:
-            self.engine._config.gradient_clipping = 0.0
+        # x model: every stage but the first would drop out of the norm. There DeepSpeed keeps
+        # no norm either: the pipeline computes it and clips with DeepSpeed's coefficient.
+        enabled = [ds_config.get(k, {}).get("enabled", False) for k in ("bf16", "fp16")]
+        if not all(isinstance(e, bool) for e in enabled):
+            raise ValueError(
+                f"VirtualPipeline: bf16/fp16 'enabled' must be true or false, got {enabled}; "
+                "resolve the DeepSpeed config first (training/launch.py does)"
+            )
+        half = any(enabled)
+        self.own_norm = zero == 0 and not half
+        self.clip = float(ds_config.get("gradient_clipping", 0.0)) if self.own_norm else 0.0
+        config = {**ds_config, "gradient_clipping": 0.0} if self.own_norm else ds_config
+        self.engine, *_ = deepspeed.initialize(
+            model=self.module, config=config, mpu=self.grid, **extra
+        )
         device = torch.device(self.engine.device)
         group = parallel.get_pipeline_model_parallel_group()
         self.stages = [
