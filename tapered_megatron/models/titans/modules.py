@@ -75,6 +75,9 @@ class TitansOptions:
     persistent_tokens: int = at_least(0, 0)  # learned key/value pairs before every attention
     # per-token clip of the memory gradient's Frobenius norm over all layers; 0: no clip
     memory_clip: float = at_least(0.0, 1.0)
+    # each token's memory step normalised by the memory's curvature along its error (NLMS,
+    # scan._step_scales) instead of the plain gradient step
+    normalized_step: bool = False
     # initial forgetting half-lives of the first and last head, in windows (log-spaced between)
     forget_half_lives: tuple[float, float] = (0.25, 16.0)
     # the largest step size and momentum: theta = max_step * sigmoid(x W + b), likewise eta
@@ -212,6 +215,7 @@ class NeuralMemory(Recomputed, nn.Module):
         t = cfg.model.titans
         std = cfg.model.init_std
         self.dims, self.chunk_size, self.max_norm = dm, t.chunk_size, t.memory_clip
+        self.normalized_step = t.normalized_step
         self.compiled = cfg.train.compile
         self.selective_recompute = cfg.train.recompute == "selective"
         inner = dm.heads * dm.head_dim
@@ -295,7 +299,7 @@ class NeuralMemory(Recomputed, nn.Module):
             start = MemoryState(list(args[6:])) if len(args) > 6 else None
             y, end = memory_scan(
                 *args[:6], list(self.memory), self.chunk_size, start, self.compiled,
-                tally if len(runs) == 1 else None, self.max_norm,
+                tally if len(runs) == 1 else None, self.max_norm, self.normalized_step,
             )  # fmt: skip
             return (y, *end.layers)
 
