@@ -48,6 +48,7 @@ from tapered_megatron.taper import (
 PRESET_DIR = Path(os.environ.get("TM_CONFIG_DIR", resource("presets")))
 Partition = Literal["balanced", "uniform", "parameters", "megatron"]
 PipelineUnit = Literal["layer", "sublayer"]
+PipelineSchedule = Literal["1f1b", "interleaved", "zbv", "dualpipev", "zero_bubble"]
 Recompute = Literal["none", "selective", "full"]
 
 
@@ -137,6 +138,8 @@ class ParallelConfig:
     # split norms, residual adds, dropout and the stage boundaries along the sequence over the
     # TP group (Megatron's sequence parallelism; needs tp > 1)
     sequence_parallel: bool = False
+    schedule: PipelineSchedule = "1f1b"  # 1f1b: DeepSpeed's engine; others: torch
+    virtual_stages: int = at_least(1, 1)  # pipeline chunks per rank (interleaved: 2 or more)
 
 
 @dataclass(frozen=True)
