@@ -27,7 +27,7 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from tapered_megatron.checkpoint_layout import EXPORT_MANIFEST, manifest_problem
 from tapered_megatron.hf.configuration import TaperedConfig
-from tapered_megatron.models import LanguageModel, build_model, resolve_architecture
+from tapered_megatron.models import LanguageModel, blocks, build_model
 from tapered_megatron.models.attention import Attention
 from tapered_megatron.models.layers import RotaryEmbedding, rope_tables
 
@@ -87,7 +87,7 @@ class TaperedForCausalLM(PreTrainedModel, GenerationMixin):
         cfg = config.run_config()
         self.arch, self.cfg = cfg.model.arch, cfg
         # e.g. Hope's teach signal: a pass of the whole model before the real one
-        self._first_pass = resolve_architecture(cfg.model.arch).first_pass
+        self._first_pass = blocks(cfg.model.arch).first_pass
         lm = build_model(cfg)  # random init from the run's seed; from_pretrained loads over it
         self.embedding, self.layers, self.head = lm.embedding, lm.layers, lm.head
         self.post_init()

@@ -1,0 +1,28 @@
+"""Architectures as records (:class:`Architecture`): the registry and the built-in records.
+
+Importing this package registers the built-in architectures (``transformer``,
+``gated_attention``, ``titans``, ``hope_attention``); it imports no model code and no torch, so
+the configuration can read and check any architecture's settings. Each record names the
+modules that build it (in :mod:`tapered_megatron.models`), imported only when a model is built.
+"""
+
+from tapered_megatron.architectures import attention, hope, titans  # noqa: F401 - they register
+from tapered_megatron.architectures.record import (
+    ARCHITECTURES,
+    Architecture,
+    ArchitectureError,
+    load_name,
+    load_plugins,
+    register_architecture,
+    resolve_architecture,
+)
+
+__all__ = [
+    "ARCHITECTURES",
+    "Architecture",
+    "ArchitectureError",
+    "load_name",
+    "load_plugins",
+    "register_architecture",
+    "resolve_architecture",
+]
