@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import copy
 import dataclasses
 import functools
 import json
@@ -427,9 +428,18 @@ def _model_from_dict(data: dict[str, Any], prefix: str) -> ModelConfig:
 def _architecture(name: str, plugins: tuple[str, ...] | list[str] = ()) -> Architecture:
     """The record of ``name``, ``plugins`` imported first; a :class:`ConfigError` when either
     fails."""
+    _load_plugins(plugins)
     try:
-        architectures.load_plugins(plugins)
         return architectures.resolve_architecture(name)
+    except ArchitectureError as e:
+        raise ConfigError(str(e)) from None
+
+
+def _load_plugins(plugins: Any) -> None:
+    """:func:`tapered_megatron.architectures.load_plugins`; a :class:`ConfigError` when one
+    does not load."""
+    try:
+        architectures.load_plugins(_coerce(plugins, tuple[str, ...], "model.plugins"))
     except ArchitectureError as e:
         raise ConfigError(str(e)) from None
 
@@ -451,10 +461,7 @@ def _override(base: dict, over: dict) -> dict:
     old = base.get("model", {}).get("arch", ModelConfig.arch)
     if over.get("model", {}).get("arch", old) != old:
         model = dict(base["model"])
-        try:
-            architectures.load_plugins(model.get("plugins", ()))
-        except ArchitectureError as e:
-            raise ConfigError(str(e)) from None
+        _load_plugins(model.get("plugins", ()))
         arch = architectures.ARCHITECTURES.get(old)
         for key in arch.option_names() if arch else ():
             model.pop(key, None)
@@ -514,14 +521,46 @@ def preset_path(name_or_path: str) -> Path:
         return p
     q = PRESET_DIR / f"{name_or_path}.yaml"
     if not q.exists():
-        known = sorted(x.stem for x in PRESET_DIR.glob("*.yaml"))
         raise ConfigError(
-            f"--config: no preset named {name_or_path!r}; known presets: {', '.join(known)}"
+            f"--config: no preset named {name_or_path!r}; known presets: "
+            f"{', '.join(preset_names())}"
         )
     return q
 
 
+def scales() -> list[str]:
+    """The scales of the architecture presets: the files ``scales/<scale>.yaml`` of the preset
+    folder (a name starting with ``_`` is a shared base, not a scale)."""
+    return sorted(p.stem for p in (PRESET_DIR / "scales").glob("[!_]*.yaml"))
+
+
+def preset_names() -> list[str]:
+    """Every preset: the files of the preset folder and ``<arch>_<scale>`` for each registered
+    architecture and scale (:func:`arch_preset`)."""
+    files = {p.stem for p in PRESET_DIR.glob("*.yaml")}
+    return sorted(files | {f"{a}_{s}" for a in architectures.ARCHITECTURES for s in scales()})
+
+
+def arch_preset(name: str) -> dict[str, Any] | None:
+    """The preset ``<arch>_<scale>`` where no file has that name: the scale's file, then
+    ``model.arch``, ``train.save_dir`` (``checkpoints/<name>``) and the record's layer for that
+    scale (:attr:`~tapered_megatron.architectures.Architecture.presets`); ``None`` when
+    ``name`` is a file or names no registered architecture and scale."""
+    if Path(name).suffix in (".yaml", ".yml") or (PRESET_DIR / f"{name}.yaml").exists():
+        return None
+    for arch in architectures.ARCHITECTURES.values():
+        scale = name.removeprefix(f"{arch.name}_")
+        if scale != name and scale in scales():
+            own = {"model": {"arch": arch.name}, "train": {"save_dir": f"checkpoints/{name}"}}
+            layer = _merge(own, copy.deepcopy(dict(arch.presets.get(scale, {}))))
+            return _override(_load_yaml(str(PRESET_DIR / "scales" / f"{scale}.yaml")), layer)
+    return None
+
+
 def _load_yaml(name_or_path: str, seen: tuple[str, ...] = ()) -> dict[str, Any]:
+    composed = arch_preset(name_or_path)
+    if composed is not None:
+        return composed
     path = preset_path(name_or_path)
     if str(path) in seen:
         raise ConfigError(f"{path}: 'base' chain loops back on itself")
@@ -547,10 +586,15 @@ def _build(data: dict[str, Any]) -> Config:
 
 
 def load_config(name_or_path: str = "quickstart", overrides: list[str] | None = None) -> Config:
-    """Load a preset (name or YAML path), apply dotted overrides, validate, return the config."""
+    """Load a preset (name or YAML path), apply dotted overrides, validate, return the config.
+
+    The overrides' ``model.plugins`` are imported first, so their architectures have presets
+    too (:func:`arch_preset`)."""
+    over = parse_overrides(list(overrides or []))
+    _load_plugins(over.get("model", {}).get("plugins", ()))
     data = _load_yaml(name_or_path)
     data.setdefault("name", Path(name_or_path).stem)
-    return _build(_override(data, parse_overrides(list(overrides or []))))
+    return _build(_override(data, over))
 
 
 def config_from_dict(
@@ -573,10 +617,7 @@ def received_model(
     ``plugins`` (the user's own flag), which are imported: a file's own list is never imported,
     since importing runs its code. When the file's architecture is registered by none of them,
     :class:`ConfigError` saying how to pass its plugins (``fix``, formatted with their names)."""
-    try:
-        architectures.load_plugins(plugins)
-    except ArchitectureError as e:
-        raise ConfigError(str(e)) from None
+    _load_plugins(plugins)
     saved = " ".join(str(p) for p in model.get("plugins") or ())
     arch = model.get("arch", ModelConfig.arch)
     if saved and arch not in architectures.ARCHITECTURES:

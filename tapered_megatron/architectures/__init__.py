@@ -6,7 +6,11 @@ the configuration can read and check any architecture's settings. Each record na
 modules that build it (in :mod:`tapered_megatron.models`), imported only when a model is built.
 """
 
-from tapered_megatron.architectures import attention, hope, titans  # noqa: F401 - they register
+# the registration order is the paper's (the experiments' tables follow it)
+# isort: off
+from tapered_megatron.architectures import attention, titans, hope  # noqa: F401 - they register
+
+# isort: on
 from tapered_megatron.architectures.record import (
     ARCHITECTURES,
     Architecture,
@@ -17,8 +21,12 @@ from tapered_megatron.architectures.record import (
     resolve_architecture,
 )
 
+#: The built-in architectures, in the registry's order (the paper's).
+BUILT_IN: tuple[str, ...] = tuple(ARCHITECTURES)
+
 __all__ = [
     "ARCHITECTURES",
+    "BUILT_IN",
     "Architecture",
     "ArchitectureError",
     "load_name",

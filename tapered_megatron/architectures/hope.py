@@ -73,6 +73,13 @@ def first_pass_config(cfg: Config) -> Config | None:
     return cfg.with_overrides(["--model.hope.update", "association", "--model.hope.lr", "0"])
 
 
+# A static level, a slow one, a fast one; at the paper's first three sizes learning in context
+# from the LM loss's error signal (update teach). At the `cpu` scale of scripts/reproduce_tlm.py,
+# tlm_cpu with the teach signal: the association rule's updates, the library default, lower the
+# trained model's loss by under 0.001 nats at that scale.
+LEVELS = {"levels": 3, "periods": [0, 1024, 64]}
+TEACH = {"model": {"hope": {**LEVELS, "update": "teach"}}}
+
 HOPE_ATTENTION = register_architecture(
     Architecture(
         "hope_attention",
@@ -84,5 +91,14 @@ HOPE_ATTENTION = register_architecture(
         compiles=True,  # the CMS period loop stays eager (torch.compiler.disable)
         first_pass=f"{MODULES}:first_pass",
         first_pass_config=first_pass_config,
+        in_context=True,
+        presets={
+            "cpu": {"model": {"hope": {"update": "teach"}}},
+            "440m": TEACH,
+            "760m": TEACH,
+            "1.3b": TEACH,
+            "7b": {"model": {"hope": LEVELS}},
+            "30b": {"model": {"hope": LEVELS}},
+        },
     )
 )

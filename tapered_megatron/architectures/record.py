@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import importlib
 import sys
-from collections.abc import Callable
-from dataclasses import dataclass, fields, is_dataclass
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field, fields, is_dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -25,6 +25,10 @@ SWIGLU = "tapered_megatron.models.mlp:SwiGLU"
 
 def _no_first_pass(cfg: Config) -> Config | None:
     return None
+
+
+def _arch_name(cfg: Config) -> str:
+    return cfg.model.arch
 
 
 @dataclass(frozen=True)
@@ -49,6 +53,16 @@ class Architecture:
             what ``first_pass`` adds to every training step under ``cfg`` (one forward
             without backward), or ``None`` where it adds nothing (the default: always
             ``None``); the FLOP counts and the pipeline cost model add that forward.
+        kv_cache: whether generation keeps a key/value cache (the mixer is an ``Attention``
+            and nothing else in the block depends on earlier positions); otherwise it
+            recomputes the whole prefix at each step.
+        in_context: whether weights learn inside the sequence (a memory architecture: the
+            experiments' memory probe covers it).
+        describe: ``describe(cfg)``, the architecture as an export's model card names it
+            (``titans (variant mag)``); default: the name.
+        presets: per scale (a file ``scales/<scale>.yaml`` of the presets), the config layer
+            (``{"model": {...}, "train": {...}}``) over that scale that makes the preset
+            ``<name>_<scale>``; a scale it does not list takes the scale as it is.
     """
 
     name: str
@@ -61,6 +75,10 @@ class Architecture:
     compiles: bool = False
     first_pass: str | None = None
     first_pass_config: Callable[[Config], Config | None] = _no_first_pass
+    kv_cache: bool = False
+    in_context: bool = False
+    describe: Callable[[Config], str] = _arch_name
+    presets: Mapping[str, Mapping[str, Any]] = field(default_factory=dict, hash=False)
 
     @property
     def options_key(self) -> str | None:

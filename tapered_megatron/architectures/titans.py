@@ -72,6 +72,43 @@ def validate(cfg: Config) -> None:
         )
 
 
+def describe(cfg: Config) -> str:
+    """``titans (variant mag)``."""
+    return f"titans (variant {cfg.model.titans.variant})"
+
+
+# Window and chunk for 4096-token sequences; the paper's persistent tokens before the window; d_ff:
+# the memory branch's parameters given back by the MLP, within 2 % of the transformer's.
+PAPER = {"chunk_size": 64, "window": 1024, "persistent_tokens": 4}
+# The `cpu` scale of scripts/reproduce_tlm.py: tlm_cpu's model and recipe with sequences of 512
+# tokens, 2 per micro-batch (the same 1024 tokens per step and per evaluation iteration), MAG
+# attention over a 64-token window (1/8 of the sequence, as titans_440m's 1024 of 4096) and the
+# paper's persistent tokens in front of it, so the memory carries what the window cannot see;
+# d_ff 208 (not 384) gives the memory branch's parameters back: within 1 % of the transformer's.
+# Chunks of 4 tokens: with 16 (the default) the gradient norm at init is 50-170x larger at this
+# shape and sequence length. Forgetting half-lives from 2 windows: from 0.25 (the default) the
+# fastest head's memory decays to ~0 over 512 tokens, where a deep memory gets no gradient
+# (docs/memory_architectures.md). The step size theta capped at 0.05 (it starts at 0.047) and
+# each token's memory gradient clipped to norm 0.25 (not 1): uncapped, the gradient norm
+# explodes from iteration ~65 (2e5-2e13, the loss rising); with the cap alone, or with a clip
+# of 0.5, some seeds diverge or spike late; with 0.25 some still spike in the warmup and recover
+# (same doc).
+CPU = {
+    "model": {
+        "seq_len": 512,
+        "d_ff": 208,
+        "titans": {
+            "window": 64,
+            "persistent_tokens": 4,
+            "chunk_size": 4,
+            "forget_half_lives": [2, 16],
+            "max_step": 0.05,
+            "memory_clip": 0.25,
+        },
+    },
+    "train": {"micro_batch_size": 2},
+}
+
 TITANS = register_architecture(
     Architecture(
         "titans",
@@ -80,5 +117,15 @@ TITANS = register_architecture(
         validate=validate,
         mixer_efficiency=0.6,  # chunked memory scan: small batched matmuls and a Python loop
         compiles=True,  # the chunk step compiles on its own; the chunk loop stays eager
+        in_context=True,
+        describe=describe,
+        presets={
+            "cpu": CPU,
+            "440m": {"model": {"d_ff": 2432, "titans": PAPER}},
+            "760m": {"model": {"d_ff": 2432, "titans": PAPER}},
+            "1.3b": {"model": {"d_ff": 3456, "titans": PAPER}},
+            "7b": {"model": {"titans": {"chunk_size": 64, "window": 1024}}},
+            "30b": {"model": {"titans": {"chunk_size": 64, "window": 1024}}},
+        },
     )
 )
