@@ -1,12 +1,16 @@
 """Typed configuration: dataclasses loaded from YAML presets, overridable with dotted flags.
 
 Presets live in ``pretrain/configs/<name>.yaml``; a preset may start from another with
-``base: <name>`` and then list only what differs. Command-line overrides use the dotted key path::
+``base: <name>`` and then list only what differs. The architecture presets ``<arch>_<scale>`` are
+composed: a scale's file plus the architecture record's settings at that scale
+(:func:`arch_preset`). Command-line overrides use the dotted key path::
 
     --model.arch titans --taper.schedule uniform --train.iters 20 --taper.ratio 1.5 0.5
 
 Unknown keys, wrong types and impossible combinations raise :class:`ConfigError` whose message
-names the key, before any process group exists.
+names the key, before any process group exists. A leaf: it reads the architecture records
+(:mod:`tapered_megatron.architectures`, plain data) and imports neither torch nor the model or
+data code.
 
 Public entry (stable, used by outside scripts)::
 
