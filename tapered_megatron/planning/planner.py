@@ -192,7 +192,7 @@ def evaluate(cfg: Config, c: Candidate, dev: costlib.Device, cap: float) -> Cand
     pipe_s = costlib.step_time(stage_times, c.grad_accum)
     # Data parallel: gradients of the heaviest stage (bf16 grads / fp32) over dp, overlapped
     # with backward where DeepSpeed overlaps them (cost.dp_comm)
-    dp_bw = dev.intra_bw if c.dp * c.tp <= dev.gpus_per_node else dev.inter_bw
+    dp_bw = costlib.dp_bandwidth(dev, c.tp, c.dp)
     compute = max(r.stage_times)  # one micro-batch on the slowest stage
     passes = 4 if c.recompute == "full" else 3
     dp = costlib.dp_comm(
@@ -201,7 +201,8 @@ def evaluate(cfg: Config, c: Candidate, dev: costlib.Device, cap: float) -> Cand
     )  # fmt: skip
     bpp = costlib.bytes_per_param(dev.precision, c.zero, c.dp, c.pp > 1)
     opt_s = 2 * stage_param * bpp / dev.mem_bw
-    step = pipe_s + dp.exposed + opt_s
+    tax = dev.overlap_tax * dp.overlapped  # compute slowed by the communication it hides
+    step = pipe_s + dp.exposed + tax + opt_s
     gpus = c.tp * c.pp * c.dp
     tokens = c.micro_batch_size * c.grad_accum * c.dp * m.seq_len
     model_flops = 3 * sum(u.flops_fwd for u in costs) * tokens
@@ -222,6 +223,7 @@ def evaluate(cfg: Config, c: Candidate, dev: costlib.Device, cap: float) -> Cand
             "p2p_s": 2 * p2p * c.grad_accum,
             "dp_comm_s": dp.total,
             "dp_overlapped_s": dp.overlapped,
+            "overlap_tax_s": tax,
             "optimizer_s": opt_s,
         },
         dp_comm=dp.how,
@@ -316,6 +318,35 @@ def pick_lines(best: Candidate, what: str = "best") -> list[str]:
     return lines
 
 
+def exposed_parts(c: Candidate) -> dict[str, float]:
+    """Where a candidate's predicted step goes, in parts that add up to it (seconds)."""
+    b = c.breakdown
+    return {
+        "compute and TP communication": b["compute_ideal_s"],
+        "bubble and imbalance": b["bubble_and_imbalance_s"],
+        "pipeline sends": b["p2p_s"],
+        "exposed DP communication": b["dp_comm_s"] - b["dp_overlapped_s"],
+        "overlap tax": b["overlap_tax_s"],
+        "optimizer": b["optimizer_s"],
+    }
+
+
+def pipeline_loss(best: Candidate, piped: list[Candidate]) -> list[str]:
+    """What the fastest pipeline layout (``piped``: it, or nothing) loses to ``best``, a layout
+    without a pipeline: the difference of each part of the predicted step, largest first
+    (DeepSpeed's pipeline engine runs ZeRO 0-1 only and reduces gradients after its schedule,
+    so its DP communication is exposed)."""
+    if not piped:
+        return []
+    pp, ours = exposed_parts(piped[0]), exposed_parts(best)
+    diff = sorted(((pp[k] - ours[k], k) for k in pp), reverse=True)
+    parts = ", ".join(f"{k} {d:+.2f}s" for d, k in diff if abs(d) >= 0.005)
+    return [
+        f"  best pipeline layout {piped[0].label} is {piped[0].step_s / best.step_s - 1:+.1%} "
+        f"slower (predicted): {parts} (ZeRO-{piped[0].zero}: the pipeline engine runs ZeRO 0-1)"
+    ]
+
+
 def reasoning(ranked: list[Candidate], rejected: list[tuple[Candidate, str]]) -> list[str]:
     """Plain-language account of the choice (printed after :func:`cluster_lines`, and returned
     in --json)."""
@@ -337,6 +368,8 @@ def reasoning(ranked: list[Candidate], rejected: list[tuple[Candidate, str]]) ->
                 f"  PP={best.pp} beats the best PP=1 layout ({no_pp[0].label}, "
                 f"{no_pp[0].step_s:.2f} s)"
             )
+    else:
+        lines += pipeline_loss(best, [c for c in ranked if c.pp > 1][:1])
     for key, what in (
         ("tp", "TP"),
         ("sequence_parallel", "sequence parallelism"),
@@ -494,6 +527,16 @@ def _arguments() -> argparse.ArgumentParser:
         help='evaluate this one layout, as the table prints it ("tp2 sp pp1 dp32 zero3 mbs4 '
         'gas1 rc-none layer"), instead of searching',
     )
+    ap.add_argument(
+        "--calibrate",
+        action="store_true",
+        help="predict the published runs of the calibration set and score the predictions",
+    )
+    ap.add_argument(
+        "--fit",
+        action="store_true",
+        help="with --calibrate: fit the cost model's constants on the fitting runs, print them",
+    )
     ap.add_argument("--top", type=int, default=10, help="candidates to list")
     ap.add_argument("--json", action="store_true", help="one JSON object")
     ap.add_argument("--write-ds-config", default=None, help="write the best DeepSpeed JSON here")
@@ -509,11 +552,15 @@ def main(argv: list[str] | None = None) -> int:
 
     ap = _arguments()
     a, rest = ap.parse_known_args(argv)
+    if a.calibrate:
+        from tapered_megatron.planning.calibration import main as calibrate
+
+        return calibrate(as_json=a.json, refit=a.fit)
     missing = [
         f"--{k.replace('_', '-')}" for k in ("config", "gpus", "gpu_mem") if not getattr(a, k)
     ]
     if missing:
-        print(f"error: {', '.join(missing)} required", file=sys.stderr)
+        print(f"error: {', '.join(missing)} required (or --calibrate)", file=sys.stderr)
         return 2
     cfg = load_config_or_exit(a.config, rest)
     nodes = a.nodes or max(1, a.gpus // 8)
