@@ -6,18 +6,27 @@ and the final norm + LM head + loss. Parameters, forward FLOPs per token and act
 token are each unit's own counts (the counters' numbers); backward is 2x forward, so a unit's
 training time for one micro-batch of ``b`` sequences of ``s`` tokens is::
 
-    time = (3 + r) * (flops_fwd_per_token * b * s / (tp * peak * efficiency) + launch)
+    time = (3 + r) * (forward + launch)
            + (2 + r) * all_reduces[kind] * ring(b * s * d_model * element, tp)
+    forward = b * s / tp * ((flops - core_flops) / (peak * efficiency)
+                            + core_flops / (peak * core_efficiency)
+                            + act_traffic * act_bytes / mem_bw)
 
 with ``r = 1`` when the unit is recomputed (``train.recompute full``); under ``selective`` the
 cores' FLOPs (:class:`~tapered_megatron.models.base.Counts` ``core_flops``) run once more, with no
 extra all-reduce; an architecture's
 first pass (Hope's teach signal: the record's ``first_pass_config``) adds one more forward of the
 unit at the first-pass config's FLOPs, with its all-reduces. ``efficiency`` is the
-achieved fraction of the device's dense peak per unit kind (mixer / MLP / block / head /
-embedding; documented defaults per device, the CPU ones calibrated here), scaled for mixers by
-the architecture record's ``mixer_efficiency``; ``launch`` is a fixed per-pass overhead per
-block half (small on a GPU; PyTorch's per-op cost on a CPU). The last term is tensor-parallel
+achieved fraction of the device's dense peak per unit kind for the matrix products (mixer / MLP /
+block / head / embedding), ``core_efficiency`` that of the cores (attention scores and weighted
+sum, a memory module's inner updates), both scaled for mixers by the architecture record's
+``mixer_efficiency``; ``act_traffic`` is the memory-bound work around them (norms, activation
+functions, residual adds) as bytes moved per byte of saved activations, at HBM bandwidth. The GPU
+presets' constants are fitted to published measured runs
+(:mod:`tapered_megatron.planning.calibration`), the CPU ones calibrated here; ``launch`` is a
+fixed per-pass overhead per
+block half (on a GPU fitted too: eager PyTorch's launches and hooks; on a CPU PyTorch's per-op
+cost). The last term is tensor-parallel
 communication: ring all-reduces of the residual stream (one per sub-layer per pass) over NVLink
 inside a node, the network beyond. Under sequence parallelism each becomes a reduce-scatter and an
 all-gather (the same ring time); a half whose module runs on the whole sequence (the memory

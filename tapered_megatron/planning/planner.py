@@ -20,10 +20,12 @@ For each it
    gradient backward per micro-batch, NVLink when neighbouring stages share a node, else the
    network), the data-parallel communication (:func:`tapered_megatron.planning.cost.dp_comm`:
    the gradient reduce, per micro-batch under ZeRO-2/3, and the parameter all-gather, per pass
-   under ZeRO-3; over NVLink when the DP group fits in a node, else the network; without
+   under ZeRO-3; over NVLink when the DP group fits in a node, else over the network ports of
+   the group's GPUs on each node (:func:`tapered_megatron.planning.cost.dp_bandwidth`); without
    pipeline, ZeRO-1/2/3 overlap the reduce with backward (``overlap_comm``) but for the last
-   bucket, the pipeline engine and ZeRO-0 overlap nothing) and the optimizer step (memory-bound,
-   the model state read and written once),
+   bucket, the pipeline engine and ZeRO-0 overlap nothing; what is hidden still slows the
+   compute by the device's ``overlap_tax``) and the optimizer step (memory-bound, the model
+   state read and written once),
 4. reports MFU = model FLOPs (3 x forward FLOPs per token from the counters, recompute excluded) /
    (step time x GPUs x peak).
 
@@ -32,6 +34,10 @@ evaluates that one layout instead of searching, for any config (a preset, or a Y
 uniform GPT/Llama given by its dimensions with ``taper.schedule: uniform``), and prints what the
 search prints for its pick; a layout breaking a rule of the search (GPU count, TP inside a node
 and dividing the model, ZeRO 0-1 under a pipeline) is refused with the rule.
+
+``--calibrate`` predicts the published measured runs of the calibration set and scores the
+predictions (:mod:`tapered_megatron.planning.calibration`); ``--calibrate --fit`` refits the GPU
+presets' constants on its fitting runs.
 
 Candidates are ranked by step time (the global batch is fixed by the config, so this is
 throughput), ties broken by lower peak memory. The parameter total is checked on the meta device
