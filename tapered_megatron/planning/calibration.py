@@ -243,12 +243,14 @@ def _with_efficiency(k: Constants, gpu: str, i: int, value: float) -> Constants:
     return replace(k, **{gpu: tuple(pair)})
 
 
-def fit(runs: list[Run], rounds: int = 3) -> Constants:
+def fit(runs: list[Run], rounds: int = 12) -> Constants:
     """The constants that minimise :func:`fit_error` over the ``fit`` runs of ``runs`` only,
-    by coordinate descent over :data:`FIT_GRID` from the current constants."""
+    by coordinate descent over :data:`FIT_GRID` from the current constants, until a round
+    changes nothing (at most ``rounds``)."""
     train = [r for r in runs if r.split == "fit"]
     k = Constants.current()
     for _ in range(rounds):
+        before = k
         for gpu in ("h100", "a100"):
             mine = [r for r in train if r.device == gpu]
             for i, name in enumerate(("dense", "core")):
@@ -257,6 +259,8 @@ def fit(runs: list[Run], rounds: int = 3) -> Constants:
         for name in ("overlap_tax", "act_traffic", "launch_s"):
             tries = [replace(k, **{name: v}) for v in FIT_GRID[name]]
             k = min(tries, key=lambda c: fit_error(train, c))
+        if k == before:
+            break
     return k
 
 

@@ -98,11 +98,11 @@ def gpu_efficiency(dense: float, core: float) -> dict[str, float]:
 #: Efficiencies and overlap tax of the GPU presets, fitted on the fitting runs of the
 #: calibration set (published measured runs: tapered_megatron/planning/calibration_runs.yaml,
 #: ``python -m tapered_megatron.plan --calibrate --fit``); the held-out runs score them.
-H100_EFFICIENCY = gpu_efficiency(0.64, 0.20)
-A100_EFFICIENCY = gpu_efficiency(0.74, 0.40)
-GPU_OVERLAP_TAX = 0.5
+H100_EFFICIENCY = gpu_efficiency(0.68, 0.18)
+A100_EFFICIENCY = gpu_efficiency(0.76, 0.38)
+GPU_OVERLAP_TAX = 0.35
 GPU_ACT_TRAFFIC = 2.25
-GPU_LAUNCH_S = 500e-6
+GPU_LAUNCH_S = 750e-6
 
 
 # Dense (no sparsity) bf16 peak TFLOP/s per accelerator product (vendor data sheets), keyed by a

@@ -518,6 +518,12 @@ def _arguments() -> argparse.ArgumentParser:
     ap.add_argument("--gpu-mem", type=float, help="memory per GPU, GiB")
     ap.add_argument("--nodes", type=int, default=None, help="nodes (default gpus / 8)")
     ap.add_argument("--device", default="h100", help=f"one of {', '.join(costlib.DEVICES)}")
+    ap.add_argument(
+        "--precision",
+        choices=("bf16", "fp32"),
+        default=None,
+        help="default: the device's (the GPU presets' peaks are bf16: give fp32 its --peak-tflops)",
+    )
     ap.add_argument("--peak-tflops", type=float, default=None, help="dense peak per GPU")
     ap.add_argument("--nvlink-gbps", type=float, default=None, help="NVLink GB/s per GPU")
     ap.add_argument("--network-gbps", type=float, default=None, help="network GB/s per GPU")
@@ -558,6 +564,9 @@ def main(argv: list[str] | None = None) -> int:
 
     ap = _arguments()
     a, rest = ap.parse_known_args(argv)
+    if a.fit and not a.calibrate:
+        print("error: --fit refits the calibration's constants: add --calibrate", file=sys.stderr)
+        return 2
     if a.calibrate:
         from tapered_megatron.planning.calibration import main as calibrate
 
@@ -576,6 +585,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         dev = costlib.get_device(
             a.device,
+            precision=a.precision,
             peak_flops=a.peak_tflops * 1e12 if a.peak_tflops else None,
             intra_bw=a.nvlink_gbps * 1e9 if a.nvlink_gbps else None,
             inter_bw=a.network_gbps * 1e9 if a.network_gbps else None,
