@@ -610,6 +610,7 @@ def test_compile_reaches_every_tapered_layer(arch, monkeypatch):
     [
         ("titans", []),
         ("titans", ["--model.titans.variant", "mac", "--model.titans.persistent_tokens", "2"]),
+        ("titans", ["--model.titans.normalized_step", "true", "--model.titans.memory_clip", "0"]),
         ("hope_attention", []),
     ],
 )
