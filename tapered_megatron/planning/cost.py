@@ -32,8 +32,9 @@ Memory of stage ``j`` under 1F1B with ``M`` micro-batches (stage ``j`` of ``P`` 
     mem_j = overhead + sum(params) / tp * bytes_per_param(precision, zero, dp, pipeline)
             + min(P - j, M) * sum(saved activations of one micro-batch) + max(transient)
 
-* parameters per rank: the unit's count / tp, except the key/value projections when the TP size
-  exceeds ``model.kv_heads`` (grouped-query attention): every rank holds those whole.
+* parameters per rank: the unit's count / tp, except what every rank holds whole: the
+  parameters no TP layout splits (RMSNorm gains, Hope's level rates) and the key/value
+  projections when the TP size exceeds ``model.kv_heads`` (grouped-query attention).
 * bytes per parameter (ZeRO paper accounting, K = 12 for Adam's fp32 master + m + v):
   bf16 = 2 (weights) + 2 (grads) + 12 (optimizer), with gradients accumulated in fp32 as the
   shipped and planned ds_configs ask from ZeRO-1 up (``data_types.grad_accum_dtype``):
@@ -68,11 +69,13 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
+from functools import lru_cache
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from tapered_megatron.config import Config
     from tapered_megatron.models.base import Architecture, Counts
+    from tapered_megatron.models.language_model import Unit
 
 GiB = 1024**3
 
@@ -303,11 +306,27 @@ def ring_all_reduce(nbytes: float, n: int, bw: float) -> float:
 TP_ALL_REDUCES = {"embedding": 1, "layer": 2, "mixer": 1, "mlp": 1, "head": 1}
 
 
-def tp_local_params(c: Counts, cfg: Config, tp: int) -> float:
-    """Parameters of a unit with counts ``c`` on one of ``tp`` TP ranks: its shard, and every
+def tp_local_params(c: Counts, cfg: Config, tp: int, whole: int = 0) -> float:
+    """Parameters of a unit with counts ``c`` on one of ``tp`` TP ranks: its shard, the
+    ``whole`` parameters no TP layout splits (norm gains: :func:`whole_params`), and every
     key/value projection whole where ``tp`` exceeds ``model.kv_heads`` (replicated)."""
     kv = c.kv_params if tp > cfg.model.kv_heads else c.kv_params / tp
-    return (c.params - c.kv_params) / tp + kv
+    return (c.params - c.kv_params - whole) / tp + whole + kv
+
+
+@lru_cache(maxsize=4096)
+def _whole_params(cfg: Config, module: type, args: tuple) -> int:
+    import torch
+
+    with torch.device("meta"):
+        built = module(cfg, *args)
+    return sum(p.numel() for p in built.parameters() if getattr(p, "tp_layout", None) is None)
+
+
+def whole_params(unit: Unit) -> int:
+    """Parameters of ``unit`` that every TP rank holds whole: those without a ``TPLayout``
+    (RMSNorm gains, Hope's level rates), counted on the unit built on the meta device."""
+    return _whole_params(unit.cfg, unit.module, unit.args)
 
 
 def launch_time(device: Device, kind: str) -> float:
@@ -358,7 +377,7 @@ def unit_costs(
     out = []
     for i, (u, f) in enumerate(zip(table, first_units, strict=True)):
         c = u.counts(elem)
-        local = tp_local_params(c, cfg, shape.tp)
+        local = tp_local_params(c, cfg, shape.tp, whole_params(u))
         act_bytes = c.act_bytes if measured_act is None else float(measured_act[i])
         input_bytes = u.input_bytes(elem)
         eff = device.efficiency[u.kind]
