@@ -17,7 +17,6 @@ import functools
 import json
 import os
 import shutil
-import signal
 import traceback
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -53,6 +52,7 @@ from tapered_megatron.checkpoint_layout import (
 from tapered_megatron.config import Config, ConfigError
 from tapered_megatron.config_fields import first_line
 from tapered_megatron.parallel.random import set_rng_state
+from tapered_megatron.training.faults import crash_point
 
 # Bytes per parameter in a DeepSpeed checkpoint: the module's weights plus Adam's fp32 moments
 # (and, with fp16/bf16 weights, the fp32 master copy).
@@ -319,15 +319,6 @@ def hash_problem(tag_dir: Path) -> str | None:
     found: list[Any] = [None] * _world()
     dist.all_gather_object(found, why)
     return next((w for w in found if w), None)
-
-
-def crash_point(name: str) -> None:
-    """Fault-injection hook for tests: rank 0 kills itself (SIGKILL) at save point ``name``
-    ("rank_files": DeepSpeed's files written, RNG files not; "complete": before the
-    ``complete`` marker; "latest": before ``latest`` moves) when
-    ``$TAPERED_MEGATRON_CRASH_IN_SAVE`` names it."""
-    if os.environ.get("TAPERED_MEGATRON_CRASH_IN_SAVE") == name and _rank() == 0:
-        os.kill(os.getpid(), signal.SIGKILL)
 
 
 def prune(save_dir: Path, keep_last: int) -> None:

@@ -11,13 +11,11 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
-import json
 import math
 import os
 import time
-from collections import deque
 from collections.abc import Callable, Iterator
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -42,8 +40,10 @@ from tapered_megatron.models import (
 from tapered_megatron.planning.clock import StageClock
 from tapered_megatron.training import checkpoint, optim, reshard
 from tapered_megatron.training.alignment import AlignmentProbe
+from tapered_megatron.training.faults import injected_nan_iterations
 from tapered_megatron.training.launch import Layout, precision_note
 from tapered_megatron.training.logger import TrainLogger
+from tapered_megatron.training.monitor import Cadence, ExitSignal, Health, MetricsFile, Window
 from tapered_megatron.training.validation import validation_loss
 
 
@@ -75,7 +75,7 @@ class Trainer:
                 self.log(
                     f"{where[0] / tag} is partial (no complete marker: a save cut short); ignored"
                 )
-            client = self._load(*where)
+            client = self.load(*where)
             self.iteration = int(client["iteration"])
             self.consumed = int(client["consumed_samples"])
             self.log(f"resumed from {where[0] / where[1]} at iteration {self.iteration}")
@@ -164,7 +164,7 @@ class Trainer:
             out[Path(prefix).name] = valid
         return out
 
-    def _batches(self, dataset: Any, total: int, consumed: int) -> Iterator[tuple]:
+    def batches(self, dataset: Any, total: int, consumed: int) -> Iterator[tuple]:
         """Endless ``(inputs, labels)`` micro-batches of this DP rank, starting at ``consumed``."""
         from tapered_megatron.data import PretrainingSampler
 
@@ -224,7 +224,7 @@ class Trainer:
             partition_kwargs={"dp": lay.dp, "zero_stage": lay.zero_stage},
         )
 
-    def _load(self, load_dir: Path, tag: str) -> dict[str, Any]:
+    def load(self, load_dir: Path, tag: str) -> dict[str, Any]:
         """DeepSpeed's own files when the layout is the one saved, else the layout-free copy."""
         now = checkpoint.layout_record(self.cfg, self.layout)
         saved = layout_files.saved_layout(load_dir / tag)
@@ -237,7 +237,7 @@ class Trainer:
         )
         return reshard.load(self.engine, self.cfg, load_dir / tag)
 
-    def _save(self, it: int) -> Path:
+    def save(self, it: int) -> Path:
         """A checkpoint of iteration ``it``, with its layout and (if on) the universal copy."""
         record = checkpoint.layout_record(self.cfg, self.layout)
 
@@ -255,7 +255,7 @@ class Trainer:
             raise TrainingStopped(str(e)) from None
 
     # ------------------------------------------------------------------ loop
-    def _train_step(
+    def train_step(
         self, batches: Iterator[tuple], want_norm: bool, it: int = 0
     ) -> tuple[float, float | None]:
         """One global batch; returns the mean loss and (when ``want_norm``) the gradient norm.
@@ -298,7 +298,7 @@ class Trainer:
         out: dict[str, Any] = {}
 
         def loss(dataset: Any, after: Callable[[], None] | None = None) -> float:
-            batches = self._batches(dataset, n, 0)
+            batches = self.batches(dataset, n, 0)
             return validation_loss(
                 self.engine, batches, cfg.eval.iters, lay.grad_accum, self.dp_group, after
             )
@@ -329,10 +329,10 @@ class Trainer:
         if note := precision_note(self.ds_config):
             self.log(note)
         cadence = Cadence.of(cfg, can_eval=self.valid_ds is not None or bool(self.extra_ds))
-        batches = self._batches(self.train_ds, cadence.iters * lay.global_batch_size, self.consumed)
-        metrics = _MetricsFile(cfg.logging.metrics_file if self.rank == 0 else "")
-        window = _Window(lay.global_batch_size * cfg.model.seq_len)
-        health = _Health(cfg.train.max_skipped_steps, cfg.train.loss_spike_factor)
+        batches = self.batches(self.train_ds, cadence.iters * lay.global_batch_size, self.consumed)
+        metrics = MetricsFile(cfg.logging.metrics_file if self.rank == 0 else "")
+        window = Window(lay.global_batch_size * cfg.model.seq_len)
+        health = Health(cfg.train.max_skipped_steps, cfg.train.loss_spike_factor)
         losses: list[float] = []
         while self.iteration < cadence.iters:
             it = self.iteration + 1
@@ -340,7 +340,7 @@ class Trainer:
             t = time.perf_counter()
             want_norm = cadence.log(it) or bool(cfg.logging.metrics_file)  # same on all ranks
             skipped_before = self.engine.skipped_steps
-            loss, gnorm = self._train_step(batches, want_norm, it)
+            loss, gnorm = self.train_step(batches, want_norm, it)
             skipped = self.engine.skipped_steps > skipped_before
             overflow = skipped and self.engine.fp16_enabled() and math.isfinite(loss)
             step_s = time.perf_counter() - t
@@ -406,7 +406,7 @@ class Trainer:
                 "stays latest and nothing is pruned"
             )
         else:
-            self.log(f"saved checkpoint {self._save(it)}")
+            self.log(f"saved checkpoint {self.save(it)}")
 
     def _unsafe_to_save(self, loss: float, skipped_in_a_row: int) -> str:
         """Why the state after this step must not become a checkpoint ("" when it may): the
@@ -468,143 +468,12 @@ class Trainer:
         return per
 
 
-@dataclass(frozen=True)
-class Cadence:
-    """When the loop logs, evaluates, saves and stops (iterations count from 1)."""
-
-    iters: int
-    log_every: int
-    eval_every: int  # 0: never
-    save_every: int  # 0: only at the end
-    exit_every: int  # 0: never
-
-    @classmethod
-    def of(cls, cfg: Config, can_eval: bool = True) -> Cadence:
-        """The cadence of ``cfg`` (no evaluation when there is no validation data)."""
-        tr = cfg.train
-        ev = cfg.eval.interval if can_eval else 0
-        return cls(tr.iters, cfg.logging.interval, ev, tr.save_interval, tr.exit_interval)
-
-    def _at(self, every: int, it: int) -> bool:
-        return every > 0 and it % every == 0
-
-    def log(self, it: int) -> bool:
-        """Log a line after iteration ``it``: every ``logging.interval`` and at the end."""
-        return self._at(self.log_every, it) or it == self.iters
-
-    def evaluate(self, it: int) -> bool:
-        """Evaluate: every ``eval.interval`` and at the end (never when it is 0)."""
-        return self.eval_every > 0 and (self._at(self.eval_every, it) or it == self.iters)
-
-    def stop(self, it: int) -> bool:
-        """Stop early (after saving): at multiples of ``train.exit_interval`` before the end."""
-        return self._at(self.exit_every, it) and it < self.iters
-
-    def save(self, it: int) -> bool:
-        """Checkpoint: every ``train.save_interval``, at the end and before an early stop."""
-        return self._at(self.save_every, it) or it == self.iters or self._at(self.exit_every, it)
-
-
-class _Window:
-    """Loss, time and tokens accumulated over one logging interval."""
-
-    def __init__(self, tokens_per_iter: int) -> None:
-        self.tokens_per_iter = tokens_per_iter
-        self.iters, self.counted, self.loss, self.seconds = 0, 0, 0.0, 0.0
-
-    def add(self, loss: float, seconds: float, counted: bool = True) -> None:
-        """One iteration; a skipped one (``counted=False``) adds time but not its loss."""
-        self.iters += 1
-        self.counted += counted
-        self.loss += loss if counted else 0.0
-        self.seconds += seconds
-
-    @property
-    def mean_loss(self) -> float:
-        return self.loss / self.counted if self.counted else math.nan
-
-    def take(self) -> tuple[int, float]:
-        """(tokens, seconds) of the interval; starts the next one."""
-        out = (self.tokens_per_iter * self.iters, self.seconds)
-        self.iters, self.counted, self.loss, self.seconds = 0, 0, 0.0, 0.0
-        return out
-
-
 class TrainingStopped(RuntimeError):
     """The run cannot continue (e.g. too many non-finite steps); the message says why."""
 
 
 class TrainingPreempted(RuntimeError):
     """``train.exit_signal`` arrived: every rank saved and stopped at the same iteration."""
-
-
-class ExitSignal:
-    """Notes ``signal_name`` (``train.exit_signal``) and says, collectively, whether any rank
-    got it, so every rank stops at the same iteration boundary (Megatron's exit signal
-    handler). Without a name it installs nothing and costs nothing."""
-
-    def __init__(self, signal_name: str, device: str) -> None:
-        import signal
-
-        self.device, self.seen = device, False
-        self.armed = bool(signal_name)
-        if self.armed:
-            signal.signal(getattr(signal, signal_name), self._note)
-
-    def _note(self, *_: Any) -> None:
-        self.seen = True
-
-    def received(self) -> bool:
-        """Whether any rank has received the signal (a one-element all-reduce when armed)."""
-        if not self.armed:
-            return False
-        flag = torch.tensor(float(self.seen), device=self.device)
-        if dist.get_world_size() > 1:
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        return bool(flag.item())
-
-
-class _Health:
-    """Skipped (non-finite) steps in a row and loss spikes against a running mean."""
-
-    def __init__(self, max_skipped: int, spike_factor: float, window: int = 50) -> None:
-        self.max_skipped, self.spike_factor = max_skipped, spike_factor
-        self.in_a_row = 0
-        self.recent: deque[float] = deque(maxlen=window)
-
-    def update(
-        self, it: int, loss: float, skipped: bool, consumed: int, batch: int
-    ) -> tuple[str, str]:
-        """``(note, stop)``: a line to log ("" if none) and why to stop ("" to go on)."""
-        if skipped:
-            self.in_a_row += 1
-            note = (
-                f"iteration {it}: loss {loss:.4g} or gradients not finite: step skipped (no "
-                f"optimizer or learning-rate update); samples {consumed - batch}-{consumed - 1} "
-                f"are consumed and not trained on ({self.in_a_row} skipped in a row, "
-                f"train.max_skipped_steps={self.max_skipped})"
-            )
-            stop = ""
-            if self.in_a_row >= self.max_skipped:
-                stop = (
-                    f"{self.in_a_row} consecutive steps with non-finite loss or gradients "
-                    f"(train.max_skipped_steps={self.max_skipped}) at iteration {it}: stopped "
-                    "without saving; the last complete checkpoint is intact (lower train.lr, "
-                    "check the data, then --resume auto)"
-                )
-            return note, stop
-        self.in_a_row = 0
-        note = ""
-        if self.spike_factor > 0 and len(self.recent) >= 10:
-            mean = sum(self.recent) / len(self.recent)
-            if loss > self.spike_factor * mean:
-                note = (
-                    f"iteration {it}: loss spike {loss:.4g} > train.loss_spike_factor "
-                    f"{self.spike_factor:g} x running mean {mean:.4g} "
-                    f"(last {len(self.recent)} iterations)"
-                )
-        self.recent.append(loss)
-        return note, ""
 
 
 def build_partitioned(cfg: Config, ds_config: dict[str, Any]) -> nn.Module:
@@ -670,16 +539,6 @@ def is_zero3_partitioned(model: nn.Module) -> bool:
     return any(hasattr(p, "ds_id") for p in model.parameters())
 
 
-def injected_nan_iterations() -> frozenset[int]:
-    """Iterations named in ``$TAPERED_MEGATRON_INJECT_NAN`` ("3", "3,5", "4-9"): test hook."""
-    out: set[int] = set()
-    for part in os.environ.get("TAPERED_MEGATRON_INJECT_NAN", "").replace(" ", "").split(","):
-        if part:
-            lo, _, hi = part.partition("-")
-            out.update(range(int(lo), int(hi or lo) + 1))
-    return frozenset(out)
-
-
 def loss_scale_to_apply(engine: Any) -> float:
     """The factor the trainer multiplies the loss by before ``engine.backward`` (and divides
     the reported gradient norm by): fp16's current dynamic loss scale without ZeRO, else 1.
@@ -724,25 +583,6 @@ def grad_norm(engine: Any) -> float | None:
     if parallel.get_tensor_model_parallel_world_size() > 1:
         dist.all_reduce(sq, group=parallel.get_tensor_model_parallel_group())
     return math.sqrt(sq.item())
-
-
-class _MetricsFile:
-    """Append-only JSON lines, one per iteration (rank 0; disabled when ``path`` is empty)."""
-
-    def __init__(self, path: str) -> None:
-        self.f = None
-        if path:
-            Path(path).parent.mkdir(parents=True, exist_ok=True)
-            self.f = open(path, "a")  # noqa: SIM115 - kept open for the whole run
-
-    def write(self, record: dict[str, Any]) -> None:
-        if self.f is not None:
-            self.f.write(json.dumps(record) + "\n")
-            self.f.flush()
-
-    def close(self) -> None:
-        if self.f is not None:
-            self.f.close()
 
 
 def _collate(samples: list[Any]) -> torch.Tensor:
