@@ -35,11 +35,14 @@ Memory of stage ``j`` under 1F1B with ``M`` micro-batches (stage ``j`` of ``P`` 
 * parameters per rank: the unit's count / tp, except what every rank holds whole: the
   parameters no TP layout splits (RMSNorm gains, Hope's level rates) and the key/value
   projections when the TP size exceeds ``model.kv_heads`` (grouped-query attention).
+* buffers (RoPE's tables) whole on every rank, in their own dtype, with the model state.
 * bytes per parameter (ZeRO paper accounting, K = 12 for Adam's fp32 master + m + v):
   bf16 = 2 (weights) + 2 (grads) + 12 (optimizer), with gradients accumulated in fp32 as the
   shipped and planned ds_configs ask from ZeRO-1 up (``data_types.grad_accum_dtype``):
   DeepSpeed's BF16_Optimizer (ZeRO-1, pipeline runs) adds a full 4-byte fp32 gradient buffer,
-  ZeRO-2/3 keep their gradient partition in fp32 (4 / dp instead of 2 / dp);
+  and under the pipeline engine (``immediate_grad_update``, as the planner writes it) holds
+  no bf16 gradients; ZeRO-2/3 keep their gradient partition in fp32 (4 / dp instead of
+  2 / dp);
   fp32 = 4 + 4 + 8 without ZeRO, 4 + 4 + 12 under ZeRO: DeepSpeed's ZeRO optimizers keep an
   fp32 master partition also in fp32 training (stage 1/2 clone it; stage 3's alias for an
   fp32 model compares a ``torch.device`` with a device-name string and never holds, in
@@ -55,7 +58,8 @@ Memory of stage ``j`` under 1F1B with ``M`` micro-batches (stage ``j`` of ``P`` 
   sequence shard under sequence parallelism); with ``selective`` it keeps all but its cores'
   ``core_bytes`` (inside the TP region: sharded but ``core_replicated``).
 * transient: while one unit runs backward, its activation gradients (about the size of what it
-  saved; under checkpointing its recomputed activations) live next to everything in flight.
+  saved) live next to everything in flight; under checkpointing its recomputed activations
+  live beside them too (twice the unit's activations).
   The head's fused loss keeps its fp32 weight gradient per micro-batch in flight and works
   through one chunk of fp32 logits at a time; no logits-sized tensor exists. Under ZeRO-3 a
   unit's transient also holds its full gradient (before DeepSpeed moves it into the reduce
@@ -275,7 +279,9 @@ def bytes_per_param(precision: str, zero: int, dp: int, pipeline: bool) -> float
     """Model-state bytes per parameter on one device (see the module docstring)."""
     if precision == "bf16":
         weights, optim = 2.0, 12.0
-        grads = 4.0 if zero >= 2 else 2.0  # fp32-accumulated partitions
+        # fp32-accumulated partitions; a pipeline's BF16_Optimizer moves each bf16 gradient
+        # into its fp32 buffer as it is made (immediate_grad_update) and holds none
+        grads = 4.0 if zero >= 2 else 0.0 if pipeline else 2.0
         acc = 4.0 if pipeline or zero == 1 else 0.0  # BF16_Optimizer's full fp32 gradients
     elif precision == "fp32":
         weights, grads, optim, acc = 4.0, 4.0, 12.0 if zero >= 1 else 8.0, 0.0
@@ -306,6 +312,11 @@ def ring_all_reduce(nbytes: float, n: int, bw: float) -> float:
 TP_ALL_REDUCES = {"embedding": 1, "layer": 2, "mixer": 1, "mlp": 1, "head": 1}
 
 
+#: Bytes of a token id (int64): a micro-batch's input ids live with the embedding, its labels
+#: with the head, until its backward.
+TOKEN_ID_BYTES = 8
+
+
 def tp_local_params(c: Counts, cfg: Config, tp: int, whole: int = 0) -> float:
     """Parameters of a unit with counts ``c`` on one of ``tp`` TP ranks: its shard, the
     ``whole`` parameters no TP layout splits (norm gains: :func:`whole_params`), and every
@@ -315,18 +326,26 @@ def tp_local_params(c: Counts, cfg: Config, tp: int, whole: int = 0) -> float:
 
 
 @lru_cache(maxsize=4096)
-def _whole_params(cfg: Config, module: type, args: tuple) -> int:
+def _built(cfg: Config, module: type, args: tuple) -> tuple[int, int]:
+    """(parameters without a TP layout, buffer bytes) of a unit built on the meta device."""
     import torch
 
     with torch.device("meta"):
         built = module(cfg, *args)
-    return sum(p.numel() for p in built.parameters() if getattr(p, "tp_layout", None) is None)
+    whole = sum(p.numel() for p in built.parameters() if getattr(p, "tp_layout", None) is None)
+    return whole, sum(b.numel() * b.element_size() for b in built.buffers())
 
 
 def whole_params(unit: Unit) -> int:
     """Parameters of ``unit`` that every TP rank holds whole: those without a ``TPLayout``
     (RMSNorm gains, Hope's level rates), counted on the unit built on the meta device."""
-    return _whole_params(unit.cfg, unit.module, unit.args)
+    return _built(unit.cfg, unit.module, unit.args)[0]
+
+
+def buffer_bytes(unit: Unit) -> int:
+    """Bytes of ``unit``'s buffers (RoPE's fp32 tables), whole on every rank and kept in their
+    own dtype (DeepSpeed casts the parameters only), from the unit built on the meta device."""
+    return _built(unit.cfg, unit.module, unit.args)[1]
 
 
 def launch_time(device: Device, kind: str) -> float:
@@ -409,11 +428,14 @@ def unit_costs(
         full = resid + (act_bytes * tok - resid) / shape.tp
         # While a unit runs backward, gradients of its activations (about the size of what it
         # saved) are alive next to everything held for the micro-batches in flight; a
-        # checkpointed unit first re-creates its activations. Either way: one unit's worth.
+        # checkpointed unit first re-creates its activations, which live beside those
+        # gradients: two units' worth.
         act = input_bytes * tok / (shape.tp if sp else 1) if recompute else full
         if shape.recompute == "selective" and measured_act is None:
             act -= (c.core_replicated + (c.core_bytes - c.core_replicated) / shape.tp) * tok
-        peak = full
+        peak = 2.0 * full if recompute else full
+        if u.kind in ("embedding", "head"):
+            act += TOKEN_ID_BYTES * tok  # the micro-batch's input ids / labels
         if u.kind == "head":
             # The fused loss keeps its fp32 weight gradient until the micro-batch's backward
             # and works through one chunk of fp32 logits (at most CHUNK_BYTES) at a time.
@@ -434,12 +456,24 @@ def unit_costs(
                 time=t + comm,
                 tp_comm=comm,
                 local_params=local,
-                static=local * bpp,
+                static=local * bpp + buffer_bytes(u),
                 act=act,
                 peak=peak,
             )
         )
     return out
+
+
+def pipeline_buffer_bytes(cfg: Config, shape: RunShape, stages: int) -> float:
+    """Bytes of DeepSpeed's pipeline engine's buffers on a stage, kept from step to step: for
+    each of its ``max(2, min(P - j, M))`` pipe buffers the received input, the output and the
+    output's copy it sends, and one gradient buffer; each one micro-batch's residual stream (a
+    sequence shard under sequence parallelism). Counted at the first stage's buffer count, the
+    most of any stage."""
+    sp = shape.tp if shape.sequence_parallel and shape.tp > 1 else 1
+    tensors = 3 * max(2, min(stages, shape.micro_batches)) + 1
+    elem = activation_scale(shape.precision)
+    return tensors * shape.tokens * cfg.model.d_model * elem / sp
 
 
 def zero3_gathered(params: Sequence[float], zero3: Zero3) -> float:
@@ -494,11 +528,10 @@ def zero3_stage_bytes(
     pipeline parallelism) besides ``static + act + max(peak)`` of its units, from how
     DeepSpeed 0.19's ``DeepSpeedZeroOptimizer_Stage3`` and torch's AdamW work:
 
-    * the reduce bucket: ``torch.empty(reduce_bucket_size)`` of the communication dtype (the
-      model's), made once at start (``_setup_for_real_optimizer``); with
-      ``contiguous_gradients`` every gradient that fits is copied into it until the next one
-      would overflow it. Where only written pages are resident (a CPU) at most the model's
-      size of it is;
+    * the reduce bucket (:func:`zero3_bucket_bytes`): ``torch.empty(reduce_bucket_size)`` of the
+      communication dtype (the model's), made once at start (``_setup_for_real_optimizer``);
+      with ``contiguous_gradients`` every gradient that fits is copied into it until the next
+      one would overflow it;
     * the gathered weights: the most held at once in the steady state (:func:`zero3_gathered`:
       the running unit, those prefetched, those kept from forward to backward);
     * reducing the bucket: ``reduce_scatter_coalesced`` interleaves the rank chunks of the
@@ -518,7 +551,6 @@ def zero3_stage_bytes(
     params = [c.local_params for c in costs]
     total = sum(params)
     z = shape.zero3
-    bucket = min(z.reduce_bucket_size, total) if device.lazy_pages else z.reduce_bucket_size
     reduce_copy = min(z.reduce_bucket_size, total)
     fwd_bwd = (zero3_gathered(params, z) + reduce_copy) * elem
     largest = cfg.padded_vocab_size / shape.tp * cfg.model.d_model  # embedding / head weight
@@ -527,7 +559,16 @@ def zero3_stage_bytes(
     if elem != 4:
         step = max(step, sub * (elem + 4.0))
     units = sum(c.act for c in costs) + max((c.peak for c in costs), default=0.0)
-    return bucket * elem + max(fwd_bwd, step - units)
+    return zero3_bucket_bytes(total, shape, device) + max(fwd_bwd, step - units)
+
+
+def zero3_bucket_bytes(params: float, shape: RunShape, device: Device) -> float:
+    """ZeRO-3's reduce bucket on a rank of ``params`` TP-local parameters (one of
+    :func:`zero3_stage_bytes`' terms): made once, of the model's dtype; where only written pages
+    are resident (a CPU) at most the model's size of it is."""
+    z = shape.zero3
+    bucket = min(z.reduce_bucket_size, params) if device.lazy_pages else z.reduce_bucket_size
+    return bucket * activation_scale(shape.precision)
 
 
 def model_unit_costs(
@@ -597,12 +638,28 @@ def reduce_bucket_elems(stage_params: float) -> int:
 def overlap_bucket_bytes(stage_params: float, elem: int, zero_stage: int) -> float:
     """Bytes of DeepSpeed's ZeRO-1/2 gradient buckets under ``overlap_comm`` with contiguous
     gradients (``stage_1_and_2.py``): two ``reduce_bucket_size`` buffers of the reduction dtype
-    (the fp32 accumulation dtype for ZeRO-1, the model's for ZeRO-2), made once; other stages
-    and ZeRO-3 (counted in :func:`zero3_stage_bytes`): 0."""
-    if zero_stage not in (1, 2):
+    (the fp32 accumulation dtype for ZeRO-1, the model's for ZeRO-2), made once at their full
+    size. bf16 ZeRO-1 runs DeepSpeed's ``BF16_Optimizer``, which makes none (its reduce is
+    :func:`fallback_reduce_bytes`); other stages and ZeRO-3 (counted in
+    :func:`zero3_stage_bytes`): 0."""
+    if zero_stage not in (1, 2) or (zero_stage == 1 and elem == 2):
         return 0.0
     dtype = 4 if zero_stage == 1 else elem
-    return 2.0 * min(reduce_bucket_elems(stage_params), stage_params) * dtype
+    return 2.0 * reduce_bucket_elems(stage_params) * dtype
+
+
+#: Gradient elements DeepSpeed's engine flattens at once when it all-reduces them itself
+#: (``MEMORY_OPT_ALLREDUCE_SIZE`` of ``deepspeed/runtime/engine.py``).
+FALLBACK_REDUCE_ELEMS = 500_000_000
+
+
+def fallback_reduce_bytes(stage_params: float, elem: int) -> float:
+    """The transient of ``BF16_Optimizer``'s gradient reduce (bf16 with ZeRO-1): after the last
+    backward the engine flattens the fp32 gradients, up to :data:`FALLBACK_REDUCE_ELEMS` of
+    them at a time, and casts the flat copy to the model's dtype before the all-reduce. The
+    activations are gone by then, so it is an alternative to the forward/backward working
+    set, not an addition."""
+    return min(stage_params, FALLBACK_REDUCE_ELEMS) * (4.0 + elem)
 
 
 @dataclass(frozen=True)

@@ -6,8 +6,9 @@ for a planner layout, runs a few training steps (forward, backward, optimizer) i
 memory is allocated) and reports, each beside the cost model's prediction for the same stage:
 
 * ``params``: parameters this rank holds before ZeRO partitioning (its TP shard of its stage);
-* ``model_state``: the bytes alive when the optimizer step begins (weights, gradients,
-  optimizer state and DeepSpeed's own buffers; the activations are gone);
+* ``model_state``: the bytes alive when the optimizer step begins: weights, gradients,
+  optimizer state and DeepSpeed's buffers made once (ZeRO-1/2's reduce buckets, ZeRO-3's
+  reduce bucket); the activations are gone;
 * ``peak``: the most bytes alive at once during the last step (the first builds the optimizer
   state);
 * ``block_act``: per block, what its forward of one micro-batch keeps for backward: the bytes
@@ -94,10 +95,20 @@ def predicted(
     units = bal.costs[parts[stage] : parts[stage + 1]]
     local = sum(u.local_params for u in units)
     elem = costlib.activation_scale(dev.precision)
-    buckets = costlib.overlap_bucket_bytes(local, elem, c.zero) if c.pp == 1 else 0.0
-    fixed = bal.overhead - dev.overhead_bytes  # ZeRO-3's buffers (0 otherwise)
+    stage_params = sum(u.params for u in units) / c.tp  # as the planner sizes the buckets
+    buckets = costlib.overlap_bucket_bytes(stage_params, elem, c.zero) if c.pp == 1 else 0.0
+    fixed = bal.overhead - dev.overhead_bytes  # ZeRO-3, the pipeline, BF16_Optimizer's reduce
     peak = costlib.stage_memory(bal.costs, parts, c.grad_accum)[stage] + fixed + buckets
-    static = sum(u.static for u in units)
+    shape = costlib.RunShape(
+        micro_batch_size=c.micro_batch_size, seq_len=cfg.model.seq_len, micro_batches=c.grad_accum,
+        tp=c.tp, precision=dev.precision, sequence_parallel=c.sequence_parallel,
+    )  # fmt: skip
+    buffers = buckets  # DeepSpeed's buffers made once
+    if c.zero == 3:
+        buffers += costlib.zero3_bucket_bytes(local, shape, dev)
+    if c.pp > 1:
+        buffers += costlib.pipeline_buffer_bytes(cfg, shape, c.pp)
+    static = sum(u.static for u in units) + buffers
     blocks = [u.act for u in units if u.kind == "layer"]
     return Figures(local, static, peak, blocks)
 
@@ -161,15 +172,15 @@ def _units(cfg: Config, c: Candidate) -> list[Any]:
 
 
 def _train_step(engine: Any, cfg: Config, layout: Any) -> None:
-    """One optimizer step of random token batches, as the trainer takes it."""
+    """One optimizer step of random token batches, made and fed as the trainer's ``batches`` and
+    ``train_step`` make and feed them."""
     import torch
 
     def batches() -> Any:
         while True:
-            ids = torch.randint(
-                0, cfg.model.vocab_size, (layout.micro_batch_size, cfg.model.seq_len)
-            )
-            yield ids, ids
+            shape = (layout.micro_batch_size, cfg.model.seq_len + 1)
+            tokens = torch.randint(0, cfg.model.vocab_size, shape)
+            yield tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
 
     if layout.pp > 1:
         engine.train_batch(batches())

