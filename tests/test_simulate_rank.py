@@ -65,3 +65,22 @@ def test_reduced_pipeline_stage_matches_plan():
     sim = simulate(cfg, Candidate(1, 2, 2, 1, 4, 2, "full", "layer"), H100, rank=2)
     assert sim.stage == 1
     check(sim)
+
+
+def _planned(config: str, gpus: int, pipeline: bool) -> Candidate:
+    """The planner's pick for ``config`` on ``gpus`` H100s of 80 GiB, or its best pipeline
+    layout."""
+    from tapered_megatron.planning.planner import plan
+
+    ranked, _ = plan(load_config(config), gpus, H100, 0.9 * 80 * costlib.GiB)
+    return next(c for c in ranked if (c.pp > 1) == pipeline)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("config", "gpus"), [("transformer_7b", 64), ("transformer_30b", 256)])
+@pytest.mark.parametrize("pipeline", [False, True], ids=["pick", "pipeline"])
+def test_preset_rank_matches_plan(config, gpus, pipeline):
+    """Rank 0 (the first pipeline stage: the most micro-batches in flight) of the planner's
+    layout for a 7B and a 30B preset: the issue's targets with the peak within 5 %."""
+    c = _planned(config, gpus, pipeline)
+    check(simulate(load_config(config), c, H100, 0, 0.9 * 80 * costlib.GiB), peak_slack=0.05)

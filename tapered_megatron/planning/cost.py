@@ -528,10 +528,10 @@ def zero3_stage_bytes(
     pipeline parallelism) besides ``static + act + max(peak)`` of its units, from how
     DeepSpeed 0.19's ``DeepSpeedZeroOptimizer_Stage3`` and torch's AdamW work:
 
-    * the reduce bucket (:func:`zero3_bucket_bytes`): ``torch.empty(reduce_bucket_size)`` of the
+    * the reduce bucket (:func:`zero3_held_bytes`): ``torch.empty(reduce_bucket_size)`` of the
       communication dtype (the model's), made once at start (``_setup_for_real_optimizer``);
       with ``contiguous_gradients`` every gradient that fits is copied into it until the next
-      one would overflow it;
+      one would overflow it; and the first unit's gathered weights, held through the step;
     * the gathered weights: the most held at once in the steady state (:func:`zero3_gathered`:
       the running unit, those prefetched, those kept from forward to backward);
     * reducing the bucket: ``reduce_scatter_coalesced`` interleaves the rank chunks of the
@@ -559,16 +559,20 @@ def zero3_stage_bytes(
     if elem != 4:
         step = max(step, sub * (elem + 4.0))
     units = sum(c.act for c in costs) + max((c.peak for c in costs), default=0.0)
-    return zero3_bucket_bytes(total, shape, device) + max(fwd_bwd, step - units)
+    first = params[0] * elem if params else 0.0  # gathered through the step
+    return zero3_held_bytes(params, shape, device) + max(fwd_bwd - first, step - units)
 
 
-def zero3_bucket_bytes(params: float, shape: RunShape, device: Device) -> float:
-    """ZeRO-3's reduce bucket on a rank of ``params`` TP-local parameters (one of
-    :func:`zero3_stage_bytes`' terms): made once, of the model's dtype; where only written pages
-    are resident (a CPU) at most the model's size of it is."""
+def zero3_held_bytes(params: Sequence[float], shape: RunShape, device: Device) -> float:
+    """What ZeRO-3 holds from step to step on a rank of units with ``params`` TP-local
+    parameters (forward order), besides the model state: its reduce bucket, made once of the
+    model's dtype (where only written pages are resident, a CPU, at most the model's size of
+    it), and the first unit's gathered weights: its backward comes last and its next use is
+    the next step's first, within any reuse distance, so it is never released."""
     z = shape.zero3
-    bucket = min(z.reduce_bucket_size, params) if device.lazy_pages else z.reduce_bucket_size
-    return bucket * activation_scale(shape.precision)
+    total = sum(params)
+    bucket = min(z.reduce_bucket_size, total) if device.lazy_pages else z.reduce_bucket_size
+    return (bucket + (params[0] if params else 0.0)) * activation_scale(shape.precision)
 
 
 def model_unit_costs(

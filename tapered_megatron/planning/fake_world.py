@@ -22,7 +22,10 @@ Running DeepSpeed on data-free tensors needs a few harness patches, applied only
   previous stage) is answered locally with the shape the caller gives;
 * :func:`tapered_megatron.parallel.pipeline.agree_on_parts` (an object broadcast, which the
   fake group cannot carry) keeps this rank's own boundaries, which are rank 0's: every rank
-  computes them from the same analytic costs.
+  computes them from the same analytic costs;
+* the cost model's device ``auto`` (what the trainer's pipeline balancer asks for: the device
+  it runs on) is the simulated device, not this machine's CPU, whose peak would be measured
+  on fake tensors.
 """
 
 from __future__ import annotations
@@ -31,7 +34,7 @@ import contextlib
 import os
 import weakref
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import deepspeed
 import torch
@@ -40,6 +43,9 @@ from torch import nn
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_map_only
+
+if TYPE_CHECKING:
+    from tapered_megatron.planning.cost import Device
 
 
 class LiveBytes(TorchDispatchMode):
@@ -134,13 +140,14 @@ def _apply_in_place(original: Callable[..., Any]) -> Callable[..., Any]:
     return _apply
 
 
-def _patches(received: tuple[int, ...]) -> list[contextlib.AbstractContextManager]:
+def _patches(received: tuple[int, ...], device: Device) -> list[contextlib.AbstractContextManager]:
     """The harness patches of the module docstring; ``received``: the shape of the activation
-    a pipeline stage receives."""
+    a pipeline stage receives; ``device``: the simulated device."""
     from deepspeed.runtime.pipe import engine as pipe_engine
     from deepspeed.runtime.zero import partition_parameters, partitioned_param_coordinator, stage3
 
     from tapered_megatron.parallel import pipeline
+    from tapered_megatron.planning import cost
     from tapered_megatron.training import optim
 
     def recv_tensor_meta(engine: Any, send_stage: int) -> Any:
@@ -154,14 +161,22 @@ def _patches(received: tuple[int, ...]) -> list[contextlib.AbstractContextManage
         _patched(optim, "skip_nonfinite_steps", lambda engine: None),
         _patched(pipeline, "agree_on_parts", lambda parts, table: (parts, table)),
         _patched(pipe_engine.PipelineEngine, "_recv_tensor_meta", recv_tensor_meta),
+        _patched(cost, "resolve_device", _resolving_auto_as(device, cost.resolve_device)),
     ]
 
 
+def _resolving_auto_as(device: Device, resolve: Callable[[str], Device]) -> Callable[..., Device]:
+    """``cost.resolve_device`` answering ``device`` for ``auto``."""
+    return lambda name="auto": device if name == "auto" else resolve(name)
+
+
 @contextlib.contextmanager
-def fake_world(world: int, rank: int, received: tuple[int, ...] = ()) -> Iterator[LiveBytes]:
-    """Act as ``rank`` of a ``world``-rank job: fake process group, fake tensors, the harness
-    patches; yields the byte counter (entered). Undone on exit. ``received``: the shape of the
-    activation a pipeline stage receives from the previous one."""
+def fake_world(
+    world: int, rank: int, device: Device, received: tuple[int, ...] = ()
+) -> Iterator[LiveBytes]:
+    """Act as ``rank`` of a ``world``-rank job on ``device``s: fake process group, fake tensors,
+    the harness patches; yields the byte counter (entered). Undone on exit. ``received``: the
+    shape of the activation a pipeline stage receives from the previous one."""
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     env = {
@@ -178,7 +193,7 @@ def fake_world(world: int, rank: int, received: tuple[int, ...] = ()) -> Iterato
     counter = LiveBytes()
     try:
         with contextlib.ExitStack() as stack:
-            for p in _patches(received):
+            for p in _patches(received, device):
                 stack.enter_context(p)
             stack.enter_context(FakeTensorMode(allow_non_fake_inputs=True))
             stack.enter_context(counter)

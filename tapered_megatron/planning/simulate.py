@@ -105,11 +105,11 @@ def predicted(
     )  # fmt: skip
     buffers = buckets  # DeepSpeed's buffers made once
     if c.zero == 3:
-        buffers += costlib.zero3_bucket_bytes(local, shape, dev)
+        buffers += costlib.zero3_held_bytes([u.local_params for u in units], shape, dev)
     if c.pp > 1:
         buffers += costlib.pipeline_buffer_bytes(cfg, shape, c.pp)
     static = sum(u.static for u in units) + buffers
-    blocks = [u.act for u in units if u.kind == "layer"]
+    blocks = [u.act for u in units if u.kind in ("layer", "mixer", "mlp")]
     return Figures(local, static, peak, blocks)
 
 
@@ -128,7 +128,7 @@ def simulate(
     ds, layout = launch.resolve(run_cfg, ds_config(run_cfg, filled, dev), world)
     seq = run_cfg.model.seq_len // (c.tp if c.sequence_parallel else 1)
     received = (c.micro_batch_size, seq, run_cfg.model.d_model)
-    with fake_world(world, rank, received) as live:
+    with fake_world(world, rank, dev, received) as live:
         engine, stage, parts = _build(run_cfg, ds, layout, filled)
         probe = _Probe(engine, live)
         for step in range(STEPS):
