@@ -175,6 +175,9 @@ class TrainConfig:
     # disk) so the checkpoint resumes under any other parallel layout; false: same layout only
     universal_checkpoint: bool = True
     resume: str = ""  # "" (fresh), "auto" (newest complete checkpoint in save_dir) or a path
+    # a fresh run into a save_dir holding checkpoints: move them aside into
+    # save_dir/earlier-run-<UTC time>/ (nothing is deleted); false: refuse to start
+    start_over: bool = False
     exit_interval: int = at_least(0, 0)  # stop (after saving) at multiples of it; 0: never
     # on this signal (e.g. SIGUSR1, which SLURM's --signal sends before the time limit) every
     # rank stops at the same iteration boundary after saving; exit code 75. "": no handler
@@ -538,11 +541,37 @@ def config_from_dict(
     """A validated :class:`Config` from its ``to_dict()`` form (e.g. an export's
     ``config.json``), through the same loader as presets; its ``model.plugins`` are never
     imported (:func:`received_model`: ``plugins``, the caller's own, are)."""
+    _refuse_base(data, "config.json")
     model = received_model(dict(data.get("model") or {}), "config.json", plugins, fix)
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "config.yaml"
         path.write_text(yaml.safe_dump({**data, "model": model}, sort_keys=False))
         return load_config(str(path))
+
+
+def _refuse_base(data: dict[str, Any], where: str) -> None:
+    """A saved or received configuration is complete: its ``base`` (an inclusion that could
+    name any file, whose ``model.plugins`` would be imported) is refused, never followed."""
+    if not isinstance(data, dict):
+        raise ConfigError(f"{where}: the configuration is not a mapping; refused")
+    if "base" in data:
+        raise ConfigError(
+            f"{where}: 'base: {data['base']!r:.80}' is not followed in a saved or received "
+            "configuration (it is complete as saved; an inclusion could name any file); refused"
+        )
+
+
+def _received_layer(path: Path) -> dict[str, Any]:
+    """A checkpoint's ``config.yaml`` as one layer: parsed within the bounds of
+    :mod:`tapered_megatron.received` (size, nesting depth, alias expansion), no ``base``."""
+    from tapered_megatron.received import ReceivedFileError, load_yaml
+
+    try:
+        data = load_yaml(path)
+    except ReceivedFileError as e:
+        raise ConfigError(str(e)) from None
+    _refuse_base(data, str(path))
+    return data
 
 
 def received_model(
@@ -577,7 +606,7 @@ def load_saved_config(
     Checkpoints written before the architecture records carried every architecture's settings;
     the settings owned by another architecture than the saved ``model.arch`` are dropped. Keys
     saved under an old name (:data:`RENAMED`) move to the new one."""
-    data = _load_yaml(str(path))
+    data = _received_layer(Path(path))
     for old, new in RENAMED.items():
         (sec, key), (new_sec, new_key) = old.split("."), new.split(".")
         section = dict(data.get(sec) or {})

@@ -20,7 +20,9 @@ import pytest
 import torch
 import torch.distributed as dist
 import yaml
+from launch_helpers import reseal
 
+from tapered_megatron.checkpoint_layout import digests
 from tapered_megatron.config import ConfigError, load_config
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -121,7 +123,8 @@ def _saved_checkpoint(
     (tag / "config.yaml").write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
     if layout is not None:
         (tag / "layout.json").write_text(json.dumps(layout))
-    (tag / "complete").write_text("{}\n")
+    marker = {"iteration": 5, "consumed_samples": 40, "files": digests(tag)}
+    (tag / "complete").write_text(json.dumps(marker))
     (save / "latest").write_text("global_step5")
     return save
 
@@ -267,6 +270,7 @@ def test_layout_change_needs_the_universal_copy(corpus, tmp_path):
         preflight.check_resume(cfg, layout)
     (save / "global_step5" / "universal").mkdir()
     torch.save({}, save / "global_step5" / "universal" / "meta.pt")
+    reseal(save / "global_step5")
     preflight.check_resume(cfg, layout)  # a layout change is allowed with the copy
 
     old = _saved_checkpoint(tmp_path / "x", ["--data.path", corpus, "--parallel.tp", "2"], D32)

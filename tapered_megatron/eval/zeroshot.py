@@ -3,7 +3,8 @@
     python -m tapered_megatron.eval.zeroshot --model OUT|--checkpoint DIR [--tag T] \\
         [--tasks a,b] [--limit N] [--batch-size 8] [--include-path tasks/] --output DIR
 
-Runs the harness's own ``hf`` backend on the export (``trust_remote_code``; a ``--checkpoint``
+Runs the harness's own ``hf`` backend on the export with this package's installed model classes
+(``trust_remote_code`` off: no code from the export directory runs; a ``--checkpoint``
 is exported to a temporary directory first, with ``--tokenizer-model`` or the run's tokenizer)
 and writes ``DIR/zeroshot.json``::
 
@@ -56,9 +57,11 @@ def run_harness(
     import lm_eval
     from lm_eval.tasks import TaskManager
 
+    import tapered_megatron.hf  # noqa: F401 - the installed classes, never the export's code
+
     return lm_eval.simple_evaluate(
         model="hf",
-        model_args=f"pretrained={model_dir},trust_remote_code=True,dtype={dtype}",
+        model_args=f"pretrained={model_dir},trust_remote_code=False,dtype={dtype}",
         tasks=tasks,
         limit=limit,
         batch_size=batch_size,

@@ -116,9 +116,11 @@ class TaperedForCausalLM(PreTrainedModel, GenerationMixin):
     @classmethod
     def from_pretrained(cls, pretrained_model_name_or_path: Any, *args: Any, **kwargs: Any) -> Any:
         """Hugging Face's ``from_pretrained``, after checking a local export directory against
-        its ``manifest.json`` (a changed file is refused in one line naming it)."""
+        its ``manifest.json`` (a changed, added or missing file is refused in one line naming
+        it); a directory without one (Hugging Face's own ``save_pretrained``) is not checked."""
         folder = Path(str(pretrained_model_name_or_path))
-        why = manifest_problem(folder, record=EXPORT_MANIFEST) if folder.is_dir() else None
+        ours = folder.is_dir() and (folder / EXPORT_MANIFEST).exists()
+        why = manifest_problem(folder, record=EXPORT_MANIFEST) if ours else None
         if why is not None:
             raise ValueError(f"{why}; refused")
         return super().from_pretrained(pretrained_model_name_or_path, *args, **kwargs)

@@ -9,9 +9,10 @@ own MMIDIDX validation on open), writes nothing, and creates no directory.
 Checked: the dataset files (missing, unreadable, corrupt or truncated index, truncated or
 oversized data, fewer tokens than one sample), blend weights, the tokenizer (missing, unreadable,
 larger than ``model.vocab_size``), ``train.save_dir`` (writable, enough free disk for the next
-checkpoint from the parameter and optimizer bytes), ``train.resume`` (exists, complete, same
-model and taper as this run; saved under this run's parallel layout unless it holds the
-layout-free ``universal/`` copy) and ``logging.wandb_project`` (the ``wandb`` package present).
+checkpoint from the parameter and optimizer bytes; no other run's checkpoints in it unless
+resumed or moved aside), ``train.resume`` (exists, complete, same model and taper as this run;
+saved under this run's parallel layout unless it holds the layout-free ``universal/`` copy) and
+``logging.wandb_project`` (the ``wandb`` package present).
 """
 
 from __future__ import annotations
@@ -42,7 +43,18 @@ def check_inputs(cfg: Config, ds_config: dict[str, Any], layout: Any = None) -> 
     check_tokenizer(cfg)
     check_save_dir(cfg, ds_config)
     check_resume(cfg, layout)
+    check_owner(cfg)
     check_logging(cfg)
+
+
+def check_owner(cfg: Config) -> None:
+    """``train.save_dir`` holds no other run's checkpoints, unless the run continues them
+    (``--resume auto``) or moves them aside (``train.start_over``)."""
+    from tapered_megatron.training.checkpoint import owner_problem
+
+    why = owner_problem(cfg)
+    if why is not None:
+        raise ConfigError(why)
 
 
 def check_logging(cfg: Config) -> None:

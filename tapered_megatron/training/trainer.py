@@ -70,6 +70,7 @@ class Trainer:
         self.exit_signal = ExitSignal(cfg.train.exit_signal, self.device)
         self.iteration, self.consumed = 0, 0
         where = self._verified_resume()
+        self.lineage = checkpoint.Lineage(resumed=where[1] if where else None)
         if where is not None:
             for tag in layout_files.partial_tags(where[0], layout_files.iteration_of(where[1])):
                 self.log(
@@ -249,7 +250,13 @@ class Trainer:
         also = universal if self.cfg.train.universal_checkpoint else None
         try:
             return checkpoint.save(
-                self.engine, self.cfg, it, self.consumed, also=also, layout=record
+                self.engine,
+                self.cfg,
+                it,
+                self.consumed,
+                also=also,
+                layout=record,
+                lineage=self.lineage,
             )
         except checkpoint.SaveFailed as e:
             raise TrainingStopped(str(e)) from None
@@ -590,6 +597,11 @@ def _collate(samples: list[Any]) -> torch.Tensor:
 
 
 def run(cfg: Config, ds_config: dict[str, Any], layout: Layout, t0: float) -> list[float]:
-    """Train one run in an initialised process group (used by ``pretrain/main.py``)."""
+    """Train one run in an initialised process group (used by ``pretrain/main.py``), holding
+    ``train.save_dir`` for it (:func:`checkpoint.own_save_dir`)."""
     os.makedirs(cfg.train.save_dir, exist_ok=True)
-    return Trainer(cfg, ds_config, layout, t0).fit()
+    try:
+        with checkpoint.own_save_dir(cfg):
+            return Trainer(cfg, ds_config, layout, t0).fit()
+    except checkpoint.SaveDirTaken as e:
+        raise TrainingStopped(str(e)) from None
