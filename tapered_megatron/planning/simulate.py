@@ -29,6 +29,7 @@ from tapered_megatron.config import Config
 from tapered_megatron.planning import cost as costlib
 from tapered_megatron.planning.fake_world import LiveBytes, fake_world
 from tapered_megatron.planning.planner import Candidate, ds_config, evaluate, overrides
+from tapered_megatron.training.launch import Layout, resolve
 
 #: Training steps simulated: the first builds the optimizer state, the peak is taken after it.
 STEPS = 2
@@ -118,14 +119,12 @@ def simulate(
 ) -> Simulation:
     """Simulate ``rank`` of layout ``c`` (see the module docstring); ``cap``: the planner's
     per-device memory cap in bytes (it picks the pipeline stages)."""
-    from tapered_megatron.training import launch
-
     filled = evaluate(cfg, c, dev, cap)
     if isinstance(filled, str):
         raise ValueError(f"layout {c.label}: {filled}")
     run_cfg = layout_config(cfg, filled)
     world = c.tp * c.pp * c.dp
-    ds, layout = launch.resolve(run_cfg, ds_config(run_cfg, filled, dev), world)
+    ds, layout = resolve(run_cfg, ds_config(run_cfg, filled, dev), world)
     seq = run_cfg.model.seq_len // (c.tp if c.sequence_parallel else 1)
     received = (c.micro_batch_size, seq, run_cfg.model.d_model)
     with fake_world(world, rank, dev, received) as live:
@@ -144,34 +143,24 @@ def simulate(
     )
 
 
-def _build(cfg: Config, ds: dict[str, Any], layout: Any, c: Candidate) -> tuple[Any, int, list]:
+def _build(
+    cfg: Config, ds: dict[str, Any], layout: Layout, c: Candidate
+) -> tuple[Any, int, list[int]]:
     """The trainer's engine for this rank, its pipeline stage and the stage boundaries."""
     from tapered_megatron import parallel
+    from tapered_megatron.models import units
     from tapered_megatron.planning.clock import StageClock
-    from tapered_megatron.training import optim
-    from tapered_megatron.training.trainer import Trainer
+    from tapered_megatron.training.trainer import build_engine
 
-    t = Trainer.__new__(Trainer)
-    t.cfg, t.ds_config, t.layout = cfg, ds, layout
-    t.device = "cpu"
     parallel.init_model_parallel(layout.tp, layout.pp)
     parallel.model_parallel_seed(cfg.train.seed)
-    t.pipeline = layout.pp > 1
-    t.clock = StageClock() if t.pipeline else None
-    engine = t._build_engine()
-    optim.undo_priming_step(engine)
+    engine = build_engine(cfg, ds, layout, StageClock() if layout.pp > 1 else None)
     stage = parallel.get_pipeline_model_parallel_rank()
-    parts = list(getattr(engine.module, "parts", [0, len(_units(cfg, c))]))
-    return engine, stage, parts
+    parts = engine.module.parts if layout.pp > 1 else [0, len(units(cfg, c.unit))]
+    return engine, stage, list(parts)
 
 
-def _units(cfg: Config, c: Candidate) -> list[Any]:
-    from tapered_megatron.models import units
-
-    return units(cfg, c.unit)
-
-
-def _train_step(engine: Any, cfg: Config, layout: Any) -> None:
+def _train_step(engine: Any, cfg: Config, layout: Layout) -> None:
     """One optimizer step of random token batches, made and fed as the trainer's ``batches`` and
     ``train_step`` make and feed them."""
     import torch
