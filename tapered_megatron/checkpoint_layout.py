@@ -128,10 +128,14 @@ def saved_layout(tag_dir: Path) -> dict[str, Any] | None:
 
 
 def describe_layout(rec: dict[str, Any]) -> str:
-    """``TP2 PP1 DP1 ZeRO-1 unit none`` (keys a record lacks are left out)."""
+    """``TP2 PP1 DP1 ZeRO-1 unit none`` (keys a record lacks are left out), with ``schedule
+    interleaved v2`` for a virtual-stage schedule."""
     names = (("tp", "TP{}"), ("pp", "PP{}"), ("dp", "DP{}"), ("zero_stage", "ZeRO-{}"))
     words = [fmt.format(rec[k]) for k, fmt in names if k in rec]
-    return " ".join([*words, f"unit {rec.get('pipeline_unit', 'none')}"])
+    words.append(f"unit {rec.get('pipeline_unit', 'none')}")
+    if "schedule" in rec:
+        words.append(f"schedule {rec['schedule']} v{rec.get('virtual_stages', 1)}")
+    return " ".join(words)
 
 
 def has_universal(tag_dir: Path) -> bool:

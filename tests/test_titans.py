@@ -15,6 +15,7 @@ from tapered_megatron.models import build_model, count_model, lm_loss, take_diag
 from tapered_megatron.models.titans import (
     GATE_INIT,
     MAX_GRAD_NORM,
+    NLMS_EPS,
     MemoryState,
     NeuralMemory,
     TitansMixer,
@@ -93,11 +94,15 @@ def _mlp(weights: list[torch.Tensor], x: torch.Tensor) -> torch.Tensor:
     return x
 
 
-def token_rule(q, k, v, theta, eta, alpha, m, s, chunk: int = 1, max_norm: float = MAX_GRAD_NORM):
+def token_rule(
+    q, k, v, theta, eta, alpha, m, s, chunk: int = 1, max_norm: float = MAX_GRAD_NORM,
+    normalized: bool = False,
+):  # fmt: skip
     """The Titans rule written plainly, one token at a time from memory ``m`` and momentum ``s``
     (per layer ``[B, H, out, in]``), gradients by autograd (each token's gradient clipped to
-    Frobenius norm ``max_norm``, as the rule says; 0: not clipped). Returns the read-outs and
-    final m, s.
+    Frobenius norm ``max_norm``, as the rule says; 0: not clipped; ``normalized``: the step
+    divided by twice the curvature along the error plus ``NLMS_EPS``, ``||G||^2 / (4 ||e||^2)``
+    with ``e = M(k) - v``, before the clip). Returns the read-outs and final m, s.
 
     ``chunk > 1``: gradients w.r.t. the weights at the start of each chunk of ``chunk`` tokens
     (the rule the chunk-parallel form implements), everything else per token.
@@ -107,11 +112,16 @@ def token_rule(q, k, v, theta, eta, alpha, m, s, chunk: int = 1, max_norm: float
         if t % chunk == 0:
             m_start = [w.detach() for w in m]
         wg = [w.clone().requires_grad_() for w in m_start]
-        loss = (_mlp(wg, k[:, :, t]) - v[:, :, t]).pow(2).sum()
-        grads = torch.autograd.grad(loss, wg)
+        err = _mlp(wg, k[:, :, t]) - v[:, :, t]
+        grads = torch.autograd.grad(err.pow(2).sum(), wg)
         norm = torch.sqrt(sum(g.pow(2).sum((-1, -2)) for g in grads))[..., None, None]
+        scale = torch.ones_like(norm)
+        if normalized:
+            e_sq = err.detach().pow(2).sum(-1)[..., None, None]
+            scale = e_sq / (2 * (norm**2 / 4 + NLMS_EPS * e_sq))
         if max_norm:
-            grads = [g * torch.clamp(max_norm / norm, max=1.0) for g in grads]
+            scale = torch.minimum(scale, max_norm / norm)
+        grads = [g * scale for g in grads]
         s = [
             eta[:, :, t, None, None] * sl - theta[:, :, t, None, None] * g
             for sl, g in zip(s, grads)
@@ -122,12 +132,13 @@ def token_rule(q, k, v, theta, eta, alpha, m, s, chunk: int = 1, max_norm: float
 
 
 def token_by_token(
-    q, k, v, theta, eta, alpha, weights, chunk: int = 1, max_norm: float = MAX_GRAD_NORM
-) -> torch.Tensor:
+    q, k, v, theta, eta, alpha, weights, chunk: int = 1, max_norm: float = MAX_GRAD_NORM,
+    normalized: bool = False,
+) -> torch.Tensor:  # fmt: skip
     """:func:`token_rule` from the learned weights and zero momentum (a sequence start)."""
     m = [w.unsqueeze(0).expand(q.shape[0], -1, -1, -1).clone() for w in weights]
     s = [torch.zeros_like(w) for w in m]
-    return token_rule(q, k, v, theta, eta, alpha, m, s, chunk, max_norm)[0]
+    return token_rule(q, k, v, theta, eta, alpha, m, s, chunk, max_norm, normalized)[0]
 
 
 def _memory_inputs(seq: int = 24, depth: int = 3):
@@ -143,15 +154,23 @@ def _memory_inputs(seq: int = 24, depth: int = 3):
     return q, k, v, theta, eta, alpha, [w.detach() for w in mem.memory]
 
 
-@pytest.mark.parametrize("depth, max_norm", [(2, MAX_GRAD_NORM), (3, MAX_GRAD_NORM), (2, 0.0)])
-def test_chunk_size_one_equals_token_by_token(depth, max_norm):
-    """Also without the clip (``model.titans.memory_clip 0``), which changes the read-out."""
+@pytest.mark.parametrize(
+    "depth, max_norm, normalized",
+    [(2, MAX_GRAD_NORM, False), (3, MAX_GRAD_NORM, False), (2, 0.0, False), (2, 0.0, True),
+     (3, 0.1, True)],
+)  # fmt: skip
+def test_chunk_size_one_equals_token_by_token(depth, max_norm, normalized):
+    """Also without the clip (``model.titans.memory_clip 0``) and with the normalised step
+    (``model.titans.normalized_step``), each of which changes the read-out."""
     args = _memory_inputs(depth=depth)
-    ref = token_by_token(*args, max_norm=max_norm)
-    got, _ = memory_scan(*args, chunk_size=1, max_norm=max_norm)
+    if normalized:  # larger values: the clip of 0.1 acts on some tokens only
+        args = (*args[:2], args[2] * torch.linspace(0.1, 4.0, args[2].shape[2])[:, None], *args[3:])
+    ref = token_by_token(*args, max_norm=max_norm, normalized=normalized)
+    got, _ = memory_scan(*args, chunk_size=1, max_norm=max_norm, normalized=normalized)
     torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
-    if not max_norm:
-        assert (got - memory_scan(*args, chunk_size=1)[0]).norm() > 1e-3 * got.norm()
+    plain = memory_scan(*args, chunk_size=1)[0]
+    if not max_norm or normalized:
+        assert (got - plain).norm() > 1e-3 * got.norm()
 
 
 def test_chunked_rule_and_its_approximation_error():
@@ -165,6 +184,10 @@ def test_chunked_rule_and_its_approximation_error():
         got, _ = memory_scan(q, k, v, theta, eta, alpha, w, chunk_size=b)
         ref = token_by_token(q, k, v, theta, eta, alpha, w, chunk=b)
         torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
+        got = memory_scan(q, k, v, theta, eta, alpha, w, chunk_size=b, normalized=True)[0]
+        ref = token_by_token(q, k, v, theta, eta, alpha, w, chunk=b, normalized=True)
+        torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
+        got, _ = memory_scan(q, k, v, theta, eta, alpha, w, chunk_size=b)
         report[b] = ((got - exact).norm() / exact.norm()).item()
         assert report[b] < 1.0
     print("relative read-out difference, chunked vs token-by-token:", report)
@@ -190,15 +213,18 @@ def test_scan_continues_from_a_state():
 
 
 @pytest.mark.parametrize(
-    "depth, from_state, max_norm", [(2, False, MAX_GRAD_NORM), (3, True, MAX_GRAD_NORM),
-                                    (2, False, 0.0),
-                                    pytest.param(2, True, 0.5, marks=pytest.mark.slow)]
+    "depth, from_state, max_norm, normalized",
+    [(2, False, MAX_GRAD_NORM, False), (3, True, MAX_GRAD_NORM, False), (2, False, 0.0, False),
+     (2, True, MAX_GRAD_NORM, True), (2, False, 0.0, True),
+     pytest.param(2, True, 0.5, False, marks=pytest.mark.slow),
+     pytest.param(3, False, 0.0, True, marks=pytest.mark.slow)]
 )  # fmt: skip
-def test_scan_gradients_match_finite_differences(depth, from_state, max_norm):
+def test_scan_gradients_match_finite_differences(depth, from_state, max_norm, normalized):
     """The scan's hand-written backward against finite differences in fp64: two sequences
     sharing the initial state (or each continuing from its own state, as MAC's segments), a
     ragged last chunk, the final state as an output too, and the per-token clip both active
-    and inactive (small and large values in turn), at two clip norms and without the clip."""
+    and inactive (small and large values in turn), at two clip norms and without the clip,
+    with the plain and the normalised step."""
     g = torch.Generator().manual_seed(0)
     bsz, heads, seq, dim, hidden = 2, 2, 7, 3, 4
 
@@ -219,20 +245,29 @@ def test_scan_gradients_match_finite_differences(depth, from_state, max_norm):
 
     def scan(q, k, v, theta, eta, alpha, *layers):
         state = MemoryState(list(layers)) if from_state else None
-        y, end = memory_scan(q, k, v, theta, eta, alpha, list(layers), 3, state, max_norm=max_norm)
+        y, end = memory_scan(
+            q, k, v, theta, eta, alpha, list(layers), 3, state, max_norm=max_norm,
+            normalized=normalized,
+        )  # fmt: skip
         return (y, *end.layers)
 
-    # the first chunk's gradients (at the initial weights) fall on both sides of the clip
+    # the first chunk's steps (at the initial weights) fall on both sides of the clip
     m = [x[:, :, 0] for x in start] or [w.expand(bsz, -1, -1, -1) for w in weights]
     norms = []
     for t in range(3):
         wg = [w.detach().clone().requires_grad_() for w in m]
-        loss = (_mlp(wg, k[:, :, t].detach()) - v[:, :, t].detach()).pow(2).sum()
-        grads = torch.autograd.grad(loss, wg)
-        norms.append(torch.sqrt(sum(x.pow(2).sum((-1, -2)) for x in grads)))  # per sequence, head
+        err = _mlp(wg, k[:, :, t].detach()) - v[:, :, t].detach()
+        grads = torch.autograd.grad(err.pow(2).sum(), wg)
+        norm = torch.sqrt(sum(x.pow(2).sum((-1, -2)) for x in grads))  # per sequence, head
+        if normalized:  # the normalised step's norm, as a multiple of theta
+            e_sq = err.detach().pow(2).sum(-1)
+            norm = norm * e_sq / (2 * (norm**2 / 4 + NLMS_EPS * e_sq))
+        norms.append(norm)
     norms = torch.stack(norms)
     assert norms.min() < (max_norm or MAX_GRAD_NORM) < norms.max()
-    assert torch.autograd.gradcheck(scan, inputs, atol=1e-7, rtol=1e-5, fast_mode=depth > 2)
+    assert torch.autograd.gradcheck(
+        scan, inputs, atol=1e-7, rtol=1e-5, fast_mode=depth > 2 or normalized
+    )
 
 
 @pytest.mark.parametrize(
@@ -643,6 +678,22 @@ def test_clip_tally_counts_the_tokens_the_clip_scales_down():
     unclipped: list[torch.Tensor] = []
     memory_scan(q, k, v, theta, eta, alpha, w, 24, clip_tally=unclipped, max_norm=0.0)
     assert unclipped[0].tolist() == [0, n]  # memory_clip 0: no clip
+    # the normalised step: the clip acts where it scales the step below the rule's
+    normalized = 0
+    for t in range(24):
+        wg = [x.clone().requires_grad_() for x in m]
+        err = _mlp(wg, k[:, :, t]) - v[:, :, t]
+        norm = torch.sqrt(
+            sum(g.pow(2).sum((-1, -2)) for g in torch.autograd.grad(err.pow(2).sum(), wg))
+        )
+        e_sq = err.detach().pow(2).sum(-1)
+        normalized += int(
+            (MAX_GRAD_NORM / norm < e_sq / (2 * (norm**2 / 4 + NLMS_EPS * e_sq))).sum()
+        )
+    assert 0 < normalized < clipped
+    tally = []
+    memory_scan(q, k, v, theta, eta, alpha, w, 24, clip_tally=tally, normalized=True)
+    assert tally[0].tolist() == [normalized, n]
 
     cfg = tiny_cfg("titans")
     mixer = TitansMixer(cfg, 0)

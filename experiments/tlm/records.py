@@ -22,6 +22,11 @@ def _window_means(recs: list[dict[str, Any]], width: int) -> list[list[float]]:
     return out
 
 
+def _series(recs: list[dict[str, Any]], key: str) -> list[list[float]]:
+    """``[iteration, value]`` of every record that logged ``key`` (4 significant digits)."""
+    return [[r["iteration"], float(f"{r[key]:.4g}")] for r in recs if r.get(key) is not None]
+
+
 def run_record(settings: driver.Settings, run: grid.Run) -> dict[str, Any]:
     """The saved summary of one finished run (what RESULTS.md is computed from)."""
     from tapered_megatron.config import load_config
@@ -68,11 +73,15 @@ def run_record(settings: driver.Settings, run: grid.Run) -> dict[str, Any]:
         "train_flops_per_token": counts.train_flops_per_token,
         "val_curve": curve,
         "train_curve": _window_means(recs, 10),
+        "grad_norm": _series(recs, "grad_norm"),
         "final_val_loss": curve[-1][2],
         "wall_s": round(done["wall_s"], 1),
         "size": run.variant.size,
         "provenance": provenance.read(d) or None,
     }
+    clip = _series(recs, "memory_clip")  # titans: the share of memory steps the clip scaled
+    if clip:
+        out["memory_clip"] = clip
     align = d / "alignment.json"
     out["alignment"] = json.loads(align.read_text()) if align.exists() else None
     probe = d / "memory_probe.json"

@@ -191,10 +191,11 @@ ARCH_NOTES = {
     "gated_attention": "G1 sigmoid output gate per head (Qiu et al. 2025); the MLP width shrunk "
     "to give the gate's parameters back.",
     "titans": "MAG: sliding-window attention with 4 persistent tokens, the memory rule re-derived "
-    "from the paper's equations; ours: chunk-start (mini-batch) gradients, a per-token clip of "
-    "each memory gradient (its activity logged as memory_clip; at the cpu scale 0.25, not 1), "
-    "forgetting half-lives spread over heads, the step size capped (max_step, cpu scale); the "
-    "MLP width shrunk to give the memory branch's parameters back.",
+    "from the paper's equations; ours: chunk-start (mini-batch) gradients, at the cpu scale "
+    "each token's memory step normalised by the memory's curvature along its error (NLMS, no "
+    "per-token clip; runs trained before it: the plain step clipped to 0.25), forgetting "
+    "half-lives spread over heads, the step size capped (max_step, cpu scale); the MLP width "
+    "shrunk to give the memory branch's parameters back.",
     "hope_attention": "attention + a Continuum Memory System of SwiGLU levels splitting the MLP "
     "width; ours: updates inside the sequence at period boundaries, every level taught by the "
     "final layer's error signal (teach; not each level's own), normalised, clipped steps; "

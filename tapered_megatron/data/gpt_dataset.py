@@ -24,28 +24,13 @@ from pathlib import Path
 
 import numpy as np
 
+from tapered_megatron.config import parse_split
+
 from .cache import build_once, digest, load_arrays, save_arrays
 from .indexed import IndexedDataset
 
 INDEX_VERSION = "gpt-index-v1"
 CHUNK = 1 << 22  # positions per searchsorted chunk: bounds the temporary memory
-
-
-def parse_split(split: str | tuple | list) -> list[float]:
-    """``"969,30,1"`` (or ``"98/2/0"``, or a list) -> three normalised weights."""
-    if isinstance(split, str):
-        parts = [p for p in split.replace("/", ",").split(",") if p.strip()]
-        try:
-            weights = [float(p) for p in parts]
-        except ValueError as e:
-            raise ValueError(f"split {split!r}: expected numbers like '969,30,1'") from e
-    else:
-        weights = [float(p) for p in split]
-    if not 1 <= len(weights) <= 3 or any(w < 0 for w in weights) or sum(weights) <= 0:
-        raise ValueError(f"split {split!r}: need 1-3 non-negative weights with a positive sum")
-    weights += [0.0] * (3 - len(weights))
-    total = sum(weights)
-    return [w / total for w in weights]
 
 
 def split_ranges(split: str | tuple | list, num_documents: int) -> list[tuple[int, int]]:

@@ -71,14 +71,18 @@ _UNIVERSAL_CKPT_BYTES = 12
 
 def layout_record(cfg: Config, layout: Any) -> dict[str, Any]:
     """The parallel layout (:class:`~tapered_megatron.training.launch.Layout`) a checkpoint is
-    saved or resumed under (``layout.json``)."""
-    return {
+    saved or resumed under (``layout.json``). A virtual-stage schedule adds ``schedule`` and
+    ``virtual_stages`` (its DeepSpeed files hold a rank's chunks, not a 1F1B stage)."""
+    out = {
         "tp": layout.tp,
         "pp": layout.pp,
         "dp": layout.dp,
         "zero_stage": layout.zero_stage,
         "pipeline_unit": cfg.parallel.pipeline_unit if layout.pp > 1 else "none",
     }
+    if layout.pp > 1 and cfg.parallel.schedule != "1f1b":
+        out.update(schedule=cfg.parallel.schedule, virtual_stages=cfg.parallel.virtual_stages)
+    return out
 
 
 def saved_global_batch(tag_dir: Path, plugins: tuple[str, ...] = ()) -> int | None:

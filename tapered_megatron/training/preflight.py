@@ -253,7 +253,8 @@ def _check_layout_change(tag_dir: Path, saved_cfg: dict[str, Any], now: dict[str
         par = (saved_cfg or {}).get("parallel", {})
         then = {"tp": par.get("tp", 1), "pp": par.get("pp", 1)}
         then["pipeline_unit"] = par.get("pipeline_unit", "none") if then["pp"] > 1 else "none"
-    if any(then[k] != now[k] for k in then):
+    keys = set(then) | ({"schedule", "virtual_stages"} & set(now))
+    if any(then.get(k) != now.get(k) for k in keys):
         raise ConfigError(
             f"train.resume: {tag_dir} was saved under {layout_files.describe_layout(then)} "
             "without a universal/ copy (train.universal_checkpoint false, or an older "

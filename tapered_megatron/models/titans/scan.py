@@ -23,9 +23,11 @@ delta_i (a_i . x_t)``, two weight matmuls plus a causally masked ``b x b`` produ
 chunk's gradient factors (the dual form of TTT). At the chunk end ``M`` and ``S`` are
 materialised and carried to the next chunk; the loop over chunks is the scan.
 
-Each token's memory gradient is clipped to Frobenius norm ``max_norm`` over all layers
-(``MAX_GRAD_NORM`` unless ``model.titans.memory_clip`` says otherwise; 0: no clip; free here:
-``||delta a^T|| = ||delta|| ||a||``), so the memory can only grow linearly. The state
+Each token's step is ``theta_t`` times its gradient, or with ``normalized`` (NLMS,
+``model.titans.normalized_step``) divided by the memory's curvature along its error plus
+``NLMS_EPS`` (:func:`_step_scales`), and then clipped to Frobenius norm ``max_norm`` over all
+layers (``MAX_GRAD_NORM`` unless ``model.titans.memory_clip`` says otherwise; 0: no clip; free
+here: ``||delta a^T|| = ||delta|| ||a||``). The state
 and every product of the scan are fp32 (fp64 for fp64 inputs) whatever the activation dtype:
 the state accumulates small decays and updates over thousands of tokens. The backward
 (:class:`_Scan`) walks the chunks in reverse and carries the state's gradient by hand, which
@@ -45,6 +47,7 @@ from torch.autograd.function import once_differentiable
 from tapered_megatron.models.layers import silu_parts
 
 MAX_GRAD_NORM = 1.0  # per-token clip of the memory gradient (Frobenius, all layers)
+NLMS_EPS = 0.5  # the normalised step's regulariser: its scale is 1 / (rho + NLMS_EPS)
 
 
 @dataclass
@@ -107,6 +110,47 @@ def _chunk_coefficients(
     return coef, keep, mom, torch.exp(cum_e[..., -1]), mom_decay[..., -1, :]
 
 
+def _step_scales(
+    sq: torch.Tensor, n: torch.Tensor, max_norm: float, normalized: bool
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Each token's step scale under the rule and under the clip ``[B, H, b]``; its step is
+    ``theta min(rule, clip) delta a^T`` per layer (``delta a^T`` half its gradient).
+
+    ``sq = sum_l ||a_l||^2 ||delta_l||^2`` (a quarter of the gradient's squared Frobenius norm),
+    ``n = ||delta_L||^2`` (the read-out error's). Plain gradient: ``rule = 2``. Normalised
+    (NLMS): ``rule = n / (sq + NLMS_EPS n) = 1 / (rho + NLMS_EPS)`` with ``rho = sq / n`` the
+    Gauss-Newton curvature along the error, so that the linearised step moves the key's
+    read-out toward ``v`` by at most the fraction ``theta`` of its error, whatever the memory's
+    scale. The clip (``max_norm > 0``): ``max_norm / sqrt(sq)``, the gradient's Frobenius norm
+    held at ``max_norm``; None without it.
+    """
+    if normalized:
+        rule = n / (sq + NLMS_EPS * n).clamp_min(torch.finfo(sq.dtype).tiny)
+    else:
+        rule = torch.full_like(sq, 2.0)
+    if not max_norm:
+        return rule, None
+    return rule, max_norm * torch.rsqrt(sq.clamp_min(torch.finfo(sq.dtype).tiny))
+
+
+def _step_scale_grads(
+    g_rs: torch.Tensor, sq: torch.Tensor, n: torch.Tensor, max_norm: float, normalized: bool
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The gradients of ``sq`` and ``n`` (None: the rule does not depend on it) from the step
+    scale's ``g_rs`` (:func:`_step_scales`: the clip's where it is below the rule's)."""
+    rule, clip = _step_scales(sq, n, max_norm, normalized)
+    zero = torch.zeros_like(sq)
+    clipped = clip < rule if clip is not None else torch.zeros_like(sq, dtype=torch.bool)
+    g_sq, g_n = zero, None
+    if normalized:  # rule = n / D, D = sq + eps n: d/dsq = -n / D^2, d/dn = sq / D^2
+        inv = 1 / (sq + NLMS_EPS * n).clamp_min(torch.finfo(sq.dtype).tiny)
+        g_sq = -g_rs * rule * inv
+        g_n = torch.where(clipped, zero, g_rs * sq * inv * inv)
+    if clip is not None:  # where clipped: clip = max_norm sq^(-1/2), d/dsq = -clip^3 / (2 max^2)
+        g_sq = torch.where(clipped, -g_rs * clip.pow(3) / (2 * max_norm**2), g_sq)
+    return g_sq, g_n
+
+
 def _pad_half(x: torch.Tensor) -> torch.Tensor:
     """``[x | 0]``: a gradient factor of ``M`` only, as a factor of ``[M; S]``."""
     return torch.cat((x, torch.zeros_like(x)), -1)
@@ -131,6 +175,7 @@ def _chunk_forward(
     ends: torch.Tensor,
     mix: torch.Tensor,
     max_norm: float = MAX_GRAD_NORM,
+    normalized: bool = False,
 ) -> tuple[torch.Tensor, list[torch.Tensor], list[torch.Tensor]]:
     """One chunk of the scan, without autograd: read-out ``M_t(q_t)`` for its tokens, the
     chunk-end state, and what :func:`_chunk_backward` needs.
@@ -163,15 +208,12 @@ def _chunk_forward(
         deltas.append(dms[-1] * dsilu[layer - 1])
     deltas.reverse()
     dms.reverse()
-    # the per-token clip of the full gradient 2 delta a^T: theta_i min(1, max_norm / ||.||),
-    # with the factor 2 folded in (max_norm 0: no clip, the factor 2 alone)
+    # each token's step scale (_step_scales): theta_i rs_i multiplies delta a^T
     sq = k_sq * deltas[0].pow(2).sum(-1)
     for a, d in zip(acts[1:], deltas[1:]):
         sq = sq + a.pow(2).sum(-1) * d.pow(2).sum(-1)
-    if max_norm:
-        rs = max_norm * torch.rsqrt(sq.clamp_min(max_norm**2 / 4))
-    else:
-        rs = torch.full_like(sq, 2.0)
+    rule, clip = _step_scales(sq, deltas[-1].pow(2).sum(-1), max_norm, normalized)
+    rs = rule if clip is None else torch.minimum(rule, clip)
     th = theta * rs
     c = coef * th[..., None, :]
     zs, us, xsilu, scores = [zq], [], [], [qk]
@@ -201,7 +243,8 @@ def _chunk_forward(
             nxt.flatten(0, 1).flatten(1, 2).baddbmm_(upd, a.flatten(0, 1), alpha=-1)
         new.append(nxt)
     saved = [*acts[1:], *pre[:-1], *dsilu, *deltas, *dms, *zs, *us, *xsilu, *scores, sq, rs, th]
-    return x, new, saved
+    clipped = (clip < rule).sum() if clip is not None else None
+    return x, new, saved, clipped
 
 
 def _chunk_backward(
@@ -217,6 +260,7 @@ def _chunk_backward(
     gy: torch.Tensor,
     g_new: list[torch.Tensor],
     max_norm: float = MAX_GRAD_NORM,
+    normalized: bool = False,
 ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """The gradients of one chunk of the scan (:func:`_chunk_forward`), written by hand.
 
@@ -285,14 +329,11 @@ def _chunk_backward(
     g_coef = gc * th[..., None, :]
     g_ends = gh * th[..., None]
     g_theta = g_th * rs
-    if max_norm:
-        g_sq = torch.where(
-            sq >= max_norm**2 / 4, g_th * theta * rs.pow(3) / (-2 * max_norm**2), 0.0
-        )
-    else:
-        g_sq = torch.zeros_like(sq)
+    g_sq, g_n = _step_scale_grads(g_th * theta, sq, deltas[-1].pow(2).sum(-1), max_norm, normalized)
     g_k_sq = g_sq * deltas[0].pow(2).sum(-1)
     gd[0] = gd[0] + (2 * g_sq * k_sq)[..., None] * deltas[0]
+    if g_n is not None:
+        gd[n1] = gd[n1] + (2 * g_n)[..., None] * deltas[n1]
     for layer in range(1, depth):
         a, d = acts[layer], deltas[layer]
         ga[layer] = ga[layer] + (2 * g_sq * d.pow(2).sum(-1))[..., None] * a
@@ -339,23 +380,28 @@ class _Scan(torch.autograd.Function):
 
     @staticmethod
     def forward(
-        ctx, compiled: bool, max_norm: float, clipped: list | None, *args: torch.Tensor
+        ctx,
+        compiled: bool,
+        max_norm: float,
+        normalized: bool,
+        clipped: list | None,
+        *args: torch.Tensor,
     ) -> tuple[torch.Tensor, ...]:
         fwd = _compiled("forward") if compiled else _chunk_forward
         per_chunk, layers = args[:9], list(args[9:])
         keep = any(ctx.needs_input_grad)
         states, ys, saved = [layers], [], []
         for chunk in zip(*(t.unbind(2) for t in per_chunk)):
-            y, new, inner = fwd(states[-1], *chunk, max_norm)
+            y, new, inner, n_clip = fwd(states[-1], *chunk, max_norm, normalized)
             ys.append(y)
             if keep:
                 saved.extend(inner)
-            if clipped is not None and max_norm:  # tokens whose gradient the clip scaled down
-                clipped.append((inner[-3] > max_norm**2 / 4).sum())
+            if clipped is not None and n_clip is not None:  # steps the clip scaled down
+                clipped.append(n_clip)
             states.append(new)
         if keep:
             kq, _, _, k_sq, theta, coef, rates, ends, mix = per_chunk
-            ctx.compiled, ctx.max_norm = compiled, max_norm
+            ctx.compiled, ctx.rule = compiled, (max_norm, normalized)
             ctx.sizes = (len(layers), len(saved) // len(ys))
             prior = [t for s in states[:-1] for t in s]
             ctx.save_for_backward(kq, k_sq, theta, coef, rates, ends, mix, *prior, *saved)
@@ -376,7 +422,7 @@ class _Scan(torch.autograd.Function):
             for c, g_y in zip(reversed(range(n)), reversed(gy.unbind(2))):
                 state = list(rest[c * depth : (c + 1) * depth])
                 inner = list(rest[n * depth + c * per : n * depth + (c + 1) * per])
-                g_state, g_inputs = bwd(state, *chunks[c], inner, g_y, g_state, ctx.max_norm)
+                g_state, g_inputs = bwd(state, *chunks[c], inner, g_y, g_state, *ctx.rule)
                 for acc, g in zip(grads, g_inputs):
                     acc.append(g)
         first = rest[:depth]
@@ -384,7 +430,7 @@ class _Scan(torch.autograd.Function):
             g.sum(0, keepdim=True) if s.shape[0] != g.shape[0] else g
             for g, s in zip(g_state, first)
         ]
-        return (None, None, None, *(torch.stack(acc[::-1], dim=2) for acc in grads), *g_init)
+        return (None, None, None, None, *(torch.stack(acc[::-1], dim=2) for acc in grads), *g_init)
 
 
 _COMPILED: dict[str, object] = {}
@@ -413,6 +459,7 @@ def memory_scan(
     compiled: bool = False,
     clip_tally: list[torch.Tensor] | None = None,
     max_norm: float = MAX_GRAD_NORM,
+    normalized: bool = False,
 ) -> tuple[torch.Tensor, MemoryState]:
     """Run the Titans memory over a sequence and read it out; chunk-parallel (see module doc).
 
@@ -425,10 +472,12 @@ def memory_scan(
         state: the memory to continue from (e.g. the previous MAC segment's final state).
         compiled: run each chunk through the compiled :func:`_chunk_forward` and
             :func:`_chunk_backward`.
-        clip_tally: where given, ``[t]`` with ``t`` = (tokens x heads whose gradient the
+        clip_tally: where given, ``[t]`` with ``t`` = (tokens x heads whose step the
             per-token clip scaled down, tokens x heads) so far, float64; this call's counts are
             added (``[]``: started).
         max_norm: the per-token clip's Frobenius norm (0: no clip).
+        normalized: each token's step normalised by the memory's curvature along its error
+            (NLMS, :func:`_step_scales`) instead of the plain gradient step.
 
     Returns:
         ``y`` [B, H, S, D] with ``y_t = M_t(q_t)`` (in q's dtype) and the state after the last
@@ -469,7 +518,7 @@ def memory_scan(
         mix = torch.stack((keep[..., -1], mom[..., -1], s_keep), dim=-1)
         clipped = None if clip_tally is None else []
         args = (kq, vc, qk, k_sq, theta, coef, rates, ends, mix, *state.layers)
-        out = _Scan.apply(compiled, max_norm, clipped, *args)
+        out = _Scan.apply(compiled, max_norm, normalized, clipped, *args)
         y = out[0].reshape(bsz, heads, n * b, -1)[:, :, :seq]
         if clipped is not None:
             n_clip = sum(clipped) if clipped else q.new_zeros(())
