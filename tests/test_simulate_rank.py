@@ -4,12 +4,15 @@ The default tests run a reduced world and shape for every architecture and a pip
 ones a 7B and a 30B preset at the planner's pick and at a pipeline layout.
 """
 
+import importlib.util
+from pathlib import Path
+
 import pytest
 from arch_args import for_arch
 
 from tapered_megatron.config import load_config
 from tapered_megatron.planning import cost as costlib
-from tapered_megatron.planning.planner import Candidate
+from tapered_megatron.planning.planner import Candidate, parse_layout
 from tapered_megatron.planning.simulate import simulate
 
 # wide and short: fake tensors cost per operation, not per byte, and a wide shape keeps the
@@ -84,3 +87,25 @@ def test_preset_rank_matches_plan(config, gpus, pipeline):
     layout for a 7B and a 30B preset: the issue's targets with the peak within 5 %."""
     c = _planned(config, gpus, pipeline)
     check(simulate(load_config(config), c, H100, 0, 0.9 * 80 * costlib.GiB), peak_slack=0.05)
+
+
+def test_layout_labels_parse_back():
+    """A layout the planner prints is the candidate it names; anything else is one line."""
+    c = Candidate(2, 1, 32, 3, 4, 1, "none", "layer", True)
+    assert parse_layout(c.label) == c
+    assert parse_layout("tp8 pp4  dp8 zero1 mbs1 gas16 rc-full sublayer").unit == "sublayer"
+    with pytest.raises(ValueError, match="rc-none layer"):
+        parse_layout("tp2 pp1 dp32")
+
+
+def test_simulate_rank_cli_rejects_a_layout_for_other_gpus(capsys):
+    """Bad input: one line naming the problem and the fix, no traceback."""
+    path = Path(__file__).resolve().parents[1] / "scripts" / "simulate_rank.py"
+    spec = importlib.util.spec_from_file_location("simulate_rank", path)
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    layout = "tp2 pp1 dp2 zero1 mbs4 gas1 rc-none layer"
+    args = ["--config", "quickstart", "--gpus", "8", "--gpu-mem", "80", "--layout", layout]
+    assert script.main(args) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "not --gpus 8" in err

@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
@@ -90,6 +91,27 @@ class Candidate:
             f"tp{self.tp}{sp} pp{self.pp} dp{self.dp} zero{self.zero} "
             f"mbs{self.micro_batch_size} gas{self.grad_accum} rc-{self.recompute} {self.unit}"
         )
+
+
+LAYOUT = re.compile(
+    r"tp(?P<tp>\d+)(?P<sp> sp)? pp(?P<pp>\d+) dp(?P<dp>\d+) zero(?P<zero>[0-3]) "
+    r"mbs(?P<mbs>\d+) gas(?P<gas>\d+) rc-(?P<rc>none|selective|full) (?P<unit>layer|sublayer)"
+)
+
+
+def parse_layout(text: str) -> Candidate:
+    """The candidate a :attr:`Candidate.label` names (the table's layout column), e.g.
+    ``"tp2 sp pp1 dp32 zero3 mbs4 gas1 rc-none layer"``; ``ValueError`` naming the form."""
+    m = LAYOUT.fullmatch(" ".join(text.split()))
+    if m is None:
+        raise ValueError(
+            f"layout {text!r} is not one the planner prints; write it as its table does, e.g. "
+            '"tp2 sp pp1 dp32 zero3 mbs4 gas1 rc-none layer"'
+        )
+    n = {k: int(v) for k, v in m.groupdict().items() if v and v.isdigit()}
+    return Candidate(
+        n["tp"], n["pp"], n["dp"], n["zero"], n["mbs"], n["gas"], m["rc"], m["unit"], bool(m["sp"])
+    )
 
 
 def _divisors(n: int) -> list[int]:
