@@ -35,7 +35,8 @@ Memory of stage ``j`` under 1F1B with ``M`` micro-batches (stage ``j`` of ``P`` 
 * parameters per rank: the unit's count / tp, except what every rank holds whole: the
   parameters no TP layout splits (RMSNorm gains, Hope's level rates) and the key/value
   projections when the TP size exceeds ``model.kv_heads`` (grouped-query attention).
-* buffers (RoPE's tables) whole on every rank, in their own dtype, with the model state.
+* buffers (RoPE's tables) whole on every rank, in their own dtype (ZeRO-3's ``zero.Init``
+  casts them to the model's), with the model state.
 * bytes per parameter (ZeRO paper accounting, K = 12 for Adam's fp32 master + m + v):
   bf16 = 2 (weights) + 2 (grads) + 12 (optimizer), with gradients accumulated in fp32 as the
   shipped and planned ds_configs ask from ZeRO-1 up (``data_types.grad_accum_dtype``):
@@ -449,6 +450,8 @@ def unit_costs(
             # into the reduce bucket (the head's fp32 one is already in ``act``); its gathered
             # weights are counted for the stage (zero3_stage_bytes).
             peak += local * elem
+        # buffers keep their dtype (fp32), but zero.Init casts them to the model's
+        buffers = buffer_bytes(u) * (elem / 4 if shape.zero_stage >= 3 else 1)
         out.append(
             UnitCost(
                 name=u.name,
@@ -459,7 +462,7 @@ def unit_costs(
                 time=t + comm,
                 tp_comm=comm,
                 local_params=local,
-                static=local * bpp + buffer_bytes(u),
+                static=local * bpp + buffers,
                 act=act,
                 peak=peak,
             )

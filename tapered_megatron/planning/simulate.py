@@ -195,7 +195,7 @@ class _Probe:
     def __init__(self, engine: Any, live: LiveBytes) -> None:
         from tapered_megatron.models.language_model import Block
 
-        self.live, self.armed = live, False
+        self.live, self.armed, self._module = live, False, engine.module
         self.model_state = 0.0
         self.block_act: list[float] = []
         self._logs: list[list] = []
@@ -230,7 +230,9 @@ class _Probe:
 
     def _stage_done(self, *_: Any) -> None:
         if self.armed:
-            self.block_act = [_kept(*entry) for entry in self._logs]
+            # ZeRO-3 gathers weights inside the blocks and keeps them for backward: not theirs
+            weights = {id(p.untyped_storage()) for p in self._module.parameters()}
+            self.block_act = [_kept(*entry, weights) for entry in self._logs]
             self.armed, self._logs = False, []
 
     def remove(self) -> None:
@@ -243,9 +245,13 @@ def _storage_ref(t: Any) -> weakref.ref:
     return weakref.ref(t.untyped_storage())
 
 
-def _kept(log: list, block_input: weakref.ref, block_output: weakref.ref) -> float:
+def _kept(
+    log: list, block_input: weakref.ref, block_output: weakref.ref, weights: set[int]
+) -> float:
     """What a block keeps for backward: the storages its forward made and are still alive, but
-    its output (alive only where the next block keeps it as input), and its input if alive."""
-    made = [(ref, n) for ref, n in log if ref() is not block_output()]
+    its output (alive only where the next block keeps it as input) and weights (ZeRO-3's
+    gathered ones, storage ids in ``weights``), and its input if alive."""
+    out = block_output()
+    made = [(r, n) for r, n in log if r() is not out and id(r()) not in weights]
     held = block_input()
     return float(LiveBytes.alive(made) + (held.nbytes() if held is not None else 0))
