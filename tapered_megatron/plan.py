@@ -4,4 +4,4 @@ name; the code is :mod:`tapered_megatron.planning.planner`."""
 from tapered_megatron.planning.planner import main
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

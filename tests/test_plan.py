@@ -334,3 +334,42 @@ def test_planner_writes_overlapped_zero_configs() -> None:
     # (its reduce's flat copies come after backward, when the activations are gone)
     state = local * (costlib.bytes_per_param("bf16", 1, 8, False) - 16)
     assert (z1.mem_gib - z0.mem_gib) * costlib.GiB == pytest.approx(state, rel=1e-6)
+
+
+def test_layout_flag_predicts_the_printed_pick(capsys) -> None:
+    """``--layout`` takes a label as the table prints it and predicts exactly what
+    :func:`evaluate` predicts for that candidate; ``--json`` carries it as ``best``."""
+    from tapered_megatron.planning.planner import main, parse_layout
+
+    label = "tp2 sp pp4 dp2 zero1 mbs2 gas8 rc-selective sublayer"
+    c = parse_layout(label)
+    assert c.label == label
+    cfg = load_config("transformer_1.3b")
+    dev = costlib.get_device("h100", mem_bytes=40 * costlib.GiB, gpus_per_node=8)
+    want = evaluate(cfg, c, dev, 0.9 * 40 * costlib.GiB)
+    argv = ["--config", "transformer_1.3b", "--gpus", "16", "--gpu-mem", "40", "--layout"]
+    assert main([*argv, label, "--json"]) == 0
+    obj = json.loads(capsys.readouterr().out)
+    assert obj["best"]["step_s"] == pytest.approx(want.step_s, rel=1e-12)
+    assert obj["best"]["parts"] == list(want.parts) and obj["candidates"] == [obj["best"]]
+    assert any(line.startswith(f"layout: {label}: predicted") for line in obj["reasoning"])
+    assert main([*argv, label]) == 0
+    assert f"   1 {label}" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    ("layout", "why"),
+    [
+        ("tp2 pp4", "is not a layout"),
+        ("tp2 pp4 dp4 zero1 mbs1 gas8 rc-none layer", "not --gpus 16"),
+        ("tp2 pp4 dp2 zero3 mbs1 gas8 rc-none layer", "ZeRO 0-1 only"),
+        ("tp3 pp1 dp5 zero1 mbs1 gas8 rc-none layer", "not --gpus 16"),
+    ],
+)
+def test_layout_flag_refuses_a_bad_layout(layout: str, why: str, capsys) -> None:
+    from tapered_megatron.planning.planner import main
+
+    argv = ["--config", "transformer_1.3b", "--gpus", "16", "--gpu-mem", "40", "--layout"]
+    assert main([*argv, layout]) == 2
+    err = capsys.readouterr().err
+    assert why in err and len(err.strip().splitlines()) == 1

@@ -6,18 +6,27 @@ and the final norm + LM head + loss. Parameters, forward FLOPs per token and act
 token are each unit's own counts (the counters' numbers); backward is 2x forward, so a unit's
 training time for one micro-batch of ``b`` sequences of ``s`` tokens is::
 
-    time = (3 + r) * (flops_fwd_per_token * b * s / (tp * peak * efficiency) + launch)
+    time = (3 + r) * (forward + launch)
            + (2 + r) * all_reduces[kind] * ring(b * s * d_model * element, tp)
+    forward = b * s / tp * ((flops - core_flops) / (peak * efficiency)
+                            + core_flops / (peak * core_efficiency)
+                            + act_traffic * act_bytes / mem_bw)
 
 with ``r = 1`` when the unit is recomputed (``train.recompute full``); under ``selective`` the
 cores' FLOPs (:class:`~tapered_megatron.models.base.Counts` ``core_flops``) run once more, with no
 extra all-reduce; an architecture's
 first pass (Hope's teach signal: the record's ``first_pass_config``) adds one more forward of the
 unit at the first-pass config's FLOPs, with its all-reduces. ``efficiency`` is the
-achieved fraction of the device's dense peak per unit kind (mixer / MLP / block / head /
-embedding; documented defaults per device, the CPU ones calibrated here), scaled for mixers by
-the architecture record's ``mixer_efficiency``; ``launch`` is a fixed per-pass overhead per
-block half (small on a GPU; PyTorch's per-op cost on a CPU). The last term is tensor-parallel
+achieved fraction of the device's dense peak per unit kind for the matrix products (mixer / MLP /
+block / head / embedding), ``core_efficiency`` that of the cores (attention scores and weighted
+sum, a memory module's inner updates), both scaled for mixers by the architecture record's
+``mixer_efficiency``; ``act_traffic`` is the memory-bound work around them (norms, activation
+functions, residual adds) as bytes moved per byte of saved activations, at HBM bandwidth. The GPU
+presets' constants are fitted to published measured runs
+(:mod:`tapered_megatron.planning.calibration`), the CPU ones calibrated here; ``launch`` is a
+fixed per-pass overhead per
+block half (on a GPU fitted too: eager PyTorch's launches and hooks; on a CPU PyTorch's per-op
+cost). The last term is tensor-parallel
 communication: ring all-reduces of the residual stream (one per sub-layer per pass) over NVLink
 inside a node, the network beyond. Under sequence parallelism each becomes a reduce-scatter and an
 all-gather (the same ring time); a half whose module runs on the whole sequence (the memory
@@ -85,15 +94,24 @@ if TYPE_CHECKING:
 
 GiB = 1024**3
 
-# Achieved fraction of dense peak per unit kind on large-GPU bf16 training (Megatron-LM class
-# kernels, flash attention). Attention cores and memory-module scans run below matmul efficiency.
-GPU_EFFICIENCY = {
-    "embedding": 0.05,  # a gather: memory bound; its FLOPs are ~0, the launch term dominates
-    "mixer": 0.50,
-    "mlp": 0.65,
-    "layer": 0.58,
-    "head": 0.65,
-}
+
+def gpu_efficiency(dense: float, core: float) -> dict[str, float]:
+    """Achieved fraction of a GPU's dense peak per unit kind in bf16 training: ``dense`` for the
+    matrix products (projections, MLP, head), ``core`` for the cores (attention scores and
+    weighted sum: flash attention; a memory module's inner updates); the embedding is a gather
+    (memory bound, its FLOPs ~0: the launch term dominates)."""
+    return {"embedding": 0.05, "mixer": dense, "mlp": dense, "layer": dense, "head": dense,
+            "core": core}  # fmt: skip
+
+
+#: Efficiencies and overlap tax of the GPU presets, fitted on the fitting runs of the
+#: calibration set (published measured runs: tapered_megatron/planning/calibration_runs.yaml,
+#: ``python -m tapered_megatron.plan --calibrate --fit``); the held-out runs score them.
+H100_EFFICIENCY = gpu_efficiency(0.68, 0.18)
+A100_EFFICIENCY = gpu_efficiency(0.76, 0.38)
+GPU_OVERLAP_TAX = 0.35
+GPU_ACT_TRAFFIC = 2.25
+GPU_LAUNCH_S = 750e-6
 
 
 # Dense (no sparsity) bf16 peak TFLOP/s per accelerator product (vendor data sheets), keyed by a
@@ -129,8 +147,13 @@ class Device:
     gpus_per_node: int = 8
     mem_bw: float = 3.35e12  # HBM bytes/s (optimizer step is memory bound)
     overhead_bytes: float = 2.0 * GiB  # CUDA context, allocator slack, comm buffers
-    launch_s: float = 20e-6  # fixed per-pass cost of a block half or unit (launches, hooks)
-    efficiency: dict[str, float] = field(default_factory=lambda: dict(GPU_EFFICIENCY))
+    launch_s: float = GPU_LAUNCH_S  # fixed per-pass cost of a block half or unit (launches, hooks)
+    efficiency: dict[str, float] = field(default_factory=lambda: dict(H100_EFFICIENCY))
+    # Compute time lost per second of communication overlapped with it (NCCL's kernels take
+    # streaming multiprocessors and memory bandwidth from the compute they hide behind).
+    overlap_tax: float = GPU_OVERLAP_TAX
+    # Memory-bound traffic of a pass per byte of the activations a unit saves (forward_time).
+    act_traffic: float = GPU_ACT_TRAFFIC
     # Full-size fp32 temporaries of torch's AdamW step: its multi-tensor (foreach) path, the
     # default on CUDA, holds one (``exp_avg_sq_sqrt``); the single-tensor path, the default on
     # a CPU, two at once (``exp_avg_sq.sqrt() / bias_correction2_sqrt``).
@@ -143,7 +166,15 @@ class Device:
 DEVICES: dict[str, Device] = {
     "h100": Device("h100", PEAK_TFLOPS["H100"] * 1e12, 80 * GiB, 450e9, 50e9),
     "h200": Device("h200", PEAK_TFLOPS["H200"] * 1e12, 141e9, 450e9, 50e9, mem_bw=4.8e12),
-    "a100": Device("a100", PEAK_TFLOPS["A100"] * 1e12, 80 * GiB, 300e9, 25e9, mem_bw=2.0e12),
+    "a100": Device(
+        "a100",
+        PEAK_TFLOPS["A100"] * 1e12,
+        80 * GiB,
+        300e9,
+        25e9,
+        mem_bw=2.0e12,
+        efficiency=dict(A100_EFFICIENCY),
+    ),
     "cpu": Device(
         "cpu",
         50e9,  # replaced by the measured value (profile.measure_cpu_peak)
@@ -157,6 +188,8 @@ DEVICES: dict[str, Device] = {
         launch_s=0.75e-3,
         adam_temporaries=2,
         lazy_pages=True,
+        overlap_tax=0.0,
+        act_traffic=0.0,
         # calibrated on this machine class (fp32, one thread, thread CPU time, against its
         # measured matmul peak) from the profiled units of scripts/bench_balance.py's model:
         # time = 3 (flops / (peak eff) + launch_s per block half); the fixed 0.75 ms per pass is
@@ -356,6 +389,19 @@ def launch_time(device: Device, kind: str) -> float:
     return device.launch_s * (2 if kind == "layer" else 1)
 
 
+def forward_time(c: Counts, tokens: float, device: Device, eff: float, core_eff: float) -> float:
+    """One forward of a unit with counts ``c`` over ``tokens`` tokens (per TP rank): its core's
+    FLOPs (attention scores and weighted sum, a memory module's inner updates) at ``core_eff``
+    of the device's peak, the rest (the projections and MLP matrices) at ``eff``, and the
+    memory-bound work around them (norms, activation functions, residual adds, casts):
+    :attr:`Device.act_traffic` bytes of memory traffic per byte of activations the unit saves,
+    at the memory bandwidth. That last term is why a narrow model, or a GPU with more FLOPs per
+    byte of bandwidth (H100 against A100), reaches a smaller share of its peak."""
+    dense = (c.flops - c.core_flops) / eff + c.core_flops / core_eff
+    traffic = device.act_traffic * c.act_bytes / device.mem_bw
+    return (dense / device.peak_flops + traffic) * tokens
+
+
 def whole_sequence_halves(arch: Blocks, kind: str) -> int:
     """Halves of a unit of ``kind`` of an architecture (its modules ``arch``) whose module
     runs on the whole sequence under sequence parallelism (the block gathers its input and keeps
@@ -411,12 +457,14 @@ def unit_costs(
         if measured_times is not None:
             t = float(measured_times[i])
         else:
-            t = passes * c.flops * tok / (shape.tp * device.peak_flops * eff)
-            t += passes * launch_time(device, u.kind)
+            base = device.efficiency[u.kind]
+            core_eff = device.efficiency.get("core", base) * eff / base
+            fwd = forward_time(c, tok / shape.tp, device, eff, core_eff)
+            t = passes * (fwd + launch_time(device, u.kind))
             if shape.recompute == "selective":
-                t += c.core_flops * tok / (shape.tp * device.peak_flops * eff)
+                t += c.core_flops * tok / (shape.tp * device.peak_flops * core_eff)
             if f is not None:  # the first pass's forward of this unit
-                t += f.counts(elem).flops * tok / (shape.tp * device.peak_flops * eff)
+                t += forward_time(f.counts(elem), tok / shape.tp, device, eff, core_eff)
                 t += launch_time(device, u.kind)
         # all-reduces, or under sequence parallelism reduce-scatter + all-gather pairs (the same
         # ring time) and an all-gather more for each half that runs on the whole sequence
@@ -670,6 +718,20 @@ def fallback_reduce_bytes(stage_params: float, elem: int) -> float:
     activations are gone by then, so it is an alternative to the forward/backward working
     set, not an addition."""
     return min(stage_params, FALLBACK_REDUCE_ELEMS) * (4.0 + elem)
+
+
+def dp_bandwidth(device: Device, tp: int, dp: int) -> float:
+    """Per-rank bandwidth of a ring collective over a data-parallel group of ``dp`` ranks whose
+    neighbours are ``tp`` ranks apart (topology axes pipe, data, model).
+
+    Inside one node: NVLink. Across nodes every GPU has its own network port (``inter_bw``) and
+    NCCL runs one ring per port, so the group's ``k`` ranks on a node move the node's share of
+    the ring over ``k`` ports at once: ``k x inter_bw`` per rank, at most NVLink (``k = 1`` for
+    a group with one rank per node, e.g. under TP 8)."""
+    if dp * tp <= device.gpus_per_node:
+        return device.intra_bw
+    k = max(1, min(dp, device.gpus_per_node // tp))
+    return min(device.intra_bw, k * device.inter_bw)
 
 
 @dataclass(frozen=True)
