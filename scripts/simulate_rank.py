@@ -20,7 +20,7 @@ import time
 
 from tapered_megatron.config import load_config_or_exit
 from tapered_megatron.planning import cost as costlib
-from tapered_megatron.planning.planner import parse_layout
+from tapered_megatron.planning.planner import layout_problem, parse_layout
 from tapered_megatron.planning.simulate import Simulation, simulate
 
 MiB = 2**20
@@ -66,12 +66,9 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    if c.tp * c.pp * c.dp != a.gpus:
-        print(
-            f"error: --layout {a.layout!r} uses tp x pp x dp = {c.tp * c.pp * c.dp} GPUs, not "
-            f"--gpus {a.gpus}; give the layout the planner printed for --gpus {a.gpus}",
-            file=sys.stderr,
-        )
+    problem = layout_problem(cfg, c, a.gpus, dev.gpus_per_node)
+    if problem is not None:
+        print(f"error: --layout {a.layout!r}: {problem}", file=sys.stderr)
         return 2
     if not 0 <= a.rank < a.gpus:
         print(f"error: --rank {a.rank} is outside 0..{a.gpus - 1}", file=sys.stderr)
