@@ -22,7 +22,7 @@ import torch.distributed as dist
 import yaml
 from launch_helpers import reseal
 
-from tapered_megatron.checkpoint_layout import digests
+from tapered_megatron.checkpoint.layout import digests
 from tapered_megatron.config import ConfigError, load_config
 from tapered_megatron.data import write_indexed_dataset
 

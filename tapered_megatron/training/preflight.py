@@ -27,7 +27,7 @@ from typing import Any
 
 import yaml
 
-from tapered_megatron import checkpoint_layout as layout_files
+from tapered_megatron.checkpoint import layout as layout_files
 from tapered_megatron.config import Config, ConfigError, load_saved_config
 from tapered_megatron.config_fields import first_line
 
@@ -54,7 +54,7 @@ def check_inputs(cfg: Config, ds_config: dict[str, Any], layout: Any = None) -> 
 def check_owner(cfg: Config) -> None:
     """``train.save_dir`` holds no other run's checkpoints, unless the run continues them
     (``--resume auto``) or moves them aside (``train.start_over``)."""
-    from tapered_megatron.training.checkpoint import owner_problem
+    from tapered_megatron.checkpoint.save import owner_problem
 
     why = owner_problem(cfg)
     if why is not None:
@@ -227,7 +227,7 @@ def half_precision(ds_config: dict[str, Any]) -> bool:
 
 def check_save_dir(cfg: Config, ds_config: dict[str, Any]) -> None:
     """``train.save_dir`` is (or can be made) a writable directory with room for a checkpoint."""
-    from tapered_megatron.training.checkpoint import checkpoint_bytes, size_text
+    from tapered_megatron.checkpoint.save import checkpoint_bytes, size_text
 
     save = Path(cfg.train.save_dir)
     base = _existing_ancestor(save)
@@ -263,7 +263,7 @@ def check_resume(cfg: Config, layout: Any = None) -> None:
     """``train.resume`` names a complete checkpoint whose model and taper match ``cfg``
     (``model.dropout`` may change); one saved under another parallel layout than ``layout``
     holds the layout-free copy."""
-    from tapered_megatron.training import checkpoint
+    from tapered_megatron.checkpoint import save
 
     if not cfg.train.resume:
         return
@@ -273,7 +273,7 @@ def check_resume(cfg: Config, layout: Any = None) -> None:
             "global_stepN directory, or --resume auto"
         )
     try:
-        where = checkpoint.find_resume(cfg)
+        where = save.find_resume(cfg)
     except FileNotFoundError as e:
         raise ConfigError(
             f"{e}; pass a directory holding a complete checkpoint, or --resume auto"
@@ -302,7 +302,7 @@ def check_resume(cfg: Config, layout: Any = None) -> None:
             + f"); use the checkpoint's settings (see {saved_file}) or another --train.save_dir"
         )
     if layout is not None:
-        _check_layout_change(where[0] / where[1], saved, checkpoint.layout_record(cfg, layout))
+        _check_layout_change(where[0] / where[1], saved, save.layout_record(cfg, layout))
 
 
 def _check_layout_change(tag_dir: Path, saved_cfg: dict[str, Any], now: dict[str, Any]) -> None:

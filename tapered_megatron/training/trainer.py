@@ -28,8 +28,9 @@ from deepspeed.runtime.base_optimizer import ZeROOptimizer
 from deepspeed.runtime.utils import is_model_parallel_parameter
 from torch import nn
 
-from tapered_megatron import checkpoint_layout as layout_files
 from tapered_megatron import parallel
+from tapered_megatron.checkpoint import layout as layout_files
+from tapered_megatron.checkpoint import save, universal
 from tapered_megatron.config import Config, ConfigError
 from tapered_megatron.models import (
     allow_layer_recompiles,
@@ -39,7 +40,7 @@ from tapered_megatron.models import (
     take_diagnostics,
 )
 from tapered_megatron.planning.clock import StageClock
-from tapered_megatron.training import checkpoint, optim, reshard
+from tapered_megatron.training import optim
 from tapered_megatron.training.alignment import AlignmentProbe
 from tapered_megatron.training.faults import injected_nan_iterations
 from tapered_megatron.training.launch import Layout, precision_note
@@ -71,7 +72,7 @@ class Trainer:
         self.exit_signal = ExitSignal(cfg.train.exit_signal, self.device)
         self.iteration, self.consumed = 0, 0
         where = self._verified_resume()
-        self.lineage = checkpoint.Lineage(resumed=where[1] if where else None)
+        self.lineage = save.Lineage(resumed=where[1] if where else None)
         if where is not None:
             for tag in layout_files.partial_tags(where[0], layout_files.iteration_of(where[1])):
                 self.log(
@@ -102,8 +103,8 @@ class Trainer:
         try:
             while True:
                 notes: list[str] = []  # only the final choice's notes are printed
-                where = checkpoint.find_resume(self.cfg, note=notes.append, known=known)
-                why = checkpoint.hash_problem(where[0] / where[1]) if where else None
+                where = save.find_resume(self.cfg, note=notes.append, known=known)
+                why = save.hash_problem(where[0] / where[1]) if where else None
                 if why is None:
                     break
                 known[where[1]] = why
@@ -239,29 +240,29 @@ class Trainer:
 
     def load(self, load_dir: Path, tag: str) -> dict[str, Any]:
         """DeepSpeed's own files when the layout is the one saved, else the layout-free copy."""
-        now = checkpoint.layout_record(self.cfg, self.layout)
+        now = save.layout_record(self.cfg, self.layout)
         saved = layout_files.saved_layout(load_dir / tag)
         if saved is None or saved == now:
-            return checkpoint.load(self.engine, load_dir, tag)
+            return save.load(self.engine, load_dir, tag)
         self.log(
             f"layout change: checkpoint {load_dir / tag} was saved under "
             f"{layout_files.describe_layout(saved)}, resuming under "
             f"{layout_files.describe_layout(now)} (resharded from its universal/ copy)"
         )
-        return reshard.load(self.engine, self.cfg, load_dir / tag)
+        return universal.load(self.engine, self.cfg, load_dir / tag)
 
     def save(self, it: int) -> Path:
         """A checkpoint of iteration ``it``, with its layout and (if on) the universal copy."""
-        record = checkpoint.layout_record(self.cfg, self.layout)
+        record = save.layout_record(self.cfg, self.layout)
 
-        def universal(
+        def with_universal(
             tag_dir: Path, client: dict[str, Any], torch_save: Callable[[Any, Path], None]
         ) -> None:
-            reshard.save(self.engine, self.cfg, record, tag_dir, client, torch_save)
+            universal.save(self.engine, self.cfg, record, tag_dir, client, torch_save)
 
-        also = universal if self.cfg.train.universal_checkpoint else None
+        also = with_universal if self.cfg.train.universal_checkpoint else None
         try:
-            return checkpoint.save(
+            return save.save(
                 self.engine,
                 self.cfg,
                 it,
@@ -270,7 +271,7 @@ class Trainer:
                 layout=record,
                 lineage=self.lineage,
             )
-        except checkpoint.SaveFailed as e:
+        except save.SaveFailed as e:
             raise TrainingStopped(str(e)) from None
 
     # ------------------------------------------------------------------ loop
@@ -613,7 +614,7 @@ def run(cfg: Config, ds_config: dict[str, Any], layout: Layout, t0: float) -> li
     ``train.save_dir`` for it (:func:`checkpoint.own_save_dir`)."""
     os.makedirs(cfg.train.save_dir, exist_ok=True)
     try:
-        with checkpoint.own_save_dir(cfg):
+        with save.own_save_dir(cfg):
             return Trainer(cfg, ds_config, layout, t0).fit()
-    except checkpoint.SaveDirTaken as e:
+    except save.SaveDirTaken as e:
         raise TrainingStopped(str(e)) from None

@@ -38,8 +38,9 @@ from deepspeed.utils import (
     safe_set_full_optimizer_state,
 )
 
-from tapered_megatron import parallel, safe_load
-from tapered_megatron.checkpoint_layout import UNIVERSAL, UNIVERSAL_META, has_universal
+from tapered_megatron import parallel
+from tapered_megatron.checkpoint import safe_load
+from tapered_megatron.checkpoint.layout import UNIVERSAL, UNIVERSAL_META, has_universal
 from tapered_megatron.config import Config
 from tapered_megatron.models import canonical_parameters
 from tapered_megatron.parallel.layers import param_shape, shard, unshard
@@ -147,7 +148,7 @@ def save(
 ) -> None:
     """Write ``tag_dir/universal`` (collective: every rank calls it, before ``complete``), each
     file with ``torch_save(obj, path)`` (the save's own writes,
-    :func:`tapered_megatron.training.checkpoint.save`)."""
+    :func:`tapered_megatron.checkpoint.save.save`)."""
     out = tag_dir / UNIVERSAL
     out.mkdir(parents=True, exist_ok=True)
     opt = _link_optimizer_state(engine)

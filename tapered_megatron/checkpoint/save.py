@@ -1,13 +1,13 @@
 """Checkpoints: DeepSpeed's save/load plus our client state, written so ``latest`` never lies.
 
-The directory layout (names, tags, completeness) is :mod:`tapered_megatron.checkpoint_layout`.
+The directory layout (names, tags, completeness) is :mod:`tapered_megatron.checkpoint.layout`.
 
 Consumed samples and the iteration travel in DeepSpeed's client state. ``--train.resume auto``
 picks the checkpoint named by ``latest`` if it is complete, else the newest complete one; a
 directory that lacks ``complete`` (a crash mid-save) is never loaded, and one whose files do not
 load as plain data or parse is passed over for the next older one. Every file is read with
-:mod:`tapered_megatron.safe_load` (DeepSpeed's are verified that way before its engine loads
-them). Only the newest ``train.keep_last`` complete checkpoints are kept.
+:mod:`tapered_megatron.checkpoint.safe_load` (DeepSpeed's are verified that way before its
+engine loads them). Only the newest ``train.keep_last`` complete checkpoints are kept.
 """
 
 from __future__ import annotations
@@ -28,8 +28,9 @@ import torch
 import torch.distributed as dist
 import yaml
 
-from tapered_megatron import parallel, received, safe_load
-from tapered_megatron.checkpoint_layout import (
+from tapered_megatron import parallel
+from tapered_megatron.checkpoint import received, safe_load
+from tapered_megatron.checkpoint.layout import (
     COMPLETE,
     CONFIG,
     LATEST,
@@ -255,7 +256,7 @@ def save(
 
     ``also(tag_dir, client_state, torch_save)`` writes more files into the checkpoint, each with
     ``torch_save(obj, path)``, before it is marked complete (the trainer's layout-free copy,
-    :mod:`tapered_megatron.training.reshard`); ``layout`` (:func:`layout_record`) is written as
+    :mod:`tapered_megatron.checkpoint.universal`); ``layout`` (:func:`layout_record`) is written as
     ``layout.json``. A write that fails on any rank (a full disk) ends the save on every rank
     together with the same :class:`SaveFailed`, nothing of it left and ``latest`` unchanged.
     Collective: every rank must call it. Returns the checkpoint directory.
@@ -323,7 +324,7 @@ def _digests(tag_dir: Path) -> dict[str, list[Any]]:
 
 
 def hash_problem(tag_dir: Path) -> str | None:
-    """:func:`~tapered_megatron.checkpoint_layout.manifest_problem` with the hashing shared by
+    """:func:`~tapered_megatron.checkpoint.layout.manifest_problem` with the hashing shared by
     the ranks (collective: every rank gets the same answer)."""
     files = manifest(tag_dir) or {}
     why = manifest_problem(tag_dir, sorted(files)[_rank() :: _world()])
@@ -376,9 +377,9 @@ def prune(save_dir: Path, keep_last: int, lineage: Lineage | None = None) -> Non
 
 def checkpoint_problem(tag_dir: Path) -> str | None:
     """What makes a complete checkpoint unusable (one line), or None: a ``.pt`` file that does
-    not load as plain data (:func:`tapered_megatron.safe_load.verify_tag`: truncated, overwritten,
-    or a pickle naming code), a file whose size differs from the manifest, or a ``layout.json`` /
-    ``taper_plan.json`` / ``config.yaml`` that does not parse.
+    not load as plain data (:func:`tapered_megatron.checkpoint.safe_load.verify_tag`: truncated,
+    overwritten, or a pickle naming code), a file whose size differs from the manifest, or a
+    ``layout.json`` / ``taper_plan.json`` / ``config.yaml`` that does not parse.
 
     One process asks up to three times (the global-batch check and pre-flight before the process
     group, the trainer after it); the answer is kept per tag and file sizes and mtimes, so each
@@ -451,7 +452,7 @@ def find_resume(
 ) -> tuple[Path, str] | None:
     """Where ``train.resume`` points: ``(load_dir, tag)`` or ``None`` for a fresh start.
 
-    ``auto``: the first usable checkpoint of :func:`~tapered_megatron.checkpoint_layout.
+    ``auto``: the first usable checkpoint of :func:`~tapered_megatron.checkpoint.layout.
     resume_candidates` in ``train.save_dir`` (``latest`` if it names a complete tag there, then
     older complete ones), else ``None``. A path may name a save directory (the same choice) or one
     ``global_stepN`` directory. A candidate with a :func:`checkpoint_problem` is passed over with
@@ -574,7 +575,7 @@ def _claim(cfg: Config) -> tuple[Any, str | None, str | None]:
 @contextlib.contextmanager
 def own_save_dir(cfg: Config) -> Iterator[None]:
     """Hold ``train.save_dir`` for the run inside the block (collective: every rank calls it).
-    Rank 0 takes the directory's lock (:func:`~tapered_megatron.checkpoint_layout.
+    Rank 0 takes the directory's lock (:func:`~tapered_megatron.checkpoint.layout.
     lock_save_dir`, released when the process ends, even by ``kill -9``), checks again that no
     other run's checkpoints are there (:func:`owner_problem`) and, with ``train.start_over``,
     moves them aside (:func:`move_aside`). Every rank raises the same :class:`SaveDirTaken`

@@ -8,7 +8,7 @@ Layout of ``train.save_dir``::
         config.yaml            the resolved configuration of the run
         taper_plan.json        the taper plan (widths per layer)
         layout.json            the parallel layout it was saved under (TP, PP, DP, ZeRO, unit)
-        universal/             layout-free copy (train.universal_checkpoint; training/reshard.py)
+        universal/             layout-free copy (train.universal_checkpoint; universal.py)
         complete               written by rank 0 after every rank finished writing
     latest                     "global_step100", replaced atomically after ``complete``
     job.lock                   held (``flock``) by the one job writing here (:func:`lock_save_dir`)
@@ -121,7 +121,7 @@ def resume_candidates(save_dir: Path) -> list[str]:
 
 def saved_layout(tag_dir: Path) -> dict[str, Any] | None:
     """The layout a checkpoint was saved under; ``None`` for one written before ``layout.json``."""
-    from tapered_megatron.received import load_json
+    from tapered_megatron.checkpoint.received import load_json
 
     f = tag_dir / LAYOUT
     return load_json(f) if f.exists() else None
