@@ -137,7 +137,8 @@ def assert_close(a: list[float], b: list[float], rtol: float = RTOL) -> None:
 def reseal(tag_dir: Path) -> None:
     """Rewrite the manifest in a checkpoint's ``complete`` for its files as they are now (a
     checkpoint whose sender or saver wrote these files consistently)."""
-    from tapered_megatron.checkpoint.layout import COMPLETE, digests
+    from tapered_megatron.checkpoint.layout import COMPLETE
+    from tapered_megatron.checkpoint.manifest import digests
 
     marker = json.loads((tag_dir / COMPLETE).read_text())
     marker["files"] = digests(tag_dir)

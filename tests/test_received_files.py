@@ -21,7 +21,8 @@ import torch
 import yaml
 from launch_helpers import MAIN, ROOT, common_args, hold_save_dir, job_env, popen_job, reseal
 
-from tapered_megatron.checkpoint.layout import complete_tags, file_digest, write_manifest
+from tapered_megatron.checkpoint.layout import complete_tags
+from tapered_megatron.checkpoint.manifest import file_digest, write_manifest
 from tapered_megatron.export.__main__ import main as export_main
 
 pytestmark = pytest.mark.distributed
@@ -250,7 +251,7 @@ def test_a_checkpoint_manifest_naming_a_file_outside_is_passed_over(
     of the tag (each with the outside file's true digest): the tag is not complete, so
     ``--resume auto`` falls back to global_step2 with a note (a real run for the symlink,
     :func:`find_resume` for each) and export refuses it in one line."""
-    from tapered_megatron.checkpoint.save import find_resume
+    from tapered_megatron.checkpoint.resume import find_resume
     from tapered_megatron.config import load_config
 
     for kind in OUTSIDE:

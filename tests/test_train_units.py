@@ -18,6 +18,10 @@ from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
 from tapered_megatron.checkpoint import save
+from tapered_megatron.checkpoint.layout import complete_tags, is_complete
+from tapered_megatron.checkpoint.manifest import saved_bytes
+from tapered_megatron.checkpoint.resume import find_resume, hash_problem, load
+from tapered_megatron.checkpoint.save_dir import SaveDirTaken, own_save_dir
 from tapered_megatron.config import ConfigError, load_config
 from tapered_megatron.training import launch, optim
 
@@ -275,7 +279,7 @@ def test_latest_only_points_at_complete_checkpoints(tmp_path):
     cfg = _cfg(tmp_path)
     save.save(FakeEngine(), cfg, 10, 80)
     assert (tmp_path / "latest").read_text() == "global_step10"
-    assert save.is_complete(tmp_path / "global_step10")
+    assert is_complete(tmp_path / "global_step10")
     saved = yaml_load(tmp_path / "global_step10" / "config.yaml")
     assert saved["train"]["save_dir"] == str(tmp_path)
     assert json.loads((tmp_path / "global_step10" / "taper_plan.json").read_text())["widths"]
@@ -284,12 +288,12 @@ def test_latest_only_points_at_complete_checkpoints(tmp_path):
     assert (tmp_path / "global_step20").exists()  # half-written ...
     assert (tmp_path / "latest").read_text() == "global_step10"  # ... and never latest
     resume = _cfg(tmp_path, "--train.resume", "auto")
-    assert save.find_resume(resume) == (tmp_path, "global_step10")
+    assert find_resume(resume) == (tmp_path, "global_step10")
     # even with a stale/corrupt `latest`, auto picks the newest complete checkpoint
     (tmp_path / "latest").write_text("global_step20")
-    assert save.find_resume(resume) == (tmp_path, "global_step10")
+    assert find_resume(resume) == (tmp_path, "global_step10")
     eng = FakeEngine()
-    client = save.load(eng, tmp_path, "global_step10")
+    client = load(eng, tmp_path, "global_step10")
     assert client == {"iteration": 10, "consumed_samples": 80}
 
 
@@ -297,20 +301,20 @@ def test_keep_last_and_explicit_paths(tmp_path):
     cfg = _cfg(tmp_path)
     for it in (5, 10, 15, 20):
         save.save(FakeEngine(), cfg, it, it * 8)
-    assert [t for _, t in save.complete_tags(tmp_path)] == ["global_step15", "global_step20"]
+    assert [t for _, t in complete_tags(tmp_path)] == ["global_step15", "global_step20"]
     assert not (tmp_path / "global_step5").exists()
-    assert save.find_resume(_cfg(tmp_path, "--train.resume", str(tmp_path))) == (
+    assert find_resume(_cfg(tmp_path, "--train.resume", str(tmp_path))) == (
         tmp_path,
         "global_step20",
     )
     one = tmp_path / "global_step15"
-    assert save.find_resume(_cfg(tmp_path, "--train.resume", str(one))) == (
+    assert find_resume(_cfg(tmp_path, "--train.resume", str(one))) == (
         tmp_path,
         "global_step15",
     )
-    assert save.find_resume(_cfg(tmp_path / "empty", "--train.resume", "auto")) is None
+    assert find_resume(_cfg(tmp_path / "empty", "--train.resume", "auto")) is None
     with pytest.raises(FileNotFoundError):
-        save.find_resume(_cfg(tmp_path, "--train.resume", str(tmp_path / "nothing")))
+        find_resume(_cfg(tmp_path, "--train.resume", str(tmp_path / "nothing")))
 
 
 def yaml_load(path: Path) -> dict:
@@ -327,18 +331,18 @@ def test_resume_passes_over_an_unusable_checkpoint_with_a_note(tmp_path):
     (tmp_path / "global_step20" / "layout.json").write_text("{not json")
     reseal(tmp_path / "global_step20")  # listed in the manifest: only its content is wrong
     notes: list[str] = []
-    assert save.find_resume(resume, note=notes.append) == (tmp_path, "global_step10")
+    assert find_resume(resume, note=notes.append) == (tmp_path, "global_step10")
     assert len(notes) == 1 and "global_step20/layout.json: unreadable" in notes[0], notes
     # a `latest` outside the directory is not followed, and says so
     (tmp_path / "latest").write_text("../elsewhere/global_step30")
     notes.clear()
-    assert save.find_resume(resume, note=notes.append) == (tmp_path, "global_step10")
+    assert find_resume(resume, note=notes.append) == (tmp_path, "global_step10")
     assert "not a plain global_stepN tag" in notes[0] and "ignored" in notes[0], notes
     # nothing usable left: one line naming the newest's problem
     f = tmp_path / "global_step10" / "mp_rank_00_model_states.pt"
     f.write_bytes(f.read_bytes()[:64])
     with pytest.raises(ConfigError, match=r"no usable checkpoint .*global_step20/layout\.json"):
-        save.find_resume(resume)
+        find_resume(resume)
 
 
 def _tamper(f: Path) -> None:
@@ -360,19 +364,19 @@ def test_pruning_counts_only_usable_checkpoints_and_spares_the_resumed_one(tmp_p
     cfg = load_config("quickstart", over)
     lineage = save.Lineage(resumed="global_step2")  # what the trainer resumed from
     save.save(FakeEngine(), cfg, 3, 24, lineage=lineage)
-    assert [t for _, t in save.complete_tags(tmp_path)] == [
+    assert [t for _, t in complete_tags(tmp_path)] == [
         "global_step2",
         "global_step3",
         "global_step4",
     ]
-    assert save.find_resume(cfg, known={"global_step4": "changed"}) == (
+    assert find_resume(cfg, known={"global_step4": "changed"}) == (
         tmp_path,
         "global_step3",
     )
     save.save(FakeEngine(), cfg, 4, 32, lineage=lineage)  # replaces the unusable one
-    assert [t for _, t in save.complete_tags(tmp_path)] == ["global_step2", "global_step4"]
+    assert [t for _, t in complete_tags(tmp_path)] == ["global_step2", "global_step4"]
     assert (tmp_path / "latest").read_text() == "global_step4"
-    assert save.hash_problem(tmp_path / "global_step4") is None
+    assert hash_problem(tmp_path / "global_step4") is None
 
 
 def _checkpoints_of_another_run(save_dir: Path) -> list[str]:
@@ -384,7 +388,7 @@ def _checkpoints_of_another_run(save_dir: Path) -> list[str]:
 
 
 def test_a_fresh_run_into_another_runs_save_dir_stops_in_one_line(tmp_path):
-    from tapered_megatron.training.preflight import check_owner
+    from tapered_megatron.checkpoint.preflight import check_owner
 
     before = _checkpoints_of_another_run(tmp_path)
     with pytest.raises(ConfigError) as e:
@@ -400,7 +404,7 @@ def test_a_fresh_run_into_another_runs_save_dir_stops_in_one_line(tmp_path):
     with pytest.raises(ConfigError, match="one of the two"):
         check_owner(_cfg(tmp_path, "--train.resume", "auto", "--train.start_over", "true"))
     assert sorted(p.name for p in tmp_path.iterdir()) == before
-    with pytest.raises(save.SaveDirTaken), save.own_save_dir(_cfg(tmp_path)):
+    with pytest.raises(SaveDirTaken), own_save_dir(_cfg(tmp_path)):
         pass  # checked again once the lock is held
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted([*before, "job.lock"])
 
@@ -408,11 +412,11 @@ def test_a_fresh_run_into_another_runs_save_dir_stops_in_one_line(tmp_path):
 def test_start_over_moves_the_earlier_checkpoints_aside(tmp_path, capsys):
     _checkpoints_of_another_run(tmp_path)
     cfg = _cfg(tmp_path, "--train.start_over", "true")
-    with save.own_save_dir(cfg):
+    with own_save_dir(cfg):
         save.save(FakeEngine(), cfg, 1, 8, lineage=save.Lineage())
     (aside,) = tmp_path.glob("earlier-run-*")
     assert sorted(p.name for p in aside.iterdir()) == ["global_step2", "global_step4", "latest"]
-    assert save.hash_problem(aside / "global_step4") is None  # moved, intact
+    assert hash_problem(aside / "global_step4") is None  # moved, intact
     assert (tmp_path / "notes" / "mine.txt").read_text() == "keep"
     assert (tmp_path / "latest").read_text() == "global_step1"
     assert "moved to" in capsys.readouterr().out
@@ -426,7 +430,7 @@ def test_a_save_dir_in_use_is_refused_and_freed_when_its_holder_is_killed(tmp_pa
     holder = hold_save_dir(tmp_path)
     try:
         cfg = _cfg(tmp_path)
-        with pytest.raises(save.SaveDirTaken) as e, save.own_save_dir(cfg):
+        with pytest.raises(SaveDirTaken) as e, own_save_dir(cfg):
             pass
         line = str(e.value)
         assert "\n" not in line and "in use by another job" in line
@@ -434,7 +438,7 @@ def test_a_save_dir_in_use_is_refused_and_freed_when_its_holder_is_killed(tmp_pa
     finally:
         holder.kill()  # SIGKILL: no clean-up of its own
         holder.wait()
-    with save.own_save_dir(cfg):
+    with own_save_dir(cfg):
         save.save(FakeEngine(), cfg, 1, 8, lineage=save.Lineage())
     assert (tmp_path / "latest").read_text() == "global_step1"
 
@@ -495,14 +499,14 @@ def test_a_manifest_that_does_not_cover_every_file_makes_the_checkpoint_unusable
     change, why = MANIFEST_FAULTS[fault]
     for it in (2, 4):
         save.save(FakeEngine(), _cfg(tmp_path), it, it * 8)
-    size2 = save.saved_bytes(tmp_path)
+    size2 = saved_bytes(tmp_path)
     tag4 = tmp_path / "global_step4"
     marker = json.loads((tag4 / "complete").read_text())
     change(marker, tag4)
     (tag4 / "complete").write_text(json.dumps(marker))
     notes: list[str] = []
     resume = _cfg(tmp_path, "--train.resume", "auto")
-    assert save.find_resume(resume, note=notes.append) == (tmp_path, "global_step2")
+    assert find_resume(resume, note=notes.append) == (tmp_path, "global_step2")
     assert len(notes) == 1 and why in notes[0] and "\n" not in notes[0], notes
     with pytest.raises(ExportError, match=re.escape(why)):
         resolve_checkpoint(tmp_path, "global_step4")
@@ -540,7 +544,7 @@ def test_a_saved_config_including_a_base_is_never_followed(tmp_path):
     reseal(tag4)
     notes: list[str] = []
     resume = _cfg(save_dir, "--train.resume", "auto")
-    assert save.find_resume(resume, note=notes.append) == (save_dir, "global_step2")
+    assert find_resume(resume, note=notes.append) == (save_dir, "global_step2")
     assert len(notes) == 1 and "without 'base'" in notes[0], notes
     with pytest.raises(ConfigError, match=re.escape("'base: 'defaults.yaml'' is not followed")):
         load_saved_config(tag4 / "config.yaml")
@@ -575,6 +579,6 @@ def test_a_saved_config_is_parsed_within_bounds(case, tmp_path):
     assert "\n" not in str(e.value) and str(f) in str(e.value)
     notes: list[str] = []
     resume = _cfg(tmp_path, "--train.resume", "auto")
-    assert save.find_resume(resume, note=notes.append) == (tmp_path, "global_step2")
+    assert find_resume(resume, note=notes.append) == (tmp_path, "global_step2")
     assert len(notes) == 1 and "config.yaml: unreadable" in notes[0], notes
     assert time.perf_counter() - t < 5

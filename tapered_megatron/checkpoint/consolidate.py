@@ -46,13 +46,12 @@ from tapered_megatron.checkpoint.layout import (
     TAPER_PLAN,
     UNIVERSAL,
     complete_tags,
-    entries_problem,
     has_universal,
     is_tag,
     iteration_of,
     latest_tag,
-    manifest_problem,
 )
+from tapered_megatron.checkpoint.manifest import entries_problem, manifest_problem
 from tapered_megatron.config import Config, ConfigError, load_saved_config
 from tapered_megatron.models import build_model, unit_prefixes
 from tapered_megatron.parallel.layers import unshard

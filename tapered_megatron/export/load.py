@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from tapered_megatron.checkpoint.errors import ExportError
-from tapered_megatron.checkpoint.layout import EXPORT_MANIFEST, manifest_problem
+from tapered_megatron.checkpoint.manifest import EXPORT_MANIFEST, manifest_problem
 from tapered_megatron.config import Config, ConfigError, config_from_dict
 from tapered_megatron.models import LanguageModel, build_model
 

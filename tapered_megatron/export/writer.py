@@ -19,7 +19,7 @@
   sentencepiece) and ``tokenizer.model`` (the sentencepiece model), when the run's tokenizer is
   known; ``generation_config.json``; ``README.md``, the model card;
 * ``manifest.json``: the size and sha256 of every other file (the format of a checkpoint's
-  ``complete``, :func:`~tapered_megatron.checkpoint.layout.write_manifest`), checked by our
+  ``complete``, :func:`~tapered_megatron.checkpoint.manifest.write_manifest`), checked by our
   loaders before they read anything else.
 
 Everything is written into a temporary directory beside ``OUT`` and renamed into place at the
@@ -43,7 +43,7 @@ import torch
 
 from tapered_megatron.architectures import resolve_architecture
 from tapered_megatron.checkpoint.consolidate import CheckpointRef, resolve_checkpoint, weights
-from tapered_megatron.checkpoint.layout import EXPORT_MANIFEST, manifest, write_manifest
+from tapered_megatron.checkpoint.manifest import EXPORT_MANIFEST, manifest, write_manifest
 from tapered_megatron.config import Config
 from tapered_megatron.export.load import (
     DTYPES,

@@ -335,16 +335,16 @@ def resumed_global_batch(cfg: Config, world_size: int) -> tuple[int | None, str]
     goes on with ("" when nothing differs). An explicit ``train.global_batch_size`` wins, and
     the note says so. :func:`resolve` rejects a kept batch the new layout cannot divide.
     """
-    from tapered_megatron.checkpoint import save
+    from tapered_megatron.checkpoint import resume
 
     tp_pp = cfg.parallel.tp * cfg.parallel.pp
     if not cfg.train.resume or world_size % tp_pp:
         return None, ""
     try:
-        where = save.find_resume(cfg)
+        where = resume.find_resume(cfg)
     except (FileNotFoundError, ConfigError):
         return None, ""  # pre-flight names the problem
-    saved = save.saved_global_batch(where[0] / where[1], cfg.model.plugins) if where else None
+    saved = resume.saved_global_batch(where[0] / where[1], cfg.model.plugins) if where else None
     implied = cfg.train.micro_batch_size * world_size // tp_pp
     now = cfg.train.global_batch_size or implied
     if saved is None or saved == now:

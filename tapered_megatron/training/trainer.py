@@ -30,7 +30,7 @@ from torch import nn
 
 from tapered_megatron import parallel
 from tapered_megatron.checkpoint import layout as layout_files
-from tapered_megatron.checkpoint import save, universal
+from tapered_megatron.checkpoint import resume, save, save_dir, universal
 from tapered_megatron.config import Config, ConfigError
 from tapered_megatron.models import (
     allow_layer_recompiles,
@@ -103,8 +103,8 @@ class Trainer:
         try:
             while True:
                 notes: list[str] = []  # only the final choice's notes are printed
-                where = save.find_resume(self.cfg, note=notes.append, known=known)
-                why = save.hash_problem(where[0] / where[1]) if where else None
+                where = resume.find_resume(self.cfg, note=notes.append, known=known)
+                why = resume.hash_problem(where[0] / where[1]) if where else None
                 if why is None:
                     break
                 known[where[1]] = why
@@ -243,7 +243,7 @@ class Trainer:
         now = save.layout_record(self.cfg, self.layout)
         saved = layout_files.saved_layout(load_dir / tag)
         if saved is None or saved == now:
-            return save.load(self.engine, load_dir, tag)
+            return resume.load(self.engine, load_dir, tag)
         self.log(
             f"layout change: checkpoint {load_dir / tag} was saved under "
             f"{layout_files.describe_layout(saved)}, resuming under "
@@ -614,7 +614,7 @@ def run(cfg: Config, ds_config: dict[str, Any], layout: Layout, t0: float) -> li
     ``train.save_dir`` for it (:func:`checkpoint.own_save_dir`)."""
     os.makedirs(cfg.train.save_dir, exist_ok=True)
     try:
-        with save.own_save_dir(cfg):
+        with save_dir.own_save_dir(cfg):
             return Trainer(cfg, ds_config, layout, t0).fit()
-    except save.SaveDirTaken as e:
+    except save_dir.SaveDirTaken as e:
         raise TrainingStopped(str(e)) from None
