@@ -20,6 +20,7 @@ holds the checkpoint's manifest: the size and sha256 of every other file of the 
 
 from __future__ import annotations
 
+import dataclasses
 import fcntl
 import os
 import re
@@ -109,23 +110,68 @@ def resume_candidates(save_dir: Path) -> list[str]:
     return done
 
 
-def saved_layout(tag_dir: Path) -> dict[str, Any] | None:
+@dataclasses.dataclass(frozen=True)
+class ParallelLayout:
+    """How a run's world is split and how its global batch is made of micro-batches.
+
+    The split (TP x PP x DP, ZeRO stage, pipeline unit, pipeline schedule) is what a checkpoint
+    records in ``layout.json`` (:meth:`to_record`, :meth:`from_record`); the batch shape
+    (``world_size``, micro / global batch, accumulation) is not, and is 0 in a layout read back
+    from a record. ``pipeline_unit`` is ``none`` and ``schedule`` ``1f1b`` without pipeline
+    parallelism."""
+
+    tp: int = 1
+    pp: int = 1
+    dp: int = 1
+    zero_stage: int = 0  # the ds_config's zero_optimization.stage
+    pipeline_unit: str = "none"
+    schedule: str = "1f1b"
+    virtual_stages: int = 1
+    world_size: int = 0
+    micro_batch_size: int = 0
+    global_batch_size: int = 0
+    grad_accum: int = 0
+
+    def to_record(self) -> dict[str, Any]:
+        """The split as written into ``layout.json``; a virtual-stage schedule adds
+        ``schedule`` and ``virtual_stages`` (its DeepSpeed files hold a rank's chunks, not a
+        1F1B stage)."""
+        out: dict[str, Any] = {
+            "tp": self.tp,
+            "pp": self.pp,
+            "dp": self.dp,
+            "zero_stage": self.zero_stage,
+            "pipeline_unit": self.pipeline_unit,
+        }
+        if self.schedule != "1f1b":
+            out.update(schedule=self.schedule, virtual_stages=self.virtual_stages)
+        return out
+
+    @classmethod
+    def from_record(cls, record: dict[str, Any]) -> ParallelLayout:
+        """The layout a ``layout.json`` record describes (keys it lacks take their defaults)."""
+        return cls(**{k: record[k] for k in _RECORD_KEYS if k in record})
+
+    def describe(self, counts: tuple[str, ...] = ("tp", "pp", "dp", "zero_stage")) -> str:
+        """``TP2 PP1 DP1 ZeRO-1 unit none`` (only the ``counts`` named), with ``schedule
+        interleaved v2`` for a virtual-stage schedule."""
+        names = {"tp": "TP{}", "pp": "PP{}", "dp": "DP{}", "zero_stage": "ZeRO-{}"}
+        words = [names[k].format(getattr(self, k)) for k in counts]
+        words.append(f"unit {self.pipeline_unit}")
+        if self.schedule != "1f1b":
+            words.append(f"schedule {self.schedule} v{self.virtual_stages}")
+        return " ".join(words)
+
+
+_RECORD_KEYS = ("tp", "pp", "dp", "zero_stage", "pipeline_unit", "schedule", "virtual_stages")
+
+
+def saved_layout(tag_dir: Path) -> ParallelLayout | None:
     """The layout a checkpoint was saved under; ``None`` for one written before ``layout.json``."""
     from tapered_megatron.checkpoint.received import load_json
 
     f = tag_dir / LAYOUT
-    return load_json(f) if f.exists() else None
-
-
-def describe_layout(rec: dict[str, Any]) -> str:
-    """``TP2 PP1 DP1 ZeRO-1 unit none`` (keys a record lacks are left out), with ``schedule
-    interleaved v2`` for a virtual-stage schedule."""
-    names = (("tp", "TP{}"), ("pp", "PP{}"), ("dp", "DP{}"), ("zero_stage", "ZeRO-{}"))
-    words = [fmt.format(rec[k]) for k, fmt in names if k in rec]
-    words.append(f"unit {rec.get('pipeline_unit', 'none')}")
-    if "schedule" in rec:
-        words.append(f"schedule {rec['schedule']} v{rec.get('virtual_stages', 1)}")
-    return " ".join(words)
+    return ParallelLayout.from_record(load_json(f)) if f.exists() else None
 
 
 def has_universal(tag_dir: Path) -> bool:

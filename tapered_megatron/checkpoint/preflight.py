@@ -14,6 +14,7 @@ from typing import Any
 import yaml
 
 from tapered_megatron.checkpoint import layout as layout_files
+from tapered_megatron.checkpoint.layout import ParallelLayout
 from tapered_megatron.config import Config, ConfigError, load_saved_config
 
 # Sections whose values fix the parameter shapes: a checkpoint of another shape cannot load.
@@ -80,11 +81,11 @@ def _differences(a: Any, b: Any, prefix: str) -> list[str]:
     return [] if a == b else [f"{prefix} {b!r} in the checkpoint, {a!r} here"]
 
 
-def check_resume(cfg: Config, layout: Any = None) -> None:
+def check_resume(cfg: Config, layout: ParallelLayout | None = None) -> None:
     """``train.resume`` names a complete checkpoint whose model and taper match ``cfg``
     (``model.dropout`` may change); one saved under another parallel layout than ``layout``
     holds the layout-free copy."""
-    from tapered_megatron.checkpoint import resume, save
+    from tapered_megatron.checkpoint import resume
 
     if not cfg.train.resume:
         return
@@ -123,24 +124,26 @@ def check_resume(cfg: Config, layout: Any = None) -> None:
             + f"); use the checkpoint's settings (see {saved_file}) or another --train.save_dir"
         )
     if layout is not None:
-        _check_layout_change(where[0] / where[1], saved, save.layout_record(cfg, layout))
+        _check_layout_change(where[0] / where[1], saved, layout)
 
 
-def _check_layout_change(tag_dir: Path, saved_cfg: dict[str, Any], now: dict[str, Any]) -> None:
+def _check_layout_change(tag_dir: Path, saved_cfg: dict[str, Any], now: ParallelLayout) -> None:
     """A checkpoint without ``universal/`` loads only under the layout it was saved under (its
     ``layout.json``; for one written before that file, the TP / PP / unit of its config)."""
     if layout_files.has_universal(tag_dir):
         return
     then = layout_files.saved_layout(tag_dir)
-    if then is None:
+    counts: tuple[str, ...] = ("tp", "pp", "dp", "zero_stage")
+    if then is None:  # its config says only TP, PP and unit: DP and ZeRO stage are not compared
         par = (saved_cfg or {}).get("parallel", {})
-        then = {"tp": par.get("tp", 1), "pp": par.get("pp", 1)}
-        then["pipeline_unit"] = par.get("pipeline_unit", "none") if then["pp"] > 1 else "none"
-    keys = set(then) | ({"schedule", "virtual_stages"} & set(now))
-    if any(then.get(k) != now.get(k) for k in keys):
+        tp, pp = par.get("tp", 1), par.get("pp", 1)
+        unit = par.get("pipeline_unit", "none") if pp > 1 else "none"
+        then = ParallelLayout(tp, pp, now.dp, now.zero_stage, unit)
+        counts = ("tp", "pp")
+    if then.to_record() != now.to_record():
         raise ConfigError(
-            f"train.resume: {tag_dir} was saved under {layout_files.describe_layout(then)} "
+            f"train.resume: {tag_dir} was saved under {then.describe(counts)} "
             "without a universal/ copy (train.universal_checkpoint false, or an older "
-            f"checkpoint), so it cannot resume under {layout_files.describe_layout(now)}; launch "
+            f"checkpoint), so it cannot resume under {now.describe()}; launch "
             "with the saved layout"
         )

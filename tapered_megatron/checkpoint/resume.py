@@ -49,7 +49,7 @@ def saved_global_batch(tag_dir: Path, plugins: tuple[str, ...] = ()) -> int | No
     if tr.global_batch_size:
         return tr.global_batch_size
     layout = saved_layout(tag_dir)
-    return tr.micro_batch_size * layout["dp"] if layout and "dp" in layout else None
+    return tr.micro_batch_size * layout.dp if layout else None
 
 
 def hash_problem(tag_dir: Path) -> str | None:

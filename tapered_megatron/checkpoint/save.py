@@ -35,6 +35,7 @@ from tapered_megatron.checkpoint.layout import (
     LATEST,
     LAYOUT,
     TAPER_PLAN,
+    ParallelLayout,
     complete_tags,
     iteration_of,
     latest_tag,
@@ -56,22 +57,6 @@ _FP32_CKPT_BYTES = 4 + 8
 _HALF_CKPT_BYTES = 2 + 12
 # ... plus, with train.universal_checkpoint, the layout-free copy: fp32 weight + two moments.
 _UNIVERSAL_CKPT_BYTES = 12
-
-
-def layout_record(cfg: Config, layout: Any) -> dict[str, Any]:
-    """The parallel layout (:class:`~tapered_megatron.training.launch.Layout`) a checkpoint is
-    saved or resumed under (``layout.json``). A virtual-stage schedule adds ``schedule`` and
-    ``virtual_stages`` (its DeepSpeed files hold a rank's chunks, not a 1F1B stage)."""
-    out = {
-        "tp": layout.tp,
-        "pp": layout.pp,
-        "dp": layout.dp,
-        "zero_stage": layout.zero_stage,
-        "pipeline_unit": cfg.parallel.pipeline_unit if layout.pp > 1 else "none",
-    }
-    if layout.pp > 1 and cfg.parallel.schedule != "1f1b":
-        out.update(schedule=cfg.parallel.schedule, virtual_stages=cfg.parallel.virtual_stages)
-    return out
 
 
 def _write_atomic(path: Path, text: str) -> None:
@@ -210,7 +195,7 @@ def save(
     consumed_samples: int,
     extra: dict[str, Any] | None = None,
     also: Callable[[Path, dict[str, Any], Callable[[Any, Path], None]], None] | None = None,
-    layout: dict[str, Any] | None = None,
+    layout: ParallelLayout | None = None,
     lineage: Lineage | None = None,
 ) -> Path:
     """Save a checkpoint on every rank, then mark it complete, point ``latest`` at it and
@@ -218,7 +203,8 @@ def save(
 
     ``also(tag_dir, client_state, torch_save)`` writes more files into the checkpoint, each with
     ``torch_save(obj, path)``, before it is marked complete (the trainer's layout-free copy,
-    :mod:`tapered_megatron.checkpoint.universal`); ``layout`` (:func:`layout_record`) is written as
+    :mod:`tapered_megatron.checkpoint.universal`); ``layout``
+    (:meth:`~tapered_megatron.checkpoint.layout.ParallelLayout.to_record`) is written as
     ``layout.json``. A write that fails on any rank (a full disk) ends the save on every rank
     together with the same :class:`SaveFailed`, nothing of it left and ``latest`` unchanged.
     Collective: every rank must call it. Returns the checkpoint directory.
@@ -247,7 +233,7 @@ def save(
                 (tag_dir / TAPER_PLAN).write_text, json.dumps(cfg.taper_plan.to_dict(), indent=1)
             )
             if layout is not None:
-                writes((tag_dir / LAYOUT).write_text, json.dumps(layout) + "\n")
+                writes((tag_dir / LAYOUT).write_text, json.dumps(layout.to_record()) + "\n")
         writes.settle(cfg, engine, tag_dir)
         files = _digests(tag_dir)
         if rank() == 0:

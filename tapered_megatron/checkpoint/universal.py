@@ -40,7 +40,12 @@ from deepspeed.utils import (
 
 from tapered_megatron import parallel
 from tapered_megatron.checkpoint import safe_load
-from tapered_megatron.checkpoint.layout import UNIVERSAL, UNIVERSAL_META, has_universal
+from tapered_megatron.checkpoint.layout import (
+    UNIVERSAL,
+    UNIVERSAL_META,
+    ParallelLayout,
+    has_universal,
+)
 from tapered_megatron.config import Config
 from tapered_megatron.models import canonical_parameters
 from tapered_megatron.parallel.layers import param_shape, shard, unshard
@@ -141,7 +146,7 @@ def _step(opt: torch.optim.Optimizer) -> float:
 def save(
     engine: Any,
     cfg: Config,
-    layout: dict[str, Any],
+    layout: ParallelLayout,
     tag_dir: Path,
     client: dict[str, Any],
     torch_save: Callable[[Any, Path], None] = torch.save,
@@ -167,7 +172,7 @@ def save(
             torch_save(dict(zip(("fp32", *MOMENTS), full)), out / f"{name}.pt")
     if dist.get_rank() == 0:
         meta = {
-            "layout": layout,
+            "layout": layout.to_record(),
             "world_size": dist.get_world_size(),
             "step": _step(opt),
             "lr_scheduler": engine.lr_scheduler.state_dict() if engine.lr_scheduler else None,

@@ -20,11 +20,11 @@ import copy
 import dataclasses
 import json
 import os
-from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
+from tapered_megatron.checkpoint.layout import ParallelLayout
 from tapered_megatron.config import Config, ConfigError, load_config
 from tapered_megatron.parallel.host import free_port, shm_workspace_path
 from tapered_megatron.resources import resource
@@ -36,20 +36,6 @@ DEFAULT_DS_CONFIG = resource("ds_configs") / "default.json"
 # Environment variables that carry the world size / rank under the launchers we support.
 _WORLD_ENV = ("WORLD_SIZE", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE")
 _RANK_ENV = ("RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK")
-
-
-@dataclass(frozen=True)
-class Layout:
-    """How the world is split and how a global batch is made of micro-batches."""
-
-    world_size: int
-    tp: int
-    pp: int
-    dp: int
-    micro_batch_size: int
-    global_batch_size: int
-    grad_accum: int
-    zero_stage: int = 0  # the ds_config's zero_optimization.stage
 
 
 def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[str]]:
@@ -128,7 +114,7 @@ def _agree(ds: dict, key: str, want: Any, fix: str) -> None:
         raise ConfigError(f"ds_config {key}={have!r} disagrees with {fix}")
 
 
-def resolve(cfg: Config, ds_config: dict[str, Any], world_size: int) -> tuple[dict, Layout]:
+def resolve(cfg: Config, ds_config: dict[str, Any], world_size: int) -> tuple[dict, ParallelLayout]:
     """Check ``cfg`` against ``ds_config`` and the world size; return the filled ds_config.
 
     Raises :class:`ConfigError` on any inconsistency. Never touches torch.distributed.
@@ -218,7 +204,19 @@ def resolve(cfg: Config, ds_config: dict[str, Any], world_size: int) -> tuple[di
             f'"{half}": {{"enabled": false}} (or "auto"), or enable {other} instead'
         )
     ds.setdefault("steps_per_print", 10**9)
-    layout = Layout(world_size, tp, pp, dp, mbs, gbs, gas, stage)
+    layout = ParallelLayout(
+        tp=tp,
+        pp=pp,
+        dp=dp,
+        zero_stage=stage,
+        pipeline_unit=cfg.parallel.pipeline_unit if pp > 1 else "none",
+        schedule=cfg.parallel.schedule if pp > 1 else "1f1b",
+        virtual_stages=cfg.parallel.virtual_stages if pp > 1 else 1,
+        world_size=world_size,
+        micro_batch_size=mbs,
+        global_batch_size=gbs,
+        grad_accum=gas,
+    )
     return ds, layout
 
 
@@ -304,7 +302,7 @@ def _bf16_available() -> bool:
     return not _on_cpu() and _supports("bf16")
 
 
-def setup(argv: list[str] | None = None) -> tuple[argparse.Namespace, Config, dict, Layout]:
+def setup(argv: list[str] | None = None) -> tuple[argparse.Namespace, Config, dict, ParallelLayout]:
     """Parse, load and validate everything, input files included (:mod:`.preflight`); no
     process group is started here."""
     args, overrides = parse_args(argv)

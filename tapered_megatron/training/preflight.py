@@ -24,15 +24,18 @@ import json
 import os
 from typing import Any
 
+from tapered_megatron.checkpoint.layout import ParallelLayout
 from tapered_megatron.checkpoint.preflight import check_owner, check_resume, check_save_dir
 from tapered_megatron.config import Config, ConfigError
 from tapered_megatron.config_fields import first_line
 
 
-def check_inputs(cfg: Config, ds_config: dict[str, Any], layout: Any = None) -> None:
+def check_inputs(
+    cfg: Config, ds_config: dict[str, Any], layout: ParallelLayout | None = None
+) -> None:
     """Raise :class:`ConfigError` for the first bad input of ``cfg``; touch nothing.
 
-    ``layout`` (:class:`~tapered_megatron.training.launch.Layout`) is the run's parallel layout;
+    ``layout`` (:class:`~tapered_megatron.checkpoint.layout.ParallelLayout`) is the run's layout;
     with it, resuming under another layout needs a checkpoint holding ``universal/``."""
     check_ds_params(ds_config)
     check_data(cfg)

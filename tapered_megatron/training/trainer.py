@@ -31,6 +31,7 @@ from torch import nn
 from tapered_megatron import parallel
 from tapered_megatron.checkpoint import layout as layout_files
 from tapered_megatron.checkpoint import resume, save, save_dir, universal
+from tapered_megatron.checkpoint.layout import ParallelLayout, saved_layout
 from tapered_megatron.config import Config, ConfigError
 from tapered_megatron.models import (
     allow_layer_recompiles,
@@ -43,7 +44,7 @@ from tapered_megatron.planning.clock import StageClock
 from tapered_megatron.training import optim
 from tapered_megatron.training.alignment import AlignmentProbe
 from tapered_megatron.training.faults import injected_nan_iterations
-from tapered_megatron.training.launch import Layout, precision_note
+from tapered_megatron.training.launch import precision_note
 from tapered_megatron.training.logger import TrainLogger
 from tapered_megatron.training.monitor import Cadence, ExitSignal, Health, MetricsFile, Window
 from tapered_megatron.training.validation import validation_loss
@@ -52,7 +53,9 @@ from tapered_megatron.training.validation import validation_loss
 class Trainer:
     """Builds everything for one run; :meth:`fit` trains. All ranks construct it together."""
 
-    def __init__(self, cfg: Config, ds_config: dict[str, Any], layout: Layout, t0: float) -> None:
+    def __init__(
+        self, cfg: Config, ds_config: dict[str, Any], layout: ParallelLayout, t0: float
+    ) -> None:
         self.cfg, self.ds_config, self.layout, self.t0 = cfg, ds_config, layout, t0
         self.rank = dist.get_rank()
         self.device = get_accelerator().current_device_name()
@@ -240,25 +243,23 @@ class Trainer:
 
     def load(self, load_dir: Path, tag: str) -> dict[str, Any]:
         """DeepSpeed's own files when the layout is the one saved, else the layout-free copy."""
-        now = save.layout_record(self.cfg, self.layout)
-        saved = layout_files.saved_layout(load_dir / tag)
-        if saved is None or saved == now:
+        now = self.layout
+        saved = saved_layout(load_dir / tag)
+        if saved is None or saved.to_record() == now.to_record():
             return resume.load(self.engine, load_dir, tag)
         self.log(
-            f"layout change: checkpoint {load_dir / tag} was saved under "
-            f"{layout_files.describe_layout(saved)}, resuming under "
-            f"{layout_files.describe_layout(now)} (resharded from its universal/ copy)"
+            f"layout change: checkpoint {load_dir / tag} was saved under {saved.describe()}, "
+            f"resuming under {now.describe()} (resharded from its universal/ copy)"
         )
         return universal.load(self.engine, self.cfg, load_dir / tag)
 
     def save(self, it: int) -> Path:
         """A checkpoint of iteration ``it``, with its layout and (if on) the universal copy."""
-        record = save.layout_record(self.cfg, self.layout)
 
         def with_universal(
             tag_dir: Path, client: dict[str, Any], torch_save: Callable[[Any, Path], None]
         ) -> None:
-            universal.save(self.engine, self.cfg, record, tag_dir, client, torch_save)
+            universal.save(self.engine, self.cfg, self.layout, tag_dir, client, torch_save)
 
         also = with_universal if self.cfg.train.universal_checkpoint else None
         try:
@@ -268,7 +269,7 @@ class Trainer:
                 it,
                 self.consumed,
                 also=also,
-                layout=record,
+                layout=self.layout,
                 lineage=self.lineage,
             )
         except save.SaveFailed as e:
@@ -609,7 +610,7 @@ def _collate(samples: list[Any]) -> torch.Tensor:
     return torch.stack([torch.as_tensor(s, dtype=torch.int64) for s in samples])
 
 
-def run(cfg: Config, ds_config: dict[str, Any], layout: Layout, t0: float) -> list[float]:
+def run(cfg: Config, ds_config: dict[str, Any], layout: ParallelLayout, t0: float) -> list[float]:
     """Train one run in an initialised process group (used by ``pretrain/main.py``), holding
     ``train.save_dir`` for it (:func:`checkpoint.own_save_dir`)."""
     os.makedirs(cfg.train.save_dir, exist_ok=True)
