@@ -1,6 +1,11 @@
-"""Resuming: which checkpoint ``train.resume`` points at (every candidate checked first: files
-that load as plain data, sizes and, from the trainer, hashes against the manifest, records that
-parse), and loading it through DeepSpeed with this rank's RNG states."""
+"""Resuming: which checkpoint ``train.resume`` points at, and loading it through DeepSpeed with
+this rank's RNG states.
+
+``--train.resume auto`` picks the checkpoint named by ``latest`` if it is complete, else the
+newest complete one; a candidate whose files do not load as plain data
+(:mod:`tapered_megatron.checkpoint.safe_load`: DeepSpeed's are verified that way before its
+engine loads them), whose sizes (and, from the trainer, hashes) differ from its manifest, or
+whose records do not parse is passed over for the next older one."""
 
 from __future__ import annotations
 

@@ -1,13 +1,11 @@
-"""Checkpoints: DeepSpeed's save/load plus our client state, written so ``latest`` never lies.
+"""Saving a checkpoint: DeepSpeed's save plus our client state and files, written so ``latest``
+never lies, then pruning.
 
-The directory layout (names, tags, completeness) is :mod:`tapered_megatron.checkpoint.layout`.
-
-Consumed samples and the iteration travel in DeepSpeed's client state. ``--train.resume auto``
-picks the checkpoint named by ``latest`` if it is complete, else the newest complete one; a
-directory that lacks ``complete`` (a crash mid-save) is never loaded, and one whose files do not
-load as plain data or parse is passed over for the next older one. Every file is read with
-:mod:`tapered_megatron.checkpoint.safe_load` (DeepSpeed's are verified that way before its
-engine loads them). Only the newest ``train.keep_last`` complete checkpoints are kept.
+The directory layout (names, tags, completeness) is :mod:`tapered_megatron.checkpoint.layout`;
+resuming is :mod:`tapered_megatron.checkpoint.resume`. Consumed samples and the iteration travel
+in DeepSpeed's client state. A directory that lacks ``complete`` (a crash mid-save) is never
+loaded; ``latest`` moves only after ``complete``. Only the newest ``train.keep_last`` usable
+checkpoints are kept.
 """
 
 from __future__ import annotations
