@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
+from tapered_megatron.plan import main
 from tapered_megatron.planning import calibration as cal
-from tapered_megatron.planning.planner import main
 
 DOCS = Path(__file__).resolve().parents[1] / "docs"
 

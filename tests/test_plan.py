@@ -11,7 +11,7 @@ import pytest
 
 from tapered_megatron.config import PRESET_DIR, load_config, preset_names
 from tapered_megatron.models.counters import count_model
-from tapered_megatron.models.language_model import meta_param_count
+from tapered_megatron.models.language_model import meta_param_count, units
 from tapered_megatron.planning import cost as costlib
 from tapered_megatron.planning.balance import partition
 from tapered_megatron.planning.planner import (
@@ -37,7 +37,8 @@ def test_bytes_per_param_follow_zero_stages() -> None:
     assert costlib.bytes_per_param("bf16", 1, 4, False) == 2 + 2 + 4 + 3  # fp32 grad buffer
     assert costlib.bytes_per_param("bf16", 2, 4, False) == 2 + 1 + 3  # fp32 grad partition
     assert costlib.bytes_per_param("bf16", 3, 4, False) == 0.5 + 1 + 3
-    assert costlib.bytes_per_param("bf16", 1, 1, True) == 20  # BF16_Optimizer fp32 grad buffer
+    # the pipeline's BF16_Optimizer: an fp32 gradient buffer and no bf16 gradients held
+    assert costlib.bytes_per_param("bf16", 1, 1, True) == 2 + 12 + 4
     assert costlib.bytes_per_param("fp32", 0, 1, True) == 16
     assert costlib.bytes_per_param("fp32", 3, 4, False) == 20 / 4  # ZeRO's fp32 master copy
 
@@ -166,10 +167,12 @@ def test_zero3_unit_peak_holds_its_gradient() -> None:
     dev = costlib.get_device("cpu")
     base = costlib.RunShape(micro_batch_size=1, seq_len=64, dp=4, precision="fp32")
     z2 = costlib.unit_costs(cfg, base, dev)
-    for a, b in zip(z2, costlib.unit_costs(cfg, replace(base, zero_stage=3), dev), strict=True):
+    z3 = costlib.unit_costs(cfg, replace(base, zero_stage=3), dev)
+    for u, a, b in zip(units(cfg), z2, z3, strict=True):
         grads = 0 if a.kind == "head" else 4
         assert b.peak - a.peak == pytest.approx(a.params * grads)
-        assert b.static == pytest.approx(a.params * 20 / 4)  # weights, grads, master, Adam
+        # weights, grads, master, Adam; buffers (RoPE's tables) whole
+        assert b.static - costlib.buffer_bytes(u) == pytest.approx(a.params * 20 / 4)
 
 
 @pytest.mark.parametrize(
@@ -213,7 +216,7 @@ def test_zero3_settings_are_the_repo_config() -> None:
 def test_zero3_stage_terms() -> None:
     """The stage term: the reduce bucket (whole on a GPU, the written part on a CPU), the kept
     weights and the bucket's interleaved copy, or the optimizer step's sub-group temporaries
-    when larger."""
+    and the first unit's weights (gathered through the step) when larger."""
     cfg = load_config("transformer_760m", ["--model.layers", "2", "--model.seq_len", "64"])
     cpu = costlib.get_device("cpu")
     shape = costlib.RunShape(
@@ -239,8 +242,9 @@ def test_zero3_stage_terms() -> None:
         c = costlib.unit_costs(cfg, opt, dev)
         units = sum(u.act for u in c) + max(u.peak for u in c)
         step = total * 4 * (1 + temps)
+        first = 4 * c[0].local_params  # the first unit stays gathered through the step
         assert costlib.zero3_stage_bytes(cfg, c, opt, dev) == pytest.approx(
-            4 * z.reduce_bucket_size + step - units
+            4 * z.reduce_bucket_size + first + step - units
         )
 
 
@@ -307,7 +311,8 @@ def test_dp_communication_overlaps_where_deepspeed_overlaps_it() -> None:
 
 def test_planner_writes_overlapped_zero_configs() -> None:
     """A ZeRO-2 candidate: its DeepSpeed config overlaps the reduce with the planner's bucket
-    size, the memory prediction holds its two reduce buckets, the breakdown names the overlap."""
+    size, the memory prediction holds its two reduce buckets, the breakdown names the overlap;
+    bf16 ZeRO-1 holds no buckets."""
     cfg = load_config("transformer_1.3b")
     dev = costlib.get_device("h100")
     cap = 0.9 * 80 * costlib.GiB
@@ -321,10 +326,14 @@ def test_planner_writes_overlapped_zero_configs() -> None:
     z0 = evaluate(cfg, replace(cand, zero=0), dev, cap)
     z1 = evaluate(cfg, replace(cand, zero=1), dev, cap)
     assert z0.breakdown["dp_overlapped_s"] == 0
-    local = count_model(cfg).params_total / 2
-    state = local * (costlib.bytes_per_param("bf16", 1, 8, False) - 16)  # ZeRO-1 vs ZeRO-0
-    buckets = 2 * 4 * cand.reduce_bucket  # ZeRO-1 reduces in fp32 (the accumulation dtype)
-    assert (z1.mem_gib - z0.mem_gib) * costlib.GiB == pytest.approx(state + buckets, rel=1e-6)
+    local = sum(u.local_params for u in costlib.unit_costs(cfg, costlib.RunShape(tp=2), dev))
+    state = local * (costlib.bytes_per_param("bf16", 2, 8, False) - 16)  # ZeRO-2 vs ZeRO-0
+    buckets = 2 * 2 * cand.reduce_bucket  # ZeRO-2 reduces in the model's dtype
+    assert (cand.mem_gib - z0.mem_gib) * costlib.GiB == pytest.approx(state + buckets, rel=1e-6)
+    # bf16 ZeRO-1 runs DeepSpeed's BF16_Optimizer: no reduce buckets, only the state differs
+    # (its reduce's flat copies come after backward, when the activations are gone)
+    state = local * (costlib.bytes_per_param("bf16", 1, 8, False) - 16)
+    assert (z1.mem_gib - z0.mem_gib) * costlib.GiB == pytest.approx(state, rel=1e-6)
 
 
 def test_layout_flag_predicts_the_printed_pick(capsys) -> None:

@@ -4,6 +4,9 @@ TP=2 vs TP=1, tapered-vs-uniform budget, training on real text."""
 from __future__ import annotations
 
 import itertools
+import json
+import statistics
+from pathlib import Path
 
 import pytest
 import torch
@@ -610,6 +613,7 @@ def test_compile_reaches_every_tapered_layer(arch, monkeypatch):
     [
         ("titans", []),
         ("titans", ["--model.titans.variant", "mac", "--model.titans.persistent_tokens", "2"]),
+        ("titans", ["--model.titans.normalized_step", "true", "--model.titans.memory_clip", "0"]),
         ("hope_attention", []),
     ],
 )
@@ -705,3 +709,20 @@ def test_clip_tally_counts_the_tokens_the_clip_scales_down():
     mixer.train()(x)
     share = take_diagnostics(mixer)["memory_clip"]
     assert 0.0 <= share <= 1.0 and take_diagnostics(mixer) == {}
+
+
+def test_reproduction_titans_runs_train_without_gradient_spikes():
+    """Every saved (c) Titans run that keeps its gradient-norm curve: no norm above 100, none
+    after the first 10 % of iterations above 10x the run's median, and the per-token clip (its
+    logged share) active on a minority of token-heads."""
+    runs = Path(__file__).resolve().parents[1] / "docs" / "results" / "runs"
+    recs = [json.loads(f.read_text()) for f in sorted(runs.glob("titans-*/metrics.json"))]
+    recs = [r for r in recs if "grad_norm" in r]
+    assert recs, "no saved Titans run with its grad_norm curve"
+    for r in recs:
+        norms = r["grad_norm"]
+        assert len(norms) == r["iterations"], r["run"]
+        median = statistics.median(n for _, n in norms)
+        late = [n for it, n in norms if it > r["iterations"] / 10]
+        assert max(n for _, n in norms) <= 100 and max(late) <= 10 * median, r["run"]
+        assert all(share < 0.5 for _, share in r.get("memory_clip", [])), r["run"]

@@ -99,6 +99,7 @@ HOPE_ATTENTION = register_architecture(
             "1.3b": TEACH,
             "7b": {"model": {"hope": LEVELS}},
             "30b": {"model": {"hope": LEVELS}},
+            "70b": {"model": {"hope": LEVELS}},
         },
     )
 )

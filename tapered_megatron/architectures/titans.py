@@ -129,6 +129,7 @@ TITANS = register_architecture(
             "1.3b": {"model": {"d_ff": 3456, "titans": PAPER}},
             "7b": {"model": {"titans": {"chunk_size": 64, "window": 1024}}},
             "30b": {"model": {"titans": {"chunk_size": 64, "window": 1024}}},
+            "70b": {"model": {"titans": {"chunk_size": 64, "window": 1024}}},
         },
     )
 )

@@ -269,7 +269,11 @@ def unit_setup(
     ``micro_batch_size`` default to the config's; ``profiled`` uses per-unit times measured on
     this machine (cached) instead of the analytic FLOP model. Under ZeRO-3 (``zero_stage`` 3,
     ``pp`` 1) ``zero3`` holds DeepSpeed's buffer sizes (default: ``ds_configs/zero3.json``'s)
-    and the fixed bytes add :func:`~tapered_megatron.planning.cost.zero3_stage_bytes`."""
+    and the fixed bytes add :func:`~tapered_megatron.planning.cost.zero3_stage_bytes`; under a
+    pipeline every stage adds the engine's buffers
+    (:func:`~tapered_megatron.planning.cost.pipeline_buffer_bytes`); a single bf16 ZeRO-1 stage
+    (DeepSpeed's ``BF16_Optimizer``) holds the larger of its activations and its gradient
+    reduce's flat copies (:func:`~tapered_megatron.planning.cost.fallback_reduce_bytes`)."""
     dev = device if isinstance(device, costlib.Device) else costlib.resolve_device(device)
     m = micro_batches if micro_batches is not None else default_micro_batches(cfg, pp, dp)
     shape = costlib.RunShape(
@@ -298,6 +302,13 @@ def unit_setup(
                 "only without pipeline parallelism; use ZeRO 0 or 1, or pp 1"
             )
         fixed += costlib.zero3_stage_bytes(cfg, costs, shape, dev)
+    if pp > 1:
+        fixed += costlib.pipeline_buffer_bytes(cfg, shape, pp)
+    elif zero_stage == 1 and dev.precision == "bf16":
+        # BF16_Optimizer's reduce after backward, instead of the activations
+        units = sum(c.act for c in costs) + max(c.peak for c in costs)
+        local = sum(c.local_params for c in costs)
+        fixed += max(0.0, costlib.fallback_reduce_bytes(local, 2) - units)
     return costs, m, cap, fixed
 
 

@@ -41,13 +41,18 @@ Memory of stage ``j`` under 1F1B with ``M`` micro-batches (stage ``j`` of ``P`` 
     mem_j = overhead + sum(params) / tp * bytes_per_param(precision, zero, dp, pipeline)
             + min(P - j, M) * sum(saved activations of one micro-batch) + max(transient)
 
-* parameters per rank: the unit's count / tp, except the key/value projections when the TP size
-  exceeds ``model.kv_heads`` (grouped-query attention): every rank holds those whole.
+* parameters per rank: the unit's count / tp, except what every rank holds whole: the
+  parameters no TP layout splits (RMSNorm gains, Hope's level rates) and the key/value
+  projections when the TP size exceeds ``model.kv_heads`` (grouped-query attention).
+* buffers (RoPE's tables) whole on every rank, in their own dtype (ZeRO-3's ``zero.Init``
+  casts them to the model's), with the model state.
 * bytes per parameter (ZeRO paper accounting, K = 12 for Adam's fp32 master + m + v):
   bf16 = 2 (weights) + 2 (grads) + 12 (optimizer), with gradients accumulated in fp32 as the
   shipped and planned ds_configs ask from ZeRO-1 up (``data_types.grad_accum_dtype``):
   DeepSpeed's BF16_Optimizer (ZeRO-1, pipeline runs) adds a full 4-byte fp32 gradient buffer,
-  ZeRO-2/3 keep their gradient partition in fp32 (4 / dp instead of 2 / dp);
+  and under the pipeline engine (``immediate_grad_update``, as the planner writes it) holds
+  no bf16 gradients; ZeRO-2/3 keep their gradient partition in fp32 (4 / dp instead of
+  2 / dp);
   fp32 = 4 + 4 + 8 without ZeRO, 4 + 4 + 12 under ZeRO: DeepSpeed's ZeRO optimizers keep an
   fp32 master partition also in fp32 training (stage 1/2 clone it; stage 3's alias for an
   fp32 model compares a ``torch.device`` with a device-name string and never holds, in
@@ -63,7 +68,8 @@ Memory of stage ``j`` under 1F1B with ``M`` micro-batches (stage ``j`` of ``P`` 
   sequence shard under sequence parallelism); with ``selective`` it keeps all but its cores'
   ``core_bytes`` (inside the TP region: sharded but ``core_replicated``).
 * transient: while one unit runs backward, its activation gradients (about the size of what it
-  saved; under checkpointing its recomputed activations) live next to everything in flight.
+  saved) live next to everything in flight; under checkpointing its recomputed activations
+  live beside them too (twice the unit's activations).
   The head's fused loss keeps its fp32 weight gradient per micro-batch in flight and works
   through one chunk of fp32 logits at a time; no logits-sized tensor exists. Under ZeRO-3 a
   unit's transient also holds its full gradient (before DeepSpeed moves it into the reduce
@@ -77,11 +83,13 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
+from functools import lru_cache
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from tapered_megatron.config import Config
     from tapered_megatron.models.base import Counts
+    from tapered_megatron.models.language_model import Unit
     from tapered_megatron.models.registry import Blocks
 
 GiB = 1024**3
@@ -306,7 +314,9 @@ def bytes_per_param(precision: str, zero: int, dp: int, pipeline: bool) -> float
     """Model-state bytes per parameter on one device (see the module docstring)."""
     if precision == "bf16":
         weights, optim = 2.0, 12.0
-        grads = 4.0 if zero >= 2 else 2.0  # fp32-accumulated partitions
+        # fp32-accumulated partitions; a pipeline's BF16_Optimizer moves each bf16 gradient
+        # into its fp32 buffer as it is made (immediate_grad_update) and holds none
+        grads = 4.0 if zero >= 2 else 0.0 if pipeline else 2.0
         acc = 4.0 if pipeline or zero == 1 else 0.0  # BF16_Optimizer's full fp32 gradients
     elif precision == "fp32":
         weights, grads, optim, acc = 4.0, 4.0, 12.0 if zero >= 1 else 8.0, 0.0
@@ -337,11 +347,40 @@ def ring_all_reduce(nbytes: float, n: int, bw: float) -> float:
 TP_ALL_REDUCES = {"embedding": 1, "layer": 2, "mixer": 1, "mlp": 1, "head": 1}
 
 
-def tp_local_params(c: Counts, cfg: Config, tp: int) -> float:
-    """Parameters of a unit with counts ``c`` on one of ``tp`` TP ranks: its shard, and every
+#: Bytes of a token id (int64): a micro-batch's input ids live with the embedding, its labels
+#: with the head, until its backward.
+TOKEN_ID_BYTES = 8
+
+
+def tp_local_params(c: Counts, cfg: Config, tp: int, whole: int = 0) -> float:
+    """Parameters of a unit with counts ``c`` on one of ``tp`` TP ranks: its shard, the
+    ``whole`` parameters no TP layout splits (norm gains: :func:`whole_params`), and every
     key/value projection whole where ``tp`` exceeds ``model.kv_heads`` (replicated)."""
     kv = c.kv_params if tp > cfg.model.kv_heads else c.kv_params / tp
-    return (c.params - c.kv_params) / tp + kv
+    return (c.params - c.kv_params - whole) / tp + whole + kv
+
+
+@lru_cache(maxsize=4096)
+def _built(cfg: Config, module: type, args: tuple) -> tuple[int, int]:
+    """(parameters without a TP layout, buffer bytes) of a unit built on the meta device."""
+    import torch
+
+    with torch.device("meta"):
+        built = module(cfg, *args)
+    whole = sum(p.numel() for p in built.parameters() if getattr(p, "tp_layout", None) is None)
+    return whole, sum(b.numel() * b.element_size() for b in built.buffers())
+
+
+def whole_params(unit: Unit) -> int:
+    """Parameters of ``unit`` that every TP rank holds whole: those without a ``TPLayout``
+    (RMSNorm gains, Hope's level rates), counted on the unit built on the meta device."""
+    return _built(unit.cfg, unit.module, unit.args)[0]
+
+
+def buffer_bytes(unit: Unit) -> int:
+    """Bytes of ``unit``'s buffers (RoPE's fp32 tables), whole on every rank and kept in their
+    own dtype (DeepSpeed casts the parameters only), from the unit built on the meta device."""
+    return _built(unit.cfg, unit.module, unit.args)[1]
 
 
 def launch_time(device: Device, kind: str) -> float:
@@ -407,7 +446,7 @@ def unit_costs(
     out = []
     for i, (u, f) in enumerate(zip(table, first_units, strict=True)):
         c = u.counts(elem)
-        local = tp_local_params(c, cfg, shape.tp)
+        local = tp_local_params(c, cfg, shape.tp, whole_params(u))
         act_bytes = c.act_bytes if measured_act is None else float(measured_act[i])
         input_bytes = u.input_bytes(elem)
         eff = device.efficiency[u.kind]
@@ -441,11 +480,14 @@ def unit_costs(
         full = resid + (act_bytes * tok - resid) / shape.tp
         # While a unit runs backward, gradients of its activations (about the size of what it
         # saved) are alive next to everything held for the micro-batches in flight; a
-        # checkpointed unit first re-creates its activations. Either way: one unit's worth.
+        # checkpointed unit first re-creates its activations, which live beside those
+        # gradients: two units' worth.
         act = input_bytes * tok / (shape.tp if sp else 1) if recompute else full
         if shape.recompute == "selective" and measured_act is None:
             act -= (c.core_replicated + (c.core_bytes - c.core_replicated) / shape.tp) * tok
-        peak = full
+        peak = 2.0 * full if recompute else full
+        if u.kind in ("embedding", "head"):
+            act += TOKEN_ID_BYTES * tok  # the micro-batch's input ids / labels
         if u.kind == "head":
             # The fused loss keeps its fp32 weight gradient until the micro-batch's backward
             # and works through one chunk of fp32 logits (at most CHUNK_BYTES) at a time.
@@ -456,6 +498,8 @@ def unit_costs(
             # into the reduce bucket (the head's fp32 one is already in ``act``); its gathered
             # weights are counted for the stage (zero3_stage_bytes).
             peak += local * elem
+        # buffers keep their dtype (fp32), but zero.Init casts them to the model's
+        buffers = buffer_bytes(u) * (elem / 4 if shape.zero_stage >= 3 else 1)
         out.append(
             UnitCost(
                 name=u.name,
@@ -466,12 +510,24 @@ def unit_costs(
                 time=t + comm,
                 tp_comm=comm,
                 local_params=local,
-                static=local * bpp,
+                static=local * bpp + buffers,
                 act=act,
                 peak=peak,
             )
         )
     return out
+
+
+def pipeline_buffer_bytes(cfg: Config, shape: RunShape, stages: int) -> float:
+    """Bytes of DeepSpeed's pipeline engine's buffers on a stage, kept from step to step: for
+    each of its ``max(2, min(P - j, M))`` pipe buffers the received input, the output and the
+    output's copy it sends, and one gradient buffer; each one micro-batch's residual stream (a
+    sequence shard under sequence parallelism). Counted at the first stage's buffer count, the
+    most of any stage."""
+    sp = shape.tp if shape.sequence_parallel and shape.tp > 1 else 1
+    tensors = 3 * max(2, min(stages, shape.micro_batches)) + 1
+    elem = activation_scale(shape.precision)
+    return tensors * shape.tokens * cfg.model.d_model * elem / sp
 
 
 def zero3_gathered(params: Sequence[float], zero3: Zero3) -> float:
@@ -526,11 +582,10 @@ def zero3_stage_bytes(
     pipeline parallelism) besides ``static + act + max(peak)`` of its units, from how
     DeepSpeed 0.19's ``DeepSpeedZeroOptimizer_Stage3`` and torch's AdamW work:
 
-    * the reduce bucket: ``torch.empty(reduce_bucket_size)`` of the communication dtype (the
-      model's), made once at start (``_setup_for_real_optimizer``); with
-      ``contiguous_gradients`` every gradient that fits is copied into it until the next one
-      would overflow it. Where only written pages are resident (a CPU) at most the model's
-      size of it is;
+    * the reduce bucket (:func:`zero3_held_bytes`): ``torch.empty(reduce_bucket_size)`` of the
+      communication dtype (the model's), made once at start (``_setup_for_real_optimizer``);
+      with ``contiguous_gradients`` every gradient that fits is copied into it until the next
+      one would overflow it; and the first unit's gathered weights, held through the step;
     * the gathered weights: the most held at once in the steady state (:func:`zero3_gathered`:
       the running unit, those prefetched, those kept from forward to backward);
     * reducing the bucket: ``reduce_scatter_coalesced`` interleaves the rank chunks of the
@@ -550,7 +605,6 @@ def zero3_stage_bytes(
     params = [c.local_params for c in costs]
     total = sum(params)
     z = shape.zero3
-    bucket = min(z.reduce_bucket_size, total) if device.lazy_pages else z.reduce_bucket_size
     reduce_copy = min(z.reduce_bucket_size, total)
     fwd_bwd = (zero3_gathered(params, z) + reduce_copy) * elem
     largest = cfg.padded_vocab_size / shape.tp * cfg.model.d_model  # embedding / head weight
@@ -559,7 +613,20 @@ def zero3_stage_bytes(
     if elem != 4:
         step = max(step, sub * (elem + 4.0))
     units = sum(c.act for c in costs) + max((c.peak for c in costs), default=0.0)
-    return bucket * elem + max(fwd_bwd, step - units)
+    first = params[0] * elem if params else 0.0  # gathered through the step
+    return zero3_held_bytes(params, shape, device) + max(fwd_bwd - first, step - units)
+
+
+def zero3_held_bytes(params: Sequence[float], shape: RunShape, device: Device) -> float:
+    """What ZeRO-3 holds from step to step on a rank of units with ``params`` TP-local
+    parameters (forward order), besides the model state: its reduce bucket, made once of the
+    model's dtype (where only written pages are resident, a CPU, at most the model's size of
+    it), and the first unit's gathered weights: its backward comes last and its next use is
+    the next step's first, within any reuse distance, so it is never released."""
+    z = shape.zero3
+    total = sum(params)
+    bucket = min(z.reduce_bucket_size, total) if device.lazy_pages else z.reduce_bucket_size
+    return (bucket + (params[0] if params else 0.0)) * activation_scale(shape.precision)
 
 
 def model_unit_costs(
@@ -629,12 +696,28 @@ def reduce_bucket_elems(stage_params: float) -> int:
 def overlap_bucket_bytes(stage_params: float, elem: int, zero_stage: int) -> float:
     """Bytes of DeepSpeed's ZeRO-1/2 gradient buckets under ``overlap_comm`` with contiguous
     gradients (``stage_1_and_2.py``): two ``reduce_bucket_size`` buffers of the reduction dtype
-    (the fp32 accumulation dtype for ZeRO-1, the model's for ZeRO-2), made once; other stages
-    and ZeRO-3 (counted in :func:`zero3_stage_bytes`): 0."""
-    if zero_stage not in (1, 2):
+    (the fp32 accumulation dtype for ZeRO-1, the model's for ZeRO-2), made once at their full
+    size. bf16 ZeRO-1 runs DeepSpeed's ``BF16_Optimizer``, which makes none (its reduce is
+    :func:`fallback_reduce_bytes`); other stages and ZeRO-3 (counted in
+    :func:`zero3_stage_bytes`): 0."""
+    if zero_stage not in (1, 2) or (zero_stage == 1 and elem == 2):
         return 0.0
     dtype = 4 if zero_stage == 1 else elem
-    return 2.0 * min(reduce_bucket_elems(stage_params), stage_params) * dtype
+    return 2.0 * reduce_bucket_elems(stage_params) * dtype
+
+
+#: Gradient elements DeepSpeed's engine flattens at once when it all-reduces them itself
+#: (``MEMORY_OPT_ALLREDUCE_SIZE`` of ``deepspeed/runtime/engine.py``).
+FALLBACK_REDUCE_ELEMS = 500_000_000
+
+
+def fallback_reduce_bytes(stage_params: float, elem: int) -> float:
+    """The transient of ``BF16_Optimizer``'s gradient reduce (bf16 with ZeRO-1): after the last
+    backward the engine flattens the fp32 gradients, up to :data:`FALLBACK_REDUCE_ELEMS` of
+    them at a time, and casts the flat copy to the model's dtype before the all-reduce. The
+    activations are gone by then, so it is an alternative to the forward/backward working
+    set, not an addition."""
+    return min(stage_params, FALLBACK_REDUCE_ELEMS) * (4.0 + elem)
 
 
 def dp_bandwidth(device: Device, tp: int, dp: int) -> float:

@@ -511,7 +511,7 @@ def _table(cands: list[Candidate]) -> list[str]:
     return lines
 
 
-def _arguments() -> argparse.ArgumentParser:
+def arguments() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(
         prog="python -m tapered_megatron.plan", description=__doc__.split("\n\n")[0]
     )
@@ -564,15 +564,11 @@ def main(argv: list[str] | None = None) -> int:
     from tapered_megatron.models.counters import count_model
     from tapered_megatron.models.language_model import meta_param_count
 
-    ap = _arguments()
+    ap = arguments()
     a, rest = ap.parse_known_args(argv)
-    if a.fit and not a.calibrate:
-        print("error: --fit refits the calibration's constants: add --calibrate", file=sys.stderr)
+    if a.calibrate or a.fit:
+        print("error: --calibrate runs from python -m tapered_megatron.plan", file=sys.stderr)
         return 2
-    if a.calibrate:
-        from tapered_megatron.planning.calibration import main as calibrate
-
-        return calibrate(as_json=a.json, refit=a.fit)
     missing = [
         f"--{k.replace('_', '-')}" for k in ("config", "gpus", "gpu_mem") if not getattr(a, k)
     ]

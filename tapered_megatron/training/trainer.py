@@ -68,9 +68,7 @@ class Trainer:
 
         self.train_ds, self.valid_ds = self._build_data()
         self.extra_ds = self._build_extra_data()
-        self.engine = self._build_engine()
-        optim.undo_priming_step(self.engine)
-        optim.skip_nonfinite_steps(self.engine)
+        self.engine = build_engine(cfg, ds_config, layout, self.clock)
         self.nan_iters = injected_nan_iterations()
         self.exit_signal = ExitSignal(cfg.train.exit_signal, self.device)
         self.iteration, self.consumed = 0, 0
@@ -200,46 +198,6 @@ class Trainer:
                 yield tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
         except data.IndexedDatasetError as e:  # an id beyond the vocabulary, caught at the batch
             raise self._stopped(f"{data.error_line(e)}; stopped without saving") from None
-
-    def _build_engine(self) -> Any:
-        cfg, ds = self.cfg, self.ds_config
-        mpu = parallel.topology if not self.pipeline and self.layout.tp > 1 else None
-        if self.pipeline:
-            model = self._pipeline_module()
-        else:
-            model = build_partitioned(cfg, ds)
-        if not is_zero3_partitioned(model):
-            model.to(self.device)
-        groups = optim.param_groups(model, cfg.train.weight_decay)
-        kwargs: dict[str, Any] = {"model": model, "config": ds}
-        if "optimizer" in ds:
-            kwargs["model_parameters"] = groups
-        else:
-            kwargs["optimizer"] = optim.build_optimizer(model, cfg.train, ds)
-        if "scheduler" not in ds:
-            kwargs["lr_scheduler"] = lambda opt: optim.build_scheduler(opt, cfg.train)
-        if mpu is not None:
-            kwargs["mpu"] = mpu  # DeepSpeed's mpu protocol (TP-aware ZeRO, norms)
-        engine, *_ = deepspeed.initialize(**kwargs)
-        if cfg.train.compile:
-            allow_layer_recompiles(cfg)  # every tapered layer width compiled, none left eager
-            engine.compile()
-        if self.clock is not None:
-            self.clock.attach(engine.module)
-        return engine
-
-    def _pipeline_module(self) -> Any:
-        """Stages from our balancer (``parallel.partition``), never DeepSpeed's defaults."""
-        from tapered_megatron.parallel.pipeline import BalancedPipelineModule
-
-        lay = self.layout
-        return BalancedPipelineModule.from_config(
-            self.cfg,
-            topology=parallel.get_topology(),
-            micro_batches=lay.grad_accum,
-            loss_fn=self.clock.timed(lm_loss),  # the single model's loss, fused LM head
-            partition_kwargs={"dp": lay.dp, "zero_stage": lay.zero_stage},
-        )
 
     def load(self, load_dir: Path, tag: str) -> dict[str, Any]:
         """DeepSpeed's own files when the layout is the one saved, else the layout-free copy."""
@@ -495,6 +453,58 @@ class TrainingStopped(RuntimeError):
 
 class TrainingPreempted(RuntimeError):
     """``train.exit_signal`` arrived: every rank saved and stopped at the same iteration."""
+
+
+def build_engine(
+    cfg: Config, ds_config: dict[str, Any], layout: Layout, clock: StageClock | None = None
+) -> Any:
+    """This rank's DeepSpeed engine as training runs it, from no data: the model (under
+    ``parallel.pp > 1`` this rank's pipeline stage from our balancer, timed by ``clock``; else
+    the single model, built partitioned under ZeRO-3), the trainer's optimizer and schedule
+    unless the ds_config names its own, ``deepspeed.initialize``, the 16-bit optimizers'
+    priming step taken back and non-finite steps skipped. Call after
+    :func:`parallel.init_model_parallel` and :func:`parallel.model_parallel_seed`."""
+    pipeline = layout.pp > 1
+    mpu = parallel.topology if not pipeline and layout.tp > 1 else None
+    if pipeline:
+        model = _pipeline_module(cfg, layout, clock)
+    else:
+        model = build_partitioned(cfg, ds_config)
+    if not is_zero3_partitioned(model):
+        model.to(get_accelerator().current_device_name())
+    groups = optim.param_groups(model, cfg.train.weight_decay)
+    kwargs: dict[str, Any] = {"model": model, "config": ds_config}
+    if "optimizer" in ds_config:
+        kwargs["model_parameters"] = groups
+    else:
+        kwargs["optimizer"] = optim.build_optimizer(model, cfg.train, ds_config)
+    if "scheduler" not in ds_config:
+        kwargs["lr_scheduler"] = lambda opt: optim.build_scheduler(opt, cfg.train)
+    if mpu is not None:
+        kwargs["mpu"] = mpu  # DeepSpeed's mpu protocol (TP-aware ZeRO, norms)
+    engine, *_ = deepspeed.initialize(**kwargs)
+    if cfg.train.compile:
+        allow_layer_recompiles(cfg)  # every tapered layer width compiled, none left eager
+        engine.compile()
+    if clock is not None:
+        clock.attach(engine.module)
+    optim.undo_priming_step(engine)
+    optim.skip_nonfinite_steps(engine)
+    return engine
+
+
+def _pipeline_module(cfg: Config, layout: Layout, clock: StageClock | None) -> Any:
+    """Stages from our balancer (``parallel.partition``), never DeepSpeed's defaults."""
+    from tapered_megatron.parallel.pipeline import BalancedPipelineModule
+
+    return BalancedPipelineModule.from_config(
+        cfg,
+        topology=parallel.get_topology(),
+        micro_batches=layout.grad_accum,
+        # the single model's loss, fused LM head
+        loss_fn=clock.timed(lm_loss) if clock is not None else lm_loss,
+        partition_kwargs={"dp": layout.dp, "zero_stage": layout.zero_stage},
+    )
 
 
 def build_partitioned(cfg: Config, ds_config: dict[str, Any]) -> nn.Module:
