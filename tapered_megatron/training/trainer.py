@@ -456,7 +456,7 @@ class TrainingPreempted(RuntimeError):
 
 
 def build_engine(
-    cfg: Config, ds_config: dict[str, Any], layout: Layout, clock: StageClock | None = None
+    cfg: Config, ds_config: dict[str, Any], layout: ParallelLayout, clock: StageClock | None = None
 ) -> Any:
     """This rank's DeepSpeed engine as training runs it, from no data: the model (under
     ``parallel.pp > 1`` this rank's pipeline stage from our balancer, timed by ``clock``; else
@@ -493,7 +493,7 @@ def build_engine(
     return engine
 
 
-def _pipeline_module(cfg: Config, layout: Layout, clock: StageClock | None) -> Any:
+def _pipeline_module(cfg: Config, layout: ParallelLayout, clock: StageClock | None) -> Any:
     """Stages from our balancer (``parallel.partition``), never DeepSpeed's defaults."""
     from tapered_megatron.parallel.pipeline import BalancedPipelineModule
 
