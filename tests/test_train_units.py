@@ -18,7 +18,7 @@ from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
 from tapered_megatron.checkpoint import save
-from tapered_megatron.checkpoint.layout import complete_tags, is_complete
+from tapered_megatron.checkpoint.layout import ParallelLayout, complete_tags, is_complete
 from tapered_megatron.checkpoint.manifest import saved_bytes
 from tapered_megatron.checkpoint.resume import find_resume, hash_problem, load
 from tapered_megatron.checkpoint.save_dir import SaveDirTaken, own_save_dir
@@ -47,6 +47,24 @@ def test_auto_keys_are_filled_from_train_config():
     assert ds["gradient_accumulation_steps"] == 2
     assert ds["gradient_clipping"] == 1.0
     assert ds["bf16"]["enabled"] is False  # CPU: fp32
+
+
+def test_the_layout_record_keeps_the_layout_json_format():
+    """What a run writes into layout.json, reads back and names in messages."""
+    zero1 = json.loads((DS / "zero1.json").read_text())
+    _, lay = _resolve(["--parallel.tp", "2"], zero1, world=2)
+    record = {"tp": 2, "pp": 1, "dp": 1, "zero_stage": 1, "pipeline_unit": "none"}
+    assert lay.to_record() == record
+    assert ParallelLayout.from_record(record) == ParallelLayout(2, 1, 1, 1)
+    assert lay.describe() == "TP2 PP1 DP1 ZeRO-1 unit none"
+    pipe = json.loads((DS / "pipeline.json").read_text())
+    over = ["--parallel.pp", "2", "--parallel.schedule", "interleaved"]
+    _, lay = _resolve([*over, "--parallel.virtual_stages", "2"], pipe, world=2)
+    record = {"tp": 1, "pp": 2, "dp": 1, "zero_stage": 1, "pipeline_unit": "layer"}
+    record.update(schedule="interleaved", virtual_stages=2)
+    assert lay.to_record() == record
+    assert ParallelLayout.from_record(record).to_record() == record
+    assert lay.describe(("pp",)) == "PP2 unit layer schedule interleaved v2"
 
 
 @pytest.mark.parametrize("half", ["bf16", "fp16"])
