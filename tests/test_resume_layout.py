@@ -125,3 +125,40 @@ def test_kept_global_batch_unmet_is_one_line_and_an_explicit_one_wins(
     _, _, _, layout = launch.setup([*argv, "--train.global_batch_size", "16"])
     assert layout.global_batch_size == 16 and layout.grad_accum == 2
     assert "global batch 16 (train.global_batch_size, set explicitly)" in capsys.readouterr().out
+
+
+INTERLEAVED = ["--parallel.pp", "2", "--parallel.schedule", "interleaved"]
+
+
+@pytest.mark.slow
+def test_interleaved_run_matches_one_process_and_resumes_under_1f1b_and_one_process(
+    corpus, tmp_path
+):
+    """A PP2 x v2 interleaved run through pretrain/main.py logs the one-process losses,
+    gradient norms (clipped at 1.0 from iteration 7 on) and validation loss; its checkpoint at
+    iteration 10 continues under DeepSpeed's 1F1B engine, in one process and under the same
+    schedule, each equal to the uninterrupted run."""
+    ref_dir = tmp_path / "ref"
+    ref_dir.mkdir()
+    launch_ranks(1, corpus, ref_dir, "zero0.json", [], T)
+    ref = metrics(ref_dir)
+    inter = [*INTERLEAVED, "--parallel.virtual_stages", "2", "--train.exit_interval", "10"]
+    for name, (n1, ds1, x1) in {
+        "1f1b": (2, "pipeline.json", ["--parallel.pp", "2"]),
+        "one": ONE_Z0,
+        "same": (2, "pipeline.json", [*INTERLEAVED, "--parallel.virtual_stages", "2"]),
+    }.items():
+        run = tmp_path / name
+        run.mkdir()
+        launch_ranks(2, corpus, run, "pipeline.json", inter, T)
+        first = metrics(run)
+        assert_close([r["loss"] for r in first], [r["loss"] for r in ref[:10]], rtol=RTOL)
+        assert_close([r["grad_norm"] for r in first], [r["grad_norm"] for r in ref[:10]], 1e-4)
+        assert "val_loss" in first[-1]  # evaluation at iteration 10 ran through the schedule
+        assert first[-1]["val_loss"] == pytest.approx(ref[9]["val_loss"], rel=RTOL)
+        launch_ranks(n1, corpus, run, ds1, [*x1, "--resume", "auto"], T)
+        got = metrics(run)
+        assert [r["iteration"] for r in got] == list(range(1, 21))
+        assert_close([r["loss"] for r in got[10:]], [r["loss"] for r in ref[10:]], rtol=RTOL)
+        log = (run / "log.txt").read_text()
+        assert "schedule interleaved v2" in log or "from its universal/ copy" in log

@@ -16,7 +16,6 @@ DeepSpeed's PipelineEngine (:mod:`tapered_megatron.parallel.pipeline`).
 
 from __future__ import annotations
 
-import math
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
@@ -25,7 +24,6 @@ import torch
 import torch.distributed as dist
 from deepspeed.runtime.bf16_optimizer import BF16_Optimizer
 from deepspeed.runtime.pipe.topology import PipelineParallelGrid
-from deepspeed.runtime.utils import is_model_parallel_parameter
 from torch import nn
 from torch.distributed.pipelining import PipelineStage
 
@@ -273,17 +271,12 @@ class VirtualPipeline:
         if isinstance(self.engine.optimizer, BF16_Optimizer):
             _take_bf16_grads(self.engine.optimizer)
 
-    def _grad_norm(self) -> float:
+    def _grad_norm(self) -> float | None:
         """The global gradient 2-norm from the parameters' gradients (fp32 ZeRO-0, where
-        DeepSpeed keeps none): each stage's replicated parameters once, TP shards summed, over
-        every stage (the grid's model-parallel group)."""
-        sq = torch.zeros((), dtype=torch.float64)
-        tp_rank = self.grid.get_slice_parallel_rank()
-        for p in self.module.parameters():
-            if p.grad is not None and (tp_rank == 0 or is_model_parallel_parameter(p)):
-                sq += p.grad.detach().double().pow(2).sum()
-        dist.all_reduce(sq, group=self.grid.get_model_parallel_group())
-        return math.sqrt(float(sq))
+        DeepSpeed keeps none), summed over every stage (the grid's model-parallel group)."""
+        from tapered_megatron.training.trainer import grad_norm
+
+        return grad_norm(self.engine, self.grid.get_model_parallel_group())
 
     def _clip(self, coef: float) -> None:
         """Scale the gradients by ``coef`` when it is below 1 (DeepSpeed's clipping rule)."""

@@ -59,7 +59,10 @@ class Trainer:
         self.dp_rank = parallel.get_data_parallel_rank()
         self.dp_group = parallel.get_data_parallel_group()
         self.pipeline = layout.pp > 1
-        self.clock = StageClock() if self.pipeline else None  # per-stage compute time
+        # parallel.schedule other than 1f1b: torch.distributed.pipelining over this rank's chunks
+        self.virtual: Any = None
+        one_f_one_b = self.pipeline and cfg.parallel.schedule == "1f1b"
+        self.clock = StageClock() if one_f_one_b else None  # per-stage compute time
 
         self.train_ds, self.valid_ds = self._build_data()
         self.extra_ds = self._build_extra_data()
@@ -187,6 +190,8 @@ class Trainer:
 
     def _build_engine(self) -> Any:
         cfg, ds = self.cfg, self.ds_config
+        if self.pipeline and cfg.parallel.schedule != "1f1b":
+            return self._virtual_engine()
         mpu = parallel.topology if not self.pipeline and self.layout.tp > 1 else None
         if self.pipeline:
             model = self._pipeline_module()
@@ -194,14 +199,7 @@ class Trainer:
             model = build_partitioned(cfg, ds)
         if not is_zero3_partitioned(model):
             model.to(self.device)
-        groups = optim.param_groups(model, cfg.train.weight_decay)
-        kwargs: dict[str, Any] = {"model": model, "config": ds}
-        if "optimizer" in ds:
-            kwargs["model_parameters"] = groups
-        else:
-            kwargs["optimizer"] = optim.build_optimizer(model, cfg.train, ds)
-        if "scheduler" not in ds:
-            kwargs["lr_scheduler"] = lambda opt: optim.build_scheduler(opt, cfg.train)
+        kwargs: dict[str, Any] = {"model": model, "config": ds, **self._optimizer_kwargs(model)}
         if mpu is not None:
             kwargs["mpu"] = mpu  # DeepSpeed's mpu protocol (TP-aware ZeRO, norms)
         engine, *_ = deepspeed.initialize(**kwargs)
@@ -211,6 +209,40 @@ class Trainer:
         if self.clock is not None:
             self.clock.attach(engine.module)
         return engine
+
+    def _optimizer_kwargs(self, model: nn.Module) -> dict[str, Any]:
+        """``deepspeed.initialize``'s optimizer and LR-schedule arguments for ``model``."""
+        cfg, ds = self.cfg, self.ds_config
+        out: dict[str, Any] = {}
+        if "optimizer" in ds:
+            out["model_parameters"] = optim.param_groups(model, cfg.train.weight_decay)
+        else:
+            out["optimizer"] = optim.build_optimizer(model, cfg.train, ds)
+        if "scheduler" not in ds:
+            out["lr_scheduler"] = lambda opt: optim.build_scheduler(opt, cfg.train)
+        return out
+
+    def _virtual_engine(self) -> Any:
+        """``parallel.schedule`` interleaved / zbv / dualpipev / zero_bubble: this rank's chunks
+        (the virtual-stage balancer's cut) under torch's schedule; DeepSpeed's engine over
+        them. Checkpoints need the universal copy (the chunks' global names)."""
+        from tapered_megatron.parallel.schedules import VirtualPipeline
+
+        tr, schedule = self.cfg.train, self.cfg.parallel.schedule
+        if not tr.universal_checkpoint:
+            raise ConfigError(
+                f"parallel.schedule {schedule}: its checkpoints resume and export through the "
+                "universal copy; drop --train.universal_checkpoint false"
+            )
+        if tr.compile:
+            raise ConfigError(
+                f"parallel.schedule {schedule}: train.compile is not supported (torch's "
+                "zero-bubble schedules refuse compiled stages); drop --train.compile"
+            )
+        self.virtual = VirtualPipeline(
+            self.cfg, self.ds_config, self.layout.grad_accum, self._optimizer_kwargs
+        )
+        return self.virtual.engine
 
     def _pipeline_module(self) -> Any:
         """Stages from our balancer (``parallel.partition``), never DeepSpeed's defaults."""
@@ -226,11 +258,17 @@ class Trainer:
         )
 
     def load(self, load_dir: Path, tag: str) -> dict[str, Any]:
-        """DeepSpeed's own files when the layout is the one saved, else the layout-free copy."""
+        """DeepSpeed's own files when the layout is the one saved, else the layout-free copy
+        (always under a virtual-stage schedule: DeepSpeed's engine over a rank's chunks names
+        its ZeRO files by the tensor-parallel rank, so one stage's optimizer state is missing
+        there)."""
         now = checkpoint.layout_record(self.cfg, self.layout)
         saved = layout_files.saved_layout(load_dir / tag)
-        if saved is None or saved == now:
+        if self.virtual is None and (saved is None or saved == now):
             return checkpoint.load(self.engine, load_dir, tag)
+        if saved == now:
+            self.log(f"resuming {load_dir / tag} from its universal/ copy")
+            return reshard.load(self.engine, self.cfg, load_dir / tag)
         self.log(
             f"layout change: checkpoint {load_dir / tag} was saved under "
             f"{layout_files.describe_layout(saved)}, resuming under "
@@ -270,6 +308,9 @@ class Trainer:
         Iteration ``it`` listed in ``$TAPERED_MEGATRON_INJECT_NAN`` gets a NaN loss on rank 0
         (a fault-injection hook for tests; not supported under pipeline parallelism)."""
         eng = self.engine
+        if self.virtual is not None:
+            loss = self.virtual.train_batch(batches)
+            return loss, self.virtual.last_grad_norm if want_norm else None
         if self.pipeline:
             loss = float(eng.train_batch(batches))
             return loss, grad_norm(eng) if want_norm else None
@@ -307,7 +348,12 @@ class Trainer:
         def loss(dataset: Any, after: Callable[[], None] | None = None) -> float:
             batches = self.batches(dataset, n, 0)
             return validation_loss(
-                self.engine, batches, cfg.eval.iters, lay.grad_accum, self.dp_group, after
+                self.virtual or self.engine,
+                batches,
+                cfg.eval.iters,
+                lay.grad_accum,
+                self.dp_group,
+                after,
             )
 
         if self.valid_ds is not None and cfg.eval.alignment:
@@ -376,7 +422,7 @@ class Trainer:
                 metrics.close()
                 raise TrainingStopped(stop)
             if cadence.log(it):
-                stages = self._gather_stage_ms(window.iters) if self.pipeline else None
+                stages = self._gather_stage_ms(window.iters) if self.clock else None
                 scale = self.engine.optimizer.loss_scale if self.engine.fp16_enabled() else None
                 diag = take_diagnostics(self.engine.module)  # this rank's modules, since the last
                 record.update(diag)
@@ -568,13 +614,14 @@ def computes_grad_norm(engine: Any) -> bool:
     return not (fp32 and engine.zero_optimization_stage() == 0)
 
 
-def grad_norm(engine: Any) -> float | None:
+def grad_norm(engine: Any, group: Any = None) -> float | None:
     """The global 2-norm of the current optimizer step's gradients, for every ZeRO stage.
 
     Where :func:`computes_grad_norm`, DeepSpeed's own value (read it after ``step()``).
     Otherwise (fp32 ZeRO-0) it is computed from the parameters' gradients, so read it after the
-    last backward and before ``step()`` clears them: tensor-parallel shards summed over the TP
-    group, replicated parameters counted once. ``None`` when there is nothing to read.
+    last backward and before ``step()`` clears them: replicated parameters counted once per TP
+    group, the sum over ``group`` (default: the TP group; a pipeline of several stages passes
+    the group of its stages and TP ranks). ``None`` when there is nothing to read.
     """
     if computes_grad_norm(engine):
         gn = engine.get_global_grad_norm()
@@ -587,8 +634,10 @@ def grad_norm(engine: Any) -> float | None:
     for p in grads:
         if tp_rank == 0 or is_model_parallel_parameter(p):
             sq += p.grad.detach().double().pow(2).sum()
-    if parallel.get_tensor_model_parallel_world_size() > 1:
-        dist.all_reduce(sq, group=parallel.get_tensor_model_parallel_group())
+    if group is None and parallel.get_tensor_model_parallel_world_size() > 1:
+        group = parallel.get_tensor_model_parallel_group()
+    if group is not None:
+        dist.all_reduce(sq, group=group)
     return math.sqrt(sq.item())
 
 
