@@ -137,7 +137,7 @@ def test_interleaved_run_matches_one_process_and_resumes_under_1f1b_and_one_proc
     """A PP2 x v2 interleaved run through pretrain/main.py logs the one-process losses,
     gradient norms (clipped at 1.0 from iteration 7 on) and validation loss; its checkpoint at
     iteration 10 continues under DeepSpeed's 1F1B engine, in one process and under the same
-    schedule, each equal to the uninterrupted run."""
+    schedule, each equal to the uninterrupted run; it exports as any checkpoint does."""
     ref_dir = tmp_path / "ref"
     ref_dir.mkdir()
     launch_ranks(1, corpus, ref_dir, "zero0.json", [], T)
@@ -156,9 +156,30 @@ def test_interleaved_run_matches_one_process_and_resumes_under_1f1b_and_one_proc
         assert_close([r["grad_norm"] for r in first], [r["grad_norm"] for r in ref[:10]], 1e-4)
         assert "val_loss" in first[-1]  # evaluation at iteration 10 ran through the schedule
         assert first[-1]["val_loss"] == pytest.approx(ref[9]["val_loss"], rel=RTOL)
+        if name == "one":
+            _exports_the_universal_masters(run / "ckpt", tmp_path / "export")
         launch_ranks(n1, corpus, run, ds1, [*x1, "--resume", "auto"], T)
         got = metrics(run)
         assert [r["iteration"] for r in got] == list(range(1, 21))
         assert_close([r["loss"] for r in got[10:]], [r["loss"] for r in ref[10:]], rtol=RTOL)
         log = (run / "log.txt").read_text()
         assert "schedule interleaved v2" in log or "from its universal/ copy" in log
+
+
+def _exports_the_universal_masters(ckpt, out) -> None:
+    """``python -m tapered_megatron.export`` of ``ckpt``: every parameter of the model, equal to
+    the universal copy's fp32 master."""
+    import torch
+    from safetensors.torch import load_file
+
+    from tapered_megatron.export.__main__ import main as export_main
+    from tapered_megatron.export.consolidate import resolve_checkpoint
+    from tapered_megatron.models import build_model
+
+    assert export_main(["--checkpoint", str(ckpt), "--out", str(out)]) == 0
+    got = load_file(str(out / "model.safetensors"))
+    names = dict(build_model(resolve_checkpoint(ckpt).cfg).named_parameters())
+    assert sorted(got) == sorted(names)
+    universal = ckpt / "global_step10" / "universal"
+    for name in got:
+        assert torch.equal(got[name], torch.load(universal / f"{name}.pt")["fp32"]), name
