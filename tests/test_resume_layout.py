@@ -183,3 +183,27 @@ def _exports_the_universal_masters(ckpt, out) -> None:
     universal = ckpt / "global_step10" / "universal"
     for name in got:
         assert torch.equal(got[name], torch.load(universal / f"{name}.pt")["fp32"]), name
+
+
+VIRTUAL_CASES = {
+    "tp2-sp-interleaved": (4, ["--parallel.tp", "2", "--parallel.sequence_parallel", "true"]),
+    "interleaved-recompute-full": (2, ["--train.recompute", "full"]),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", list(VIRTUAL_CASES))
+def test_virtual_schedule_with_tp_sp_or_recompute_matches_one_process(case, corpus, tmp_path):
+    """TP2 with sequence parallelism inside interleaved chunks (TP2 x PP2 x v2), and full
+    recompute inside them, log the one-process losses and gradient norms."""
+    ranks, extra = VIRTUAL_CASES[case]
+    ref_dir = tmp_path / "ref"
+    ref_dir.mkdir()
+    launch_ranks(1, corpus, ref_dir, "zero0.json", ["--train.iters", "10"], T)
+    run = tmp_path / "run"
+    run.mkdir()
+    args = [*INTERLEAVED, "--parallel.virtual_stages", "2", *extra, "--train.iters", "10"]
+    launch_ranks(ranks, corpus, run, "pipeline.json", args, T)
+    got, ref = metrics(run), metrics(ref_dir)
+    assert_close([r["loss"] for r in got], [r["loss"] for r in ref], rtol=RTOL)
+    assert_close([r["grad_norm"] for r in got], [r["grad_norm"] for r in ref], 1e-4)

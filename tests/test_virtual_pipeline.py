@@ -139,6 +139,27 @@ def test_interleaved_pp2_v2_matches_one_process():
     assert _mismatch([r[0] for r in per_rank], cases[0]) is None
 
 
+REFUSED = [  # (schedule, other flags, precision, what the one-line refusal names)
+    ("zbv", ["--train.recompute", "full"], "fp32", "recomputation"),
+    ("interleaved", ["--train.universal_checkpoint", "false"], "fp32", "universal copy"),
+    ("interleaved", [], "fp16", "fp16"),
+    ("dualpipev", [], "fp32", "at least 4 micro-batches"),
+]
+
+
+def test_what_the_runtime_does_not_do_is_refused_in_one_line() -> None:
+    from tapered_megatron.parallel.schedules import run_problem
+
+    def cfg(schedule: str, extra: list[str]):
+        flags = ["--parallel.schedule", schedule, "--parallel.virtual_stages", "2", *extra]
+        return load_config("quickstart", [*TINY, *flags])
+
+    for schedule, extra, precision, needle in REFUSED:
+        problem = run_problem(cfg(schedule, extra), 2, precision) or ""
+        assert needle in problem and "\n" not in problem, (schedule, problem)
+    assert run_problem(cfg("interleaved", []), 4, "bf16") is None
+
+
 @pytest.mark.slow
 @pytest.mark.distributed
 def test_every_schedule_zero0_and_zero1_pp2_v2_matches_one_process():

@@ -29,7 +29,12 @@ from torch.distributed.pipelining import PipelineStage
 
 from tapered_megatron import parallel
 from tapered_megatron.parallel.pipeline import agree_on_parts
-from tapered_megatron.planning.schedule import TORCH_SCHEDULES, stage_ranks
+from tapered_megatron.planning.schedule import (
+    SPLIT_BACKWARD,
+    TORCH_SCHEDULES,
+    schedule_problem,
+    stage_ranks,
+)
 
 if TYPE_CHECKING:
     from tapered_megatron.config import Config
@@ -105,6 +110,32 @@ class _Stage(PipelineStage):
         out = super().backward_weight_one_chunk(*args, **kwargs)
         self.after_backward()
         return out
+
+
+def run_problem(cfg: Config, micro_batches: int, precision: str) -> str | None:
+    """Why a training run cannot use ``cfg.parallel.schedule`` (one line naming the fix), or
+    None: the layout (:func:`~tapered_megatron.planning.schedule.schedule_problem`) and what
+    the runtime does not do."""
+    p, tr = cfg.parallel, cfg.train
+    name = f"parallel.schedule {p.schedule}"
+    if problem := schedule_problem(p.schedule, p.pp, p.virtual_stages, micro_batches):
+        return problem
+    if not tr.universal_checkpoint:
+        return (
+            f"{name}: its checkpoints resume and export through the universal copy; drop "
+            "--train.universal_checkpoint false"
+        )
+    if tr.compile:
+        return f"{name}: train.compile is not supported here; drop --train.compile"
+    if precision == "fp16":
+        return f"{name}: fp16 (loss scaling) is not supported; use bf16 or fp32"
+    if tr.recompute != "none" and p.schedule in SPLIT_BACKWARD:
+        return (
+            f"{name} runs weight gradients in a separate pass, which torch's activation "
+            "recomputation cannot replay; use --parallel.schedule interleaved or "
+            "--train.recompute none"
+        )
+    return None
 
 
 def chunk_parts(cfg: Config, micro_batches: int, dp: int, zero_stage: int) -> tuple[list[int], str]:

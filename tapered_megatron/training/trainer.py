@@ -225,20 +225,9 @@ class Trainer:
     def _virtual_engine(self) -> Any:
         """``parallel.schedule`` interleaved / zbv / dualpipev / zero_bubble: this rank's chunks
         (the virtual-stage balancer's cut) under torch's schedule; DeepSpeed's engine over
-        them. Checkpoints need the universal copy (the chunks' global names)."""
+        them (what it does not support was refused at launch: ``schedules.run_problem``)."""
         from tapered_megatron.parallel.schedules import VirtualPipeline
 
-        tr, schedule = self.cfg.train, self.cfg.parallel.schedule
-        if not tr.universal_checkpoint:
-            raise ConfigError(
-                f"parallel.schedule {schedule}: its checkpoints resume and export through the "
-                "universal copy; drop --train.universal_checkpoint false"
-            )
-        if tr.compile:
-            raise ConfigError(
-                f"parallel.schedule {schedule}: train.compile is not supported (torch's "
-                "zero-bubble schedules refuse compiled stages); drop --train.compile"
-            )
         self.virtual = VirtualPipeline(
             self.cfg, self.ds_config, self.layout.grad_accum, self._optimizer_kwargs
         )
