@@ -27,6 +27,23 @@ def test_training_imports_neither_eval_nor_export() -> None:
     assert not bad, f"importing the trainer imports {bad}"
 
 
+def test_configuration_is_a_leaf() -> None:
+    """Loading and validating every preset imports neither torch nor the model or data code."""
+    code = (
+        "import json, sys; from tapered_megatron.config import load_config, preset_names, validate;"
+        " [validate(load_config(p)) for p in preset_names()]; "
+        "print(json.dumps(sorted(sys.modules)))"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT
+    ).stdout
+    loaded = json.loads(out.splitlines()[-1])
+    assert "tapered_megatron.architectures.titans" in loaded  # the presets' records were read
+    heavy = ("tapered_megatron.models", "tapered_megatron.data")
+    bad = [m for m in loaded if m.split(".")[0] == "torch" or m.startswith(heavy)]
+    assert not bad, f"loading a config imports {bad[:8]}"
+
+
 def _module_name(path: Path) -> str:
     parts = list(path.relative_to(ROOT).with_suffix("").parts)
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)

@@ -9,7 +9,7 @@ from dataclasses import replace
 
 import pytest
 
-from tapered_megatron.config import PRESET_DIR, load_config
+from tapered_megatron.config import PRESET_DIR, load_config, preset_names
 from tapered_megatron.models.counters import count_model
 from tapered_megatron.models.language_model import meta_param_count
 from tapered_megatron.planning import cost as costlib
@@ -24,7 +24,7 @@ from tapered_megatron.planning.planner import (
     plan,
 )
 
-SCALED = sorted(p.stem for p in PRESET_DIR.glob("*.yaml") if p.stem.endswith(("_1.3b", "_7b")))
+SCALED = [p for p in preset_names() if p.endswith(("_1.3b", "_7b"))]
 
 
 def test_meta_param_count_equals_counters() -> None:

@@ -9,7 +9,9 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-ARCHS = ("transformer", "gated_attention", "titans", "hope_attention")
+from tapered_megatron.architectures import ARCHITECTURES, BUILT_IN
+
+ARCHS = BUILT_IN  # the paper's architectures, in its order
 
 
 EXPERIMENTS = ("controlled", "sweep", "archs", "alignment", "scale")
@@ -172,8 +174,9 @@ CPU_SECOND_SIZE = (
 
 SCALES = {
     # tlm_cpu.yaml: a ~1.3M-parameter model (d_model 128, 6 layers, vocab 2048), 320 x 1024 tokens;
-    # <arch>_cpu.yaml: the same recipe, each architecture's settings (budget-matched d_ff; titans:
-    # 512-token sequences, a 64-token window, persistent tokens; hope: the teach-signal update)
+    # <arch>_cpu (scales/cpu.yaml): the same recipe, each architecture's settings from its record
+    # (budget-matched d_ff; titans: 512-token sequences, a 64-token window, persistent tokens;
+    # hope: the teach-signal update)
     "cpu": Scale(
         "cpu",
         {a: f"{a}_cpu" for a in ARCHS},
@@ -263,7 +266,8 @@ def plan_runs(experiments: Iterable[str], seeds: int, headline_seeds: int = 0) -
     return [Run(v, s) for s in range(1, top + 1) for v, n in count.items() if s <= n]
 
 
-MEMORY_ARCHS = ("titans", "hope_attention")  # in-context memory: the memory probe's runs
+# in-context memory (the record's in_context): the memory probe's runs
+MEMORY_ARCHS = tuple(a for a in ARCHS if ARCHITECTURES[a].in_context)
 
 
 def evaluation_phases(experiments: Iterable[str]) -> dict[str, list[Variant]]:

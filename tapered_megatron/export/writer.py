@@ -41,6 +41,7 @@ from pathlib import Path
 
 import torch
 
+from tapered_megatron.architectures import resolve_architecture
 from tapered_megatron.checkpoint_layout import EXPORT_MANIFEST, manifest, write_manifest
 from tapered_megatron.config import Config
 from tapered_megatron.export.consolidate import CheckpointRef, resolve_checkpoint, weights
@@ -275,9 +276,7 @@ def model_card(
     """The ``README.md`` of an export (``weights_note``: the weight files' dtype and layout)."""
     m, plan, val = cfg.model, cfg.taper_plan, prov.val
     tokens = prov.consumed_samples * m.seq_len
-    arch = m.arch + (f" (gate {m.gate})" if m.arch == "gated_attention" else "")
-    if m.arch == "titans":
-        arch += f" (variant {m.titans.variant})"
+    arch = resolve_architecture(m.arch).describe(cfg)
     ratios = "/".join(f"{r:g}" for r in plan.ratios)
     val_line = "not recorded by the run"
     if val is not None:

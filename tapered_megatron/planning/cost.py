@@ -72,7 +72,8 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from tapered_megatron.config import Config
-    from tapered_megatron.models.base import Architecture, Counts
+    from tapered_megatron.models.base import Counts
+    from tapered_megatron.models.registry import Blocks
 
 GiB = 1024**3
 
@@ -316,10 +317,10 @@ def launch_time(device: Device, kind: str) -> float:
     return device.launch_s * (2 if kind == "layer" else 1)
 
 
-def whole_sequence_halves(arch: Architecture, kind: str) -> int:
-    """Halves of a unit of ``kind`` of architecture ``arch`` whose module runs on the whole
-    sequence under sequence parallelism (the block gathers its input and keeps this rank's part
-    of its output)."""
+def whole_sequence_halves(arch: Blocks, kind: str) -> int:
+    """Halves of a unit of ``kind`` of an architecture (its modules ``arch``) whose module
+    runs on the whole sequence under sequence parallelism (the block gathers its input and keeps
+    this rank's part of its output)."""
     halves = {"layer": (arch.mixer, arch.mlp), "mixer": (arch.mixer,), "mlp": (arch.mlp,)}
     return sum(not m.takes_sequence_shards for m in halves.get(kind, ()))
 
@@ -340,10 +341,12 @@ def unit_costs(
     first pass (Hope's teach signal) is in the analytic time only (the profiler times each unit
     alone, where no first pass runs).
     """
-    from tapered_megatron.models import resolve_architecture, units
+    from tapered_megatron.architectures import resolve_architecture
+    from tapered_megatron.models import blocks, units
     from tapered_megatron.parallel.cross_entropy import CHUNK_BYTES
 
     arch = resolve_architecture(cfg.model.arch)
+    gathered = {k: whole_sequence_halves(blocks(arch), k) for k in TP_ALL_REDUCES}
     table = units(cfg, unit)
     first = arch.first_pass_config(cfg)  # a first pass's forward (Hope's teach signal)
     first_units = [None] * len(table) if first is None else units(first, unit)
@@ -378,7 +381,7 @@ def unit_costs(
                 t += launch_time(device, u.kind)
         # all-reduces, or under sequence parallelism reduce-scatter + all-gather pairs (the same
         # ring time) and an all-gather more for each half that runs on the whole sequence
-        per_pass = TP_ALL_REDUCES[u.kind] + (0.5 * whole_sequence_halves(arch, u.kind) if sp else 0)
+        per_pass = TP_ALL_REDUCES[u.kind] + (0.5 * gathered[u.kind] if sp else 0)
         comm = per_pass * (passes - 1 + (f is not None)) * tp_ar
         # Each half's input and its norm's output are replicated on every TP rank; under
         # sequence parallelism only the input its TP region multiplies (gathered) is, the

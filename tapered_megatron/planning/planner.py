@@ -176,13 +176,15 @@ def evaluate(cfg: Config, c: Candidate, dev: costlib.Device, cap: float) -> Cand
 
 def enumerate_candidates(cfg: Config, gpus: int, gpus_per_node: int) -> list[Candidate]:
     """Every layout / ZeRO / micro-batch / recompute / unit combination to evaluate."""
-    from tapered_megatron.models import resolve_architecture
+    from tapered_megatron.architectures import resolve_architecture
+    from tapered_megatron.models import blocks
 
     m, tr = cfg.model, cfg.train
     gbs = tr.global_batch_size or tr.micro_batch_size * gpus
     arch = resolve_architecture(m.arch)
     # without SP: the same time and more memory, unless a half runs on the whole sequence
-    sp_off_too = not (arch.mixer.takes_sequence_shards and arch.mlp.takes_sequence_shards)
+    parts = blocks(arch)
+    sp_off_too = not (parts.mixer.takes_sequence_shards and parts.mlp.takes_sequence_shards)
     # a first pass of the whole model (Hope's teach signal) runs only without a pipeline
     whole_model_pass = arch.first_pass_config(cfg) is not None
     out = []

@@ -13,6 +13,7 @@ import contextlib
 import ctypes
 import math
 import os
+import sys
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import asdict
@@ -115,6 +116,13 @@ class Trainer:
             self.log(line)
         return where
 
+    def _stopped(self, why: str) -> TrainingStopped:
+        """:class:`TrainingStopped` with ``why``, which a rank other than 0 also prints (``main``
+        prints rank 0's; the others stop when their next collective fails)."""
+        if self.rank != 0:
+            print(f"error: rank {self.rank}: {why}", file=sys.stderr, flush=True)
+        return TrainingStopped(why)
+
     def log(self, msg: str) -> None:
         """Print on rank 0."""
         if self.rank == 0:
@@ -170,6 +178,7 @@ class Trainer:
 
     def batches(self, dataset: Any, total: int, consumed: int) -> Iterator[tuple]:
         """Endless ``(inputs, labels)`` micro-batches of this DP rank, starting at ``consumed``."""
+        from tapered_megatron import data
         from tapered_megatron.data import PretrainingSampler
 
         sampler = PretrainingSampler(
@@ -184,9 +193,12 @@ class Trainer:
             # seed, which must not advance the model's stream (dropout) that checkpoints restore
             generator=torch.Generator().manual_seed(self.cfg.data.seed),
         )
-        for tokens in loader:
-            tokens = tokens.to(self.device)
-            yield tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
+        try:
+            for tokens in loader:
+                tokens = tokens.to(self.device)
+                yield tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
+        except data.IndexedDatasetError as e:  # an id beyond the vocabulary, caught at the batch
+            raise self._stopped(f"{data.error_line(e)}; stopped without saving") from None
 
     def _build_engine(self) -> Any:
         cfg, ds = self.cfg, self.ds_config
