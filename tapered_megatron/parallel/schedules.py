@@ -28,6 +28,7 @@ from torch import nn
 from torch.distributed.pipelining import PipelineStage
 
 from tapered_megatron import parallel
+from tapered_megatron.parallel.norms import grad_norm
 from tapered_megatron.parallel.pipeline import agree_on_parts
 from tapered_megatron.planning.schedule import (
     SPLIT_BACKWARD,
@@ -305,8 +306,6 @@ class VirtualPipeline:
     def _grad_norm(self) -> float | None:
         """The global gradient 2-norm from the parameters' gradients (fp32 ZeRO-0, where
         DeepSpeed keeps none), summed over every stage (the grid's model-parallel group)."""
-        from tapered_megatron.training.trainer import grad_norm
-
         return grad_norm(self.engine, self.grid.get_model_parallel_group())
 
     def _clip(self, coef: float) -> None:
