@@ -179,6 +179,7 @@ class VirtualPipeline:
         topo = parallel.get_topology()
         self.grid = PipelineParallelGrid(topology=topo, process_group=dist.group.WORLD)
         self.pp, self.v, self.micro_batches = p.pp, p.virtual_stages, micro_batches
+        self.schedule_name = p.schedule
         self.pipe_rank = parallel.get_pipeline_model_parallel_rank()
         zero = int(ds_config.get("zero_optimization", {}).get("stage", 0))
         if zero > 1:
@@ -264,13 +265,40 @@ class VirtualPipeline:
         self, batches: Iterator[tuple[torch.Tensor, torch.Tensor]], num_micro_batches: int
     ) -> float:
         """Mean loss of the next ``num_micro_batches`` (the schedule's own count) micro-batches,
-        forward only (the pipeline engine's ``eval_batch``, for the validation loss)."""
+        forward only (the pipeline engine's ``eval_batch``, for the validation loss): chunk by
+        chunk in stage order (torch's ``eval`` fails for the V schedules, whose two local
+        chunks hand over a backward that evaluation does not run)."""
         if num_micro_batches != self.micro_batches:
             raise ValueError(
                 f"the schedule runs {self.micro_batches} micro-batches, not {num_micro_batches}"
             )
         with torch.no_grad():
-            return self._run(batches, self.schedule.eval)
+            return self._run(batches, self._forward_only)
+
+    def _forward_only(
+        self,
+        *args: torch.Tensor,
+        target: torch.Tensor | None = None,
+        losses: list[torch.Tensor] | None = None,
+    ) -> None:
+        """Every micro-batch through the chunks in stage order; a chunk's output goes to the
+        next chunk's rank (shape first, then the tensor); the last chunk appends the losses."""
+        pipe = parallel.get_pipeline_model_parallel_group()
+        ranks = stage_ranks(self.schedule_name, self.pp, self.v)
+        n = self.pp * self.v
+        xs = args[0].chunk(self.micro_batches) if args else [None] * self.micro_batches
+        ys = target.chunk(self.micro_batches) if target is not None else []
+        dtype = next(self.module.parameters()).dtype
+        for m in range(self.micro_batches):
+            h = xs[m]
+            for s in self.stage_ids:
+                if s > 0 and ranks[s - 1] != self.pipe_rank:
+                    h = _recv(dist.get_global_rank(pipe, ranks[s - 1]), dtype, pipe)
+                h = self.module.chunks[s](h)
+                if s == n - 1:
+                    losses.append(self._loss(h, ys[m]))
+                elif ranks[s + 1] != self.pipe_rank:
+                    _send(h, dist.get_global_rank(pipe, ranks[s + 1]), pipe)
 
     def eval(self) -> None:
         """Evaluation mode (dropout off)."""
@@ -331,6 +359,27 @@ class VirtualPipeline:
             opt.reduce_gradients(pipeline_parallel=True)
         elif parallel.get_data_parallel_world_size() > 1:
             eng.allreduce_gradients()
+
+
+def _send(t: torch.Tensor, dst: int, group: Any) -> None:
+    """Send ``t``: a header (its number of dimensions and its shape, int64), then its data."""
+    head = torch.zeros(_HEADER, dtype=torch.int64)
+    head[0] = t.dim()
+    head[1 : 1 + t.dim()] = torch.tensor(t.shape)
+    dist.send(head, dst, group=group)
+    dist.send(t.contiguous(), dst, group=group)
+
+
+def _recv(src: int, dtype: torch.dtype, group: Any) -> torch.Tensor:
+    """Receive what :func:`_send` sent."""
+    head = torch.zeros(_HEADER, dtype=torch.int64)
+    dist.recv(head, src, group=group)
+    out = torch.empty([int(x) for x in head[1 : 1 + int(head[0])]], dtype=dtype)
+    dist.recv(out, src, group=group)
+    return out
+
+
+_HEADER = 8  # a header's entries: the number of dimensions, then up to 7 sizes
 
 
 #: Elements per all-reduce of the bf16 optimizer's fp32 gradients (DeepSpeed's pipeline
