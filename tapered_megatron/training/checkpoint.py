@@ -422,11 +422,16 @@ def _checked_problem(tag: str, _stamp: tuple) -> str | None:
 
 
 _SAVED_RECORDS = (
-    (LAYOUT, received.load_json, "a layout record (tp, pp, dp, zero_stage, pipeline_unit)"),
+    (
+        LAYOUT,
+        received.load_json,
+        "a layout record (tp, pp, dp, zero_stage, pipeline_unit[, schedule, virtual_stages])",
+    ),
     (TAPER_PLAN, received.load_json, "a taper plan (a mapping with its widths)"),
     (CONFIG, received.load_yaml, "a complete configuration (a mapping, without 'base')"),
 )
 _LAYOUT_KEYS = {"tp": 1, "pp": 1, "dp": 1, "zero_stage": 0}  # each key's least value
+_LAYOUT_NAMES = {"pipeline_unit", "schedule", "virtual_stages"}  # the other keys it may have
 
 
 def _is_record(name: str, data: Any) -> bool:
@@ -435,7 +440,10 @@ def _is_record(name: str, data: Any) -> bool:
         return False
     if name == LAYOUT:
         counts = all(type(data.get(k)) is int and data[k] >= lo for k, lo in _LAYOUT_KEYS.items())
-        return counts and set(data) <= {*_LAYOUT_KEYS, "pipeline_unit"}
+        virtual = "virtual_stages" not in data or (
+            type(data["virtual_stages"]) is int and data["virtual_stages"] >= 1
+        )
+        return counts and virtual and set(data) <= {*_LAYOUT_KEYS, *_LAYOUT_NAMES}
     if name == TAPER_PLAN:
         widths = data.get("widths")
         return isinstance(widths, list) and all(type(w) is int and w > 0 for w in widths)
