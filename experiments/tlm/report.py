@@ -35,6 +35,7 @@ from experiments.tlm.tables import (
     table_zeroshot,
     zeroshot_tasks,
 )
+from experiments.tlm.verdicts import verdict_section
 
 
 def _counted(labels: list[str]) -> str:
@@ -104,6 +105,7 @@ def render(records: list[dict[str, Any]], meta: dict[str, Any]) -> str:
         "at the paper's "
         f"scale (440M / 760M); ours are at the `{scale}` scale.",
         "",
+        *verdict_section(by, only),
         f"- Command: `{meta['command']}`",
         "- Wall time: "
         + (

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Any
 
 from experiments.tlm import grid
@@ -267,3 +268,107 @@ def probe_stat(runs: dict[int, dict[str, Any]] | None, i: int) -> Stat:
     return Stat(
         {s: r["memory_probe"][i]["gap"] for s, r in (runs or {}).items() if r.get("memory_probe")}
     )
+
+
+def holm(ps: list[float | None]) -> list[float | None]:
+    """Holm's step-down adjusted p values of one family of tests, in the input order (None:
+    not tested, left out of the family). Adjusted ``p_(i) = max_{j <= i} min(1, (m - j + 1)
+    p_(j))`` over the tested p values sorted ascending (``m`` of them)."""
+    tested = sorted((p, i) for i, p in enumerate(ps) if p is not None)
+    out: list[float | None] = [None] * len(ps)
+    running = 0.0
+    for rank, (p, i) in enumerate(tested):
+        running = max(running, min(1.0, (len(tested) - rank) * p))
+        out[i] = running
+    return out
+
+
+def mcnemar_p(b: int, c: int) -> float:
+    """Exact two-sided McNemar test of one paired set of right/wrong outcomes: ``b`` items right
+    only under one model, ``c`` right only under the other (the sign test on the discordant
+    pairs; 1 when there are none)."""
+    return sign_test_p(b, b + c) if b + c else 1.0
+
+
+# Replicates and generator seed of the paired bootstrap over items and seeds (fixed: a rerun of
+# the report gives the same interval).
+BOOTSTRAP_REPS = 2000
+BOOTSTRAP_SEED = 0
+
+
+@dataclass(frozen=True)
+class ItemPaired:
+    """Per-item outcomes (1 right, 0 wrong) of a configuration and its baseline on the same
+    items, seed by seed: the accuracy difference ``config - base`` in percentage points, with a
+    95 % percentile interval and a two-sided p value from a paired bootstrap that resamples the
+    seeds and the items (both with replacement, every replicate drawing the seeds first), so
+    that the items all seeds share count as a source of variance."""
+
+    config: dict[int, str]
+    base: dict[int, str]
+
+    @property
+    def seeds(self) -> list[int]:
+        """The seeds both sides have, with outcomes on the same number of items."""
+        common = sorted(set(self.config) & set(self.base))
+        return [s for s in common if len(self.config[s]) == len(self.base[s])]
+
+    @property
+    def n(self) -> int:
+        """Number of paired seeds."""
+        return len(self.seeds)
+
+    @cached_property
+    def _diffs(self) -> Any:
+        import numpy as np
+
+        def bits(x: str) -> Any:
+            return np.frombuffer(x.encode(), dtype=np.uint8) - ord("0")
+
+        return np.array(
+            [bits(self.config[s]).astype(float) - bits(self.base[s]) for s in self.seeds]
+        )
+
+    @property
+    def mean(self) -> float:
+        """Mean accuracy difference over seeds and items, in percentage points."""
+        return 100.0 * float(self._diffs.mean())
+
+    @cached_property
+    def _replicates(self) -> Any:
+        import numpy as np
+
+        d = self._diffs
+        rng = np.random.default_rng(BOOTSTRAP_SEED)
+        out = np.empty(BOOTSTRAP_REPS)
+        for k in range(BOOTSTRAP_REPS):
+            s = rng.integers(0, d.shape[0], d.shape[0])
+            i = rng.integers(0, d.shape[1], d.shape[1])
+            out[k] = d[np.ix_(s, i)].mean()
+        return 100.0 * out
+
+    @property
+    def interval(self) -> tuple[float, float] | None:
+        """95 % percentile interval of the bootstrap replicates (None without items)."""
+        if not self.n:
+            return None
+        import numpy as np
+
+        lo, hi = np.percentile(self._replicates, [2.5, 97.5])
+        return float(lo), float(hi)
+
+    @property
+    def p(self) -> float | None:
+        """Two-sided bootstrap p value of "no difference": twice the smaller share of
+        replicates on either side of 0 (at least one replicate's worth), capped at 1."""
+        if not self.n:
+            return None
+        r = self._replicates
+        tail = min((r <= 0).sum(), (r >= 0).sum())
+        return min(1.0, 2 * max(int(tail), 1) / BOOTSTRAP_REPS)
+
+    def discordant(self, seed: int) -> tuple[int, int]:
+        """``(b, c)`` of one seed: items right only under the configuration, only under the
+        baseline (McNemar's discordant pairs)."""
+        pairs = list(zip(self.config[seed], self.base[seed], strict=True))
+        return pairs.count(("1", "0")), pairs.count(("0", "1"))
