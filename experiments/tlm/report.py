@@ -15,13 +15,20 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
-from experiments.tlm import grid, provenance
+from experiments.tlm import driver, grid, provenance
 from experiments.tlm.plots import PLOTS, plot_all, plot_keys
 from experiments.tlm.prose import reading
 from experiments.tlm.records import load_records
-from experiments.tlm.stats import by_variant, late_drop_ratio, rho_stats, t_quantile_975
+from experiments.tlm.stats import (
+    BOOTSTRAP_REPS,
+    by_variant,
+    late_drop_ratio,
+    rho_stats,
+    t_quantile_975,
+)
 from experiments.tlm.tables import (
     ARCH_NOTES,
+    have_items,
     items_used,
     scale_size_names,
     table_alignment,
@@ -33,6 +40,7 @@ from experiments.tlm.tables import (
     table_scale_relative,
     table_sweep,
     table_zeroshot,
+    table_zeroshot_items,
     zeroshot_tasks,
 )
 from experiments.tlm.verdicts import verdict_section
@@ -264,6 +272,7 @@ def render(records: list[dict[str, Any]], meta: dict[str, Any]) -> str:
                 "",
                 *table_zeroshot(by, records, info, scale),
                 "",
+                *zeroshot_items_text(by, records),
                 f"![zeroshot](results/{PLOTS['zeroshot']})",
                 "",
             ]
@@ -290,6 +299,32 @@ def render(records: list[dict[str, Any]], meta: dict[str, Any]) -> str:
     info = meta.get("zeroshot_tasks", {})
     lines += ["## Reading", "", *reading(by, records, only, info), ""]
     return "\n".join(lines)
+
+
+def zeroshot_items_text(by: dict, records: list[dict[str, Any]]) -> list[str]:
+    """(f)'s item-level paired tests where the runs saved per-item outputs, else what is
+    missing and which run produces it."""
+    tasks = ", ".join(driver.ZEROSHOT_TASKS)
+    if not have_items(records):
+        return [
+            "Item-level tests: these runs were evaluated before the evaluation kept per-item "
+            "outputs, so (f) is tested over seeds only, although all seeds answer the same "
+            "items. The next full run of the command above re-evaluates every (c) model on "
+            f"{tasks} (the last two built so that models of this size score clearly above "
+            "chance) and keeps each item's outcome; this section then gives the paired "
+            "bootstrap over items and seeds and the per-seed McNemar tests.",
+            "",
+        ]
+    return [
+        "Item-level paired tests over every item of the tasks with saved outputs (the "
+        "configuration and its uniform model answer the same items): Δ accuracy in points, its "
+        "95 % percentile interval and p from a paired bootstrap that resamples seeds and items "
+        f"({BOOTSTRAP_REPS} replicates, fixed generator), and per seed the exact McNemar test "
+        "on the items only one of the two answers right.",
+        "",
+        *table_zeroshot_items(by),
+        "",
+    ]
 
 
 def late_drop_text(records: list[dict[str, Any]]) -> str:

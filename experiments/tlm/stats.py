@@ -173,18 +173,18 @@ class Unpaired(_TInterval):
         return math.sqrt(self.a.std**2 / self.a.n + self.b.std**2 / self.b.n)
 
 
-def excludes_zero(d: Stat | Unpaired) -> bool:
+def excludes_zero(d: Stat | Unpaired | ItemPaired) -> bool:
     """Whether the 95 % interval of the mean of ``d`` lies on one side of 0."""
     ci = d.interval
     return ci is not None and (ci[0] > 0 or ci[1] < 0)
 
 
-def direction(d: Stat | Unpaired) -> str:
+def direction(d: Stat | Unpaired | ItemPaired) -> str:
     """What the paired differences say, in words that follow the 95 % interval."""
     if d.n == 0:
         return "not measured"
     side = "lower" if d.mean < 0 else "higher" if d.mean > 0 else "equal"
-    if d.n == 1:
+    if d.interval is None:
         return f"{side} (one seed, no interval)"
     if excludes_zero(d):
         return f"{side}, interval excludes 0"
@@ -205,7 +205,7 @@ def signed(x: float, digits: int = 2) -> str:
     return f"{x:+.{digits}f}"
 
 
-def ci_text(s: Stat | Unpaired, digits: int = 2) -> str:
+def ci_text(s: Stat | Unpaired | ItemPaired, digits: int = 2) -> str:
     """``[lo, hi]`` of the 95 % t interval of the mean (an em dash below two values)."""
     ci = s.interval
     return "—" if ci is None else f"[{signed(ci[0], digits)}, {signed(ci[1], digits)}]"
@@ -260,6 +260,17 @@ def zs_stat(runs: dict[int, dict[str, Any]] | None, task: str | None = None) -> 
             acc = z["average_acc"] if task is None else z["tasks"][task]["acc"]
             vals[s] = 100.0 * acc
     return Stat(vals)
+
+
+def item_outcomes(runs: dict[int, dict[str, Any]] | None) -> dict[int, str]:
+    """Per seed, the per-item outcomes of every task with saved items, tasks in name order
+    (``"0110..."``; seeds without saved items left out)."""
+    out = {}
+    for s, r in (runs or {}).items():
+        items = (r.get("zeroshot") or {}).get("items")
+        if items:
+            out[s] = "".join(items[t] for t in sorted(items))
+    return out
 
 
 def probe_stat(runs: dict[int, dict[str, Any]] | None, i: int) -> Stat:

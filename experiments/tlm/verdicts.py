@@ -12,7 +12,7 @@ paper's direction and *contradicted* when it is below in the other. The claim is
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Protocol
 
 from experiments.tlm import grid
 from experiments.tlm.stats import (
@@ -21,6 +21,7 @@ from experiments.tlm.stats import (
     Stat,
     ci_text,
     holm,
+    item_outcomes,
     p_text,
     rho_stats,
     signed,
@@ -63,7 +64,7 @@ class Claim:
     @property
     def adjusted(self) -> list[float | None]:
         """Holm-adjusted p values of the comparisons (None: not tested)."""
-        return holm([c.est.p if c.est.n >= 2 else None for c in self.comparisons])
+        return holm([c.est.p for c in self.comparisons])
 
     def outcomes(self) -> list[str]:
         """Per comparison ``confirmed`` | ``contradicted`` | ``open`` | ``not run``."""
@@ -188,17 +189,6 @@ def claim_best_ratio(by: dict) -> Claim:
         _t_test("Δ validation ppl, cosine 1.5/0.5 − cosine at each other ratio", comps),
         comps,
     )
-
-
-def item_outcomes(runs: dict[int, dict[str, Any]] | None) -> dict[int, str]:
-    """Per seed, the per-item outcomes of every task with saved items, tasks in name order
-    (``"0110..."``; seeds without saved items left out)."""
-    out = {}
-    for s, r in (runs or {}).items():
-        items = (r.get("zeroshot") or {}).get("items")
-        if items:
-            out[s] = "".join(items[t] for t in sorted(items))
-    return out
 
 
 def claim_zeroshot(by: dict) -> Claim:
