@@ -1,6 +1,6 @@
 """Reproduce the Tapered Language Models paper's experiments in one resumable command.
 
-    python scripts/reproduce_tlm.py                        # cpu scale, 3 seeds, all experiments
+    python scripts/reproduce_tlm.py                        # cpu scale, 5 seeds, all experiments
     python scripts/reproduce_tlm.py --smoke --out /tmp/tlm # every path in a few minutes
     python scripts/reproduce_tlm.py --scale 440m --launcher "deepspeed --num_gpus 8" \\
         --data-path /data/pile_text_document --tokenizer-model /data/tok.model
@@ -47,7 +47,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--data-path", default="", help="token-file prefix (default: sample corpus)")
     ap.add_argument("--tokenizer-model", default="", help="tokenizer of --data-path")
     ap.add_argument("--scale", default="cpu", choices=sorted(grid.SCALES))
-    ap.add_argument("--seeds", type=int, default=3, help="seeds per configuration (default 3)")
+    ap.add_argument("--seeds", type=int, default=5, help="seeds per configuration (default 5)")
     ap.add_argument(
         "--headline-seeds",
         type=int,

@@ -7,6 +7,7 @@ import itertools
 import json
 import math
 import os
+import random
 import re
 import shutil
 import signal
@@ -17,6 +18,7 @@ import time
 import types
 from pathlib import Path
 
+import numpy as np
 import pytest
 from scipy import stats as scipy_stats
 
@@ -72,14 +74,66 @@ def test_reading_words_follow_the_interval() -> None:
     base = stats.Stat({1: 10.0, 2: 10.5, 3: 10.2})
     better = stats.Paired(stats.Stat({1: 8.0, 2: 8.6, 3: 8.1}), base).diffs
     assert stats.direction(better) == "lower, interval excludes 0"
-    assert prose.verdict(better, expect_negative=True).startswith("in the paper's direction")
-    assert prose.verdict(better, expect_negative=False).startswith("not the paper's direction")
+    assert prose.verdict(better, expect_negative=True) == "shown, interval excludes 0"
+    assert prose.verdict(better, expect_negative=False).startswith("contradicted: against")
     # the mean is lower, and larger than every std, but the interval crosses 0
     close = stats.Paired(stats.Stat({1: 9.0, 2: 10.6, 3: 9.3}), base).diffs
     assert close.mean < 0 and close.interval[0] < 0 < close.interval[1]
     assert stats.direction(close) == "lower in the mean, interval includes 0"
+    # an interval that includes 0 is "not shown", whichever way the mean points
+    assert prose.verdict(close, expect_negative=True).startswith("not shown: interval includes")
+    assert "the paper's way" in prose.verdict(close, expect_negative=True)
+    assert "the other way" in prose.verdict(close, expect_negative=False)
     worse = stats.Paired(stats.Stat({1: 12.0, 2: 12.4, 3: 12.3}), base).diffs
     assert stats.direction(worse) == "higher, interval excludes 0"
+
+
+def test_holm_adjusts_within_the_family() -> None:
+    # sorted 0.005, 0.01, 0.03, 0.04 -> 4x, 3x, 2x, 1x, each at least the one before
+    adj = stats.holm([0.01, 0.04, 0.03, None, 0.005])
+    assert adj == pytest.approx([0.03, 0.06, 0.06, None, 0.02])
+    assert adj[3] is None and stats.holm([0.6, 0.9]) == pytest.approx([1.0, 1.0])
+
+
+def test_item_level_paired_tests() -> None:
+    """McNemar is the exact binomial test on the discordant items; the paired bootstrap over
+    items and seeds is recomputed here draw by draw, and separates a real gap from none."""
+    assert stats.mcnemar_p(9, 2) == pytest.approx(scipy_stats.binomtest(9, 11).pvalue)
+    assert stats.mcnemar_p(0, 0) == 1.0
+    rng = random.Random(5)
+    base = {s: "".join(rng.choice("01") for _ in range(120)) for s in (1, 2, 3)}
+    better = {s: "".join("1" if rng.random() < 0.3 else b for b in x) for s, x in base.items()}
+    d = stats.ItemPaired(better, base)
+    assert d.n == 3 and d.discordant(1) == (
+        sum(a == "1" and b == "0" for a, b in zip(better[1], base[1])),
+        sum(a == "0" and b == "1" for a, b in zip(better[1], base[1])),
+    )
+    diffs = np.array([[int(a) - int(b) for a, b in zip(better[s], base[s])] for s in (1, 2, 3)])
+    assert d.mean == pytest.approx(100 * diffs.mean())
+    gen = np.random.default_rng(stats.BOOTSTRAP_SEED)
+    reps = []
+    for _ in range(stats.BOOTSTRAP_REPS):
+        seeds = gen.integers(0, 3, 3)
+        items = gen.integers(0, 120, 120)
+        reps.append(100 * diffs[seeds][:, items].mean())
+    assert d.interval == pytest.approx(tuple(np.percentile(reps, [2.5, 97.5])))
+    assert d.interval[0] > 0 and d.p == pytest.approx(2 / stats.BOOTSTRAP_REPS)
+    same = stats.ItemPaired(base, base)
+    assert same.mean == 0 and same.p == 1.0 and stats.direction(same).startswith("equal")
+    # one seed still has an interval (over items)
+    assert stats.ItemPaired({1: better[1]}, {1: base[1]}).interval is not None
+
+
+def test_reproduction_zeroshot_tasks_are_shipped_and_stale_results_redone(tmp_path: Path) -> None:
+    for task in driver.ZEROSHOT_TASKS:
+        assert list((REPO / "tasks").rglob(f"{task}.yaml")), task
+        assert (REPO / "tasks" / "data" / f"{task}.jsonl").is_file(), task
+    f = tmp_path / "zeroshot.json"
+    full = {t: {"acc": 0.5, "n": 4} for t in driver.ZEROSHOT_TASKS}
+    f.write_text(json.dumps({"tasks": full, "items": {t: "0101" for t in full}, "limit": None}))
+    assert not driver.zeroshot_stale(f, smoke=False) and driver.zeroshot_stale(f, smoke=True)
+    f.write_text(json.dumps({"tasks": full, "limit": None}))  # no per-item outputs: redone
+    assert driver.zeroshot_stale(f, smoke=False)
 
 
 # ----------------------------------------------------------------------------- matrix
@@ -87,11 +141,16 @@ def test_matrix_dedupes_shared_configurations() -> None:
     runs = grid.plan_runs(grid.EXPERIMENTS, 3)
     variants = {r.variant for r in runs}
     # 4 controlled + 15 swept + 10 new in (c) (transformer uniform and cosine 1.5/0.5 shared)
-    # + 6 of (g) at the second size (its first size is (c)'s)
-    assert len(variants) == 35 and len(runs) == 105
-    assert len({r.name for r in runs}) == 105
-    assert [r.seed for r in runs[:35]] == [1] * 35  # seed-major: complete tables appear early
+    # + 6 of (g) at the second size (its first size is (c)'s) + 3 of (h) on the second corpus
+    assert len(variants) == 38 and len(runs) == 114
+    assert len({r.name for r in runs}) == 114
+    assert [r.seed for r in runs[:38]] == [1] * 38  # seed-major: complete tables appear early
     assert sum(v.size == grid.SECOND for v in variants) == 6
+    assert {v.key for v in variants if v.corpus} == {
+        "transformer-uniform-pydocs",
+        "transformer-cosine-1.5-0.5-pydocs",
+        "transformer-cosine-1.5-0.5-rev-pydocs",
+    }
     # the headline comparisons, (c) and (g), at 5 seeds; the rest (and the shared uniform and
     # cosine 1.5/0.5 Transformer at the most any of its experiments asks)
     five = grid.plan_runs(grid.EXPERIMENTS, 3, headline_seeds=5)
@@ -99,7 +158,11 @@ def test_matrix_dedupes_shared_configurations() -> None:
     headline = {*grid.experiment_variants("archs"), *grid.experiment_variants("scale")}
     assert {v for v, n in seeds.items() if n == 5} == headline and len(headline) == 18
     assert all(n == 3 for v, n in seeds.items() if v not in headline)
-    assert len(five) == 18 * 5 + 17 * 3
+    assert len(five) == 18 * 5 + 20 * 3
+    # the driver's default: every configuration at 5 seeds, (a) and (b) included
+    default = _script().parse_args([])
+    assert (default.seeds, default.headline_seeds) == (5, 0)
+    assert len(grid.plan_runs(grid.EXPERIMENTS, default.seeds)) == 38 * 5
     assert grid.Variant("transformer", "cosine", (1.5, 0.5)) in grid.experiment_variants("sweep")
     assert grid.Variant("transformer", "cosine", (1.5, 0.5)) in grid.experiment_variants("archs")
     mults = {v.ratio for v in grid.experiment_variants("controlled") if v.schedule == "step"}
@@ -395,10 +458,18 @@ def check_results(results_dir: Path) -> int:
             for e in r.get("provenance") or []:
                 assert e["commit"][:12] in text and f"torch {e['torch']}" in text
         checked += 4
-    for n, where in ((meta["seeds"], ""), (meta.get("headline_seeds", 1), " ((c), (g))")):
+    groups: dict[int, list[str]] = {}  # per experiment its fewest seeds, as run
+    for e in grid.EXPERIMENTS:
+        ns = [len(_ppl(recs, v.key)) for v in grid.experiment_variants(e) if _ppl(recs, v.key)]
+        if ns:
+            groups.setdefault(min(ns), []).append(grid.TAGS[e])
+    for n, tags in groups.items():
+        where = "" if len(groups) == 1 else f" ({', '.join(tags)})"
         t = scipy_stats.t.ppf(0.975, n - 1) if n > 1 else 0
         said = f"With {n} seeds{where} t({n - 1}) = {t:.2f}: the interval reaches {t / n**0.5:.2f}"
-        assert (said in text) == (n > 1 and (not where or n != meta["seeds"])), said
+        assert (said in text) == (n > 1), said
+        if n > 1:
+            assert f"{n} seeds{where}" in text.split("- Runs:")[1].split("\n")[0], n
     if "controlled" in meta["only"]:
         for row, v in zip(tables["(a)"], grid.experiment_variants("controlled"), strict=True):
             assert row[0] == v.label and row[1] == _widths(recs, v.key), row
@@ -442,6 +513,12 @@ def check_results(results_dir: Path) -> int:
                 ]
                 assert cell == _fmt(xs, digits=3)
                 checked += 1
+    if "corpus" in meta["only"]:
+        vs = grid.experiment_variants("corpus")
+        for row, v in zip(tables["(h)"], vs, strict=True):
+            assert row[:2] == [v.arch, v.label]
+            assert row[-6:] == _expected_row(recs, v.key, vs[0].key), row
+            checked += 6
     if "(f)" in tables:
         checked += _check_zeroshot(text, tables["(f)"], recs, meta)
     if "(g)" in tables:
@@ -449,6 +526,7 @@ def check_results(results_dir: Path) -> int:
     if "Poo" in tables:
         checked += _check_pooled(tables["Poo"], recs, meta["only"])
     checked += _check_reading(text, tables, recs, meta["only"])
+    checked += _check_verdicts(text, recs, meta["only"])
     return checked
 
 
@@ -713,6 +791,205 @@ def _check_probe_reading(reading: str, recs: list[dict]) -> str:
     )
     assert line in reading
     return reading.replace(line, "")
+
+
+def _holm(ps: list[float | None]) -> list[float | None]:
+    order = sorted((i for i, p in enumerate(ps) if p is not None), key=lambda i: ps[i])
+    out: list[float | None] = [None] * len(ps)
+    floor = 0.0
+    for rank, i in enumerate(order):
+        floor = max(floor, min(1.0, (len(order) - rank) * ps[i]))
+        out[i] = floor
+    return out
+
+
+def _bootstrap(a: dict[int, str], b: dict[int, str]) -> tuple[float, float, float, float] | None:
+    """Mean, 95 % percentile interval and p of the paired bootstrap over seeds and items."""
+    seeds = sorted(set(a) & set(b))
+    if not seeds:
+        return None
+    d = np.array([[int(x) - int(y) for x, y in zip(a[s], b[s])] for s in seeds], dtype=float)
+    gen = np.random.default_rng(stats.BOOTSTRAP_SEED)
+    reps = np.array(
+        [
+            100
+            * d[gen.integers(0, d.shape[0], d.shape[0])][
+                :, gen.integers(0, d.shape[1], d.shape[1])
+            ].mean()
+            for _ in range(stats.BOOTSTRAP_REPS)
+        ]
+    )
+    lo, hi = np.percentile(reps, [2.5, 97.5])
+    tail = max(1, min(int((reps <= 0).sum()), int((reps >= 0).sum())))
+    return 100 * d.mean(), lo, hi, min(1.0, 2 * tail / stats.BOOTSTRAP_REPS)
+
+
+def _items(recs: list[dict], key: str) -> dict[int, str]:
+    out = {}
+    for r in recs:
+        items = (r.get("zeroshot") or {}).get("items") if r["variant"] == key else None
+        if items:
+            out[r["seed"]] = "".join(items[t] for t in sorted(items))
+    return out
+
+
+def _rise(recs: list[dict], key: str) -> list[float]:
+    out = []
+    for r in sorted(recs, key=lambda r: r["seed"]):
+        if r["variant"] == key and r.get("alignment"):
+            rho = [x["rho_block"] for x in r["alignment"]["layers"]]
+            cut = len(rho) * 2 // 3
+            out.append(statistics.fmean(rho[cut:]) - statistics.fmean(rho[:cut]))
+    return out
+
+
+def _families(recs: list[dict], only: list[str]) -> list[tuple[str, list[tuple]]]:
+    """Each claim's comparisons, recomputed: ``(label, (mean, lo, hi, p) or None, expected
+    sign, unit, digits)``."""
+
+    def t(d: list[float]) -> tuple | None:
+        return (statistics.fmean(d), *_ttest(d)) if len(d) >= 2 else None
+
+    def ppl(a: str, b: str) -> tuple | None:
+        return t(_paired(_ppl(recs, a), _ppl(recs, b)))
+
+    fams: list[tuple[str, list[tuple]]] = []
+    archs = grid.experiment_variants("archs")
+    if "archs" in only:
+        fams.append(
+            (
+                "(c)",
+                [
+                    (f"{v.arch} Δ", ppl(v.key, archs[i - 1].key), -1, "ppl", 2)
+                    for i, v in enumerate(archs)
+                    if i % 3 == 1
+                ],
+            )
+        )
+        if "corpus" in only:  # the first claim holds the second corpus's comparison too
+            u, c, _ = (v.key for v in grid.experiment_variants("corpus"))
+            fams[-1][1].append((f"transformer on {grid.SECOND_CORPUS} Δ", ppl(c, u), -1, "ppl", 2))
+    if "controlled" in only:
+        u, e, m, late = (v.key for v in grid.experiment_variants("controlled"))
+        fams.append(
+            (
+                "(a)",
+                [
+                    ("early − uniform", ppl(e, u), -1, "ppl", 2),
+                    ("middle − uniform", ppl(m, u), 1, "ppl", 2),
+                    ("late − middle", ppl(late, m), 1, "ppl", 2),
+                ],
+            )
+        )
+    if "sweep" in only:
+        key = "transformer-{}-{:g}-{:g}".format
+        fams.append(
+            (
+                "(b)",
+                [
+                    (
+                        f"{a:g}/{b:g} cosine − {o}",
+                        ppl(key("cosine", a, b), key(o, a, b)),
+                        -1,
+                        "ppl",
+                        2,
+                    )
+                    for a, b in grid.SWEEP_RATIOS
+                    for o in ("linear", "sigmoid")
+                ],
+            )
+        )
+        fams.append(
+            (
+                "(b)",
+                [
+                    (
+                        f"1.5/0.5 − {a:g}/{b:g}",
+                        ppl(key("cosine", 1.5, 0.5), key("cosine", a, b)),
+                        -1,
+                        "ppl",
+                        2,
+                    )
+                    for a, b in grid.SWEEP_RATIOS
+                    if (a, b) != (1.5, 0.5)
+                ],
+            )
+        )
+    if "archs" in only:
+        comps = []
+        for i in range(1, len(archs), 3):
+            v, u = archs[i], archs[i - 1]
+            boot = _bootstrap(_items(recs, v.key), _items(recs, u.key))
+            if boot is None:
+                boot = t(
+                    _paired(_per_seed(recs, v.key, _acc(None)), _per_seed(recs, u.key, _acc(None)))
+                )
+            comps.append((f"{v.arch} Δ", boot, 1, "points", 2))
+        fams.append(("(f)", comps))
+    if "alignment" in only:
+        fams.append(
+            (
+                "(e)",
+                [
+                    (f"{v.label} rise", t(_rise(recs, v.key)), 1, "", 3)
+                    for v in grid.experiment_variants("alignment")
+                ],
+            )
+        )
+    if "scale" in only:
+        big = grid.scale_variants(grid.SECOND)
+        fams.append(
+            (
+                "(g)",
+                [
+                    (f"{v.arch} Δ", ppl(v.key, big[i - 1].key), -1, "ppl", 2)
+                    for i, v in enumerate(big)
+                    if i % 3 == 1
+                ],
+            )
+        )
+    return fams
+
+
+def _check_verdicts(text: str, recs: list[dict], only: list[str]) -> int:
+    """The verdict table: each claim's numbers and verdict word, recomputed (Holm within each
+    family; confirmed / contradicted at adjusted p < 0.05)."""
+    rows = _all_tables(text)["Ver"][0]
+    fams = _families(recs, only)
+    assert text.index("## Verdicts") < text.index("- Command:")  # RESULTS opens with it
+    assert [r[0][:3] for r in rows] == [f for f, _ in fams]
+    for row, (_, comps) in zip(rows, fams, strict=True):
+        adj = _holm([c[1][3] if c[1] else None for c in comps])
+        outcome, parts = [], []
+        for (label, est, sign, unit, digits), q in zip(comps, adj, strict=True):
+            if est is None:
+                outcome.append("not run")
+                parts.append(f"{label}: not run")
+                continue
+            m, lo, hi, p = est
+            outcome.append("open" if q >= 0.05 else "confirmed" if m * sign > 0 else "contradicted")
+            u = f" {unit}" if unit else ""
+            parts.append(
+                f"{label} {m:+.{digits}f}{u} [{lo:+.{digits}f}, {hi:+.{digits}f}], p {_p(p)}, "
+                f"Holm {_p(q)}"
+            )
+        tested = sum(o != "not run" for o in outcome)
+        numbers = (
+            f"{outcome.count('confirmed')} of {len(comps)} confirmed, "
+            f"{outcome.count('contradicted')} contradicted (Holm over {tested}): "
+            + "; ".join(parts)
+        )
+        word = (
+            "not measured"
+            if not tested
+            else "not reproduced"
+            if "contradicted" in outcome
+            else "reproduced"
+            if outcome.count("confirmed") == len(comps)
+            else "inconclusive"
+        )
+        assert row[1] == f"**{word}**" and row[3] == numbers, (row, numbers)
+    return sum(len(c) for _, c in fams)
 
 
 def test_committed_results_are_recomputed_from_saved_metrics() -> None:

@@ -37,7 +37,7 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
-from experiments.tlm import provenance
+from experiments.tlm import corpus, provenance
 from experiments.tlm.grid import SMOKE_OVERRIDES, Run, Scale, evaluation_phases, shape_overrides
 
 REPO = Path(__file__).resolve().parents[2]
@@ -65,11 +65,20 @@ class Settings:
         if self.data_path:
             return self.tokenizer_model, self.data_path
         from tapered_megatron import data
+
+        return data.prepare_sample_corpus(self.out / "cache", self.scale_vocab())
+
+    def scale_vocab(self) -> int:
+        """The vocabulary size of the scale's presets (the smoke shapes included)."""
         from tapered_megatron.config import load_config
 
         over = [*self.scale.overrides, *(SMOKE_OVERRIDES if self.smoke else ())]
-        vocab = load_config(self.scale.presets["transformer"], over).model.vocab_size
-        return data.prepare_sample_corpus(self.out / "cache", vocab)
+        return load_config(self.scale.presets["transformer"], over).model.vocab_size
+
+    def second_corpus(self) -> tuple[str, str]:
+        """``(tokenizer_model, token-file prefix)`` of the (h) second corpus, prepared under
+        ``<out>/cache`` with the scale's vocabulary on first use."""
+        return corpus.prepare_python_docs(self.out / "cache", self.scale_vocab())
 
     def job_env(self) -> dict[str, str]:
         """Environment of a job: this checkout first on PYTHONPATH, the thread count pinned."""
@@ -104,9 +113,12 @@ class Settings:
             "--data.cache_dir",
             str(self.out / "cache"),
         ]
-        if self.data_path:
+        if run.variant.corpus:
+            tok, prefix = self.second_corpus()
+            args += ["--data.path", prefix, "--data.tokenizer_model", tok]
+        elif self.data_path:
             args += ["--data.path", self.data_path, "--data.tokenizer_model", self.tokenizer_model]
-        if self.vocab_size:
+        if self.vocab_size and not run.variant.corpus:
             args += ["--model.vocab_size", str(self.vocab_size)]
         return [*self.launcher, *args, "--resume", "auto"]
 

@@ -71,6 +71,7 @@ def run_record(settings: driver.Settings, run: grid.Run) -> dict[str, Any]:
         "final_val_loss": curve[-1][2],
         "wall_s": round(done["wall_s"], 1),
         "size": run.variant.size,
+        "corpus": run.variant.corpus,
         "provenance": provenance.read(d) or None,
     }
     align = d / "alignment.json"

@@ -15,7 +15,7 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
-from experiments.tlm import driver, grid, provenance
+from experiments.tlm import corpus, driver, grid, provenance
 from experiments.tlm.plots import PLOTS, plot_all, plot_keys
 from experiments.tlm.prose import reading
 from experiments.tlm.records import load_records
@@ -35,6 +35,7 @@ from experiments.tlm.tables import (
     table_archs,
     table_budget_and_memory,
     table_controlled,
+    table_corpus,
     table_pooled,
     table_scale,
     table_scale_relative,
@@ -89,13 +90,19 @@ def arch_setup(base: list[dict[str, Any]], ref: dict[str, Any]) -> str:
     return "; " + "; ".join(parts) + (" (the same tokens per iteration)" if same else "")
 
 
-def seed_counts(meta: dict[str, Any]) -> list[tuple[int, str]]:
-    """``(seeds, "")`` and, where (c) and (g) have more, ``(headline seeds, " ((c), (g))")``;
-    counts of one seed (no interval) left out."""
-    out = [(meta["seeds"], "")]
-    if meta.get("headline_seeds", meta["seeds"]) != meta["seeds"]:
-        out.append((meta["headline_seeds"], " ((c), (g))"))
-    return [(n, w) for n, w in out if n > 1]
+def seed_counts(by: dict) -> list[tuple[int, str]]:
+    """The seed counts the finished runs have: per experiment the fewest seeds of its
+    configurations with runs, as ``(seeds, " ((a), (b))")`` naming the experiments where the
+    counts differ (``""`` where all have one count); counts of one seed (no interval) left out."""
+    groups: dict[int, list[str]] = {}
+    for e in grid.EXPERIMENTS:
+        ns = [len(by[v.key]) for v in grid.experiment_variants(e) if by.get(v.key)]
+        if ns:
+            groups.setdefault(min(ns), []).append(grid.TAGS[e])
+    one = len(groups) == 1
+    return [
+        (n, "" if one else f" ({', '.join(tags)})") for n, tags in sorted(groups.items()) if n > 1
+    ]
 
 
 def render(records: list[dict[str, Any]], meta: dict[str, Any]) -> str:
@@ -103,7 +110,7 @@ def render(records: list[dict[str, Any]], meta: dict[str, Any]) -> str:
     only = meta["only"]
     scale = meta["scale"] + (" smoke" if meta["smoke"] else "")
     by = by_variant(records)
-    base = [r for r in records if not r.get("size")]
+    base = [r for r in records if not r.get("size") and not r.get("corpus")]
     lines = [
         "# Reproducing Tapered Language Models",
         "",
@@ -123,8 +130,13 @@ def render(records: list[dict[str, Any]], meta: dict[str, Any]) -> str:
             else ("none (plan only)" if meta.get("plan") else "in progress")
         )
         + f"; machine: {meta['machine']}; date: {meta['date']}",
-        f"- Runs: {len(records)} finished of {meta['runs_planned']} planned "
-        f"({meta['seeds']} seed(s) per configuration"
+        f"- Runs: {len(records)} finished of {meta['runs_planned']} planned ("
+        + (
+            "; ".join(f"{n} seeds{where}" for n, where in seed_counts(by)) + " finished, "
+            if seed_counts(by)
+            else ""
+        )
+        + f"{meta['seeds']} planned per configuration"
         + (
             f", {meta['headline_seeds']} for (c) and (g)"
             if meta.get("headline_seeds", meta["seeds"]) != meta["seeds"]
@@ -174,7 +186,7 @@ def render(records: list[dict[str, Any]], meta: dict[str, Any]) -> str:
         + (
             " (the uniform runs shared with (c) have more seeds than the (a) and (b) "
             "configurations, so Δ is not the difference of the two means shown)"
-            if len(seed_counts(meta)) > 1
+            if len(seed_counts(by)) > 1
             else ""
         )
         + "; its 95 % CI is the Student t interval of the paired differences and p the "
@@ -185,7 +197,7 @@ def render(records: list[dict[str, Any]], meta: dict[str, Any]) -> str:
             f" With {n} seeds{where} t({n - 1}) = {t_quantile_975(n - 1):.2f}: the interval "
             f"reaches {t_quantile_975(n - 1) / math.sqrt(n):.2f} times the std of the "
             "differences on each side of Δ."
-            for n, where in seed_counts(meta)
+            for n, where in seed_counts(by)
         ),
         "",
     ]
@@ -282,6 +294,8 @@ def render(records: list[dict[str, Any]], meta: dict[str, Any]) -> str:
         lines += scale_section(by, records, meta)
         if "scale" in keys:
             lines += [f"![scale](results/{PLOTS['scale']})", ""]
+    if "corpus" in only:
+        lines += corpus_section(by, scale)
     if {"sweep", "archs", "scale"} & set(only) and records:
         lines += [
             "## Pooled over configurations",
@@ -376,6 +390,27 @@ def scale_section(by: dict, records: list[dict[str, Any]], meta: dict[str, Any])
         relative,
         "",
         *table_scale_relative(by, names),
+        "",
+    ]
+
+
+def corpus_section(by: dict, scale: str) -> list[str]:
+    """(h): the Transformer's uniform / cosine 1.5/0.5 / reverse on the second corpus."""
+    return [
+        "## (h) A second corpus",
+        "",
+        f"The Transformer's (c) comparisons on a corpus of another domain: the {corpus.LABEL} "
+        "(its topic pages and the standard library's docstrings, with its own tokenizer of the "
+        "same vocabulary size; the same model, budget and recipe as the first corpus). The "
+        "verdict table's first row includes this comparison, so that claim does not rest on "
+        "one corpus."
+        + (
+            ""
+            if any(by.get(v.key) for v in grid.experiment_variants("corpus"))
+            else " Not run yet: its rows fill in when the command above runs them."
+        ),
+        "",
+        *table_corpus(by, scale),
         "",
     ]
 

@@ -123,6 +123,13 @@ def table_archs(by: dict, scale: str) -> list[str]:
     return _table(["architecture", "configuration", *compare_header(scale)], rows)
 
 
+def table_corpus(by: dict, scale: str) -> list[str]:
+    """(h): the second corpus's uniform, cosine 1.5/0.5 and reverse Transformer."""
+    vs = grid.experiment_variants("corpus")
+    rows = [[v.arch, v.label, *_compare_cells(v, by, vs[0].key)] for v in vs]
+    return _table(["architecture", "configuration", *compare_header(scale)], rows)
+
+
 def table_alignment(by: dict) -> list[str]:
     """(e): per-layer rho_block and rho_mlp of the uniform and tapered Transformer."""
     uni, tap = grid.experiment_variants("alignment")
@@ -334,7 +341,13 @@ def scale_size_names(records: list[dict[str, Any]]) -> tuple[str, str]:
     names = []
     for big, fallback in ((False, "first size"), (True, "second size")):
         rec = next(
-            (r for r in records if bool(r.get("size")) == big and r["arch"] in grid.SCALE_ARCHS),
+            (
+                r
+                for r in records
+                if bool(r.get("size")) == big
+                and r["arch"] in grid.SCALE_ARCHS
+                and not r.get("corpus")
+            ),
             None,
         )
         m = rec["model"] if rec else None
