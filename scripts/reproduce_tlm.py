@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import fcntl
 import importlib.util
+import json
 import os
 import shlex
 import signal
@@ -214,12 +215,18 @@ def main(argv: list[str] | None = None) -> int:
     with driver.invocation_wall(out) as walls:
         failed = driver.train_all(settings, runs, jobs, log)
         missing = driver.evaluate_all(settings, runs, only, log, jobs)
+        if runs and not (out / "rerun.json").exists():
+            driver.rerun_check(settings, runs[0], log)
     if failed:
         log(f"{failed} run(s) failed; rerun the same command to retry them")
     if not a.no_report:
         records.sync_records(settings, planned, results / "results" / "runs")
+        records.keep_driver_files(out, results / "results")
         meta.update(
-            wall_s=round(sum(walls), 1), invocations=len(walls), missing_tools=sorted(missing)
+            wall_s=round(sum(walls), 1),
+            invocations=len(walls),
+            missing_tools=sorted(missing),
+            rerun=records.driver_file(out, results / "results", "rerun.json"),
         )
         log(f"wrote {report.write_results(results, meta)}")
     log(f"finished in {time.time() - t0:.0f} s")
@@ -229,8 +236,18 @@ def main(argv: list[str] | None = None) -> int:
 def _report_only(settings: driver.Settings, runs: list, results: Path, meta: dict) -> int:
     """RESULTS.md from the finished runs, without training or evaluating anything."""
     n = records.sync_records(settings, runs, results / "results" / "runs")
-    walls = driver.invocation_walls(settings.out) if n == len(runs) else []
-    meta.update(wall_s=round(sum(walls), 1), invocations=len(walls))  # 0: "in progress"
+    records.keep_driver_files(settings.out, results / "results")
+    walls = records.driver_file(settings.out, results / "results", "driver_wall.json") or []
+    meta.update(wall_s=round(sum(walls), 1), invocations=len(walls), finished=n == len(runs))
+    earlier = results / "results" / "meta.json"
+    if not walls and earlier.is_file():  # no wall file anywhere: the last report's figure
+        last = json.loads(earlier.read_text())
+        if last.get("wall_s"):
+            meta.update(wall_s=last["wall_s"], invocations=last["invocations"])
+            meta["wall_source"] = last.get("wall_source") or (
+                f"the report of {last['date']} (its per-invocation file was not kept then)"
+            )
+    meta["rerun"] = records.driver_file(settings.out, results / "results", "rerun.json")
     meta["missing_tools"] = sorted(
         phase
         for phase in grid.evaluation_phases(meta["only"])

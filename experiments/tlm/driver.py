@@ -25,6 +25,7 @@ import json
 import os
 import re
 import shlex
+import shutil
 import subprocess
 import sys
 import threading
@@ -256,6 +257,67 @@ def invocation_wall(out: Path) -> Iterator[list[float]]:
         stop.set()
         saver.join()
         save()
+
+
+# The same-machine rerun check: how many iterations its short run trains (one evaluation at
+# the end), twice from scratch.
+RERUN_ITERS = 40
+
+
+def _with(cmd: list[str], key: str, value: str) -> list[str]:
+    """``cmd`` with ``key``'s value set to ``value`` (replaced where given, else appended)."""
+    if key in cmd:
+        i = cmd.index(key)
+        return [*cmd[: i + 1], value, *cmd[i + 2 :]]
+    return [*cmd, key, value]
+
+
+def rerun_check(settings: Settings, run: Run, log: Callable[[str], None]) -> dict[str, Any]:
+    """Train ``run`` for :data:`RERUN_ITERS` iterations twice from scratch on this machine
+    (``<out>/rerun/{a,b}``) and compare every logged loss bit for bit; the result (also saved as
+    ``<out>/rerun.json``) names the run, the machine and CPU, whether all losses are equal and the
+    largest difference."""
+    losses = []
+    for part in ("a", "b"):
+        d = settings.out / "rerun" / part
+        if d.exists():
+            shutil.rmtree(d)
+        d.mkdir(parents=True)
+        cmd = settings.command(run)
+        for key, value in (
+            ("--train.save_dir", str(d / "checkpoints")),
+            ("--logging.metrics_file", str(d / "metrics.jsonl")),
+            ("--train.iters", str(RERUN_ITERS)),
+            ("--eval.interval", str(RERUN_ITERS)),
+            ("--train.save_interval", str(RERUN_ITERS)),
+        ):
+            cmd = _with(cmd, key, value)
+        log(f"rerun check {run.name} ({part}): {RERUN_ITERS} iterations")
+        with open(d / "train.log", "w") as f:
+            rc = subprocess.run(
+                cmd, stdout=f, stderr=subprocess.STDOUT, env=settings.job_env()
+            ).returncode
+        if rc != 0:
+            raise RuntimeError(f"rerun check {run.name} ({part}) failed; see {d / 'train.log'}")
+        recs = read_metrics(d / "metrics.jsonl")
+        losses.append([r.get(k) for r in recs for k in ("loss", "val_loss") if k in r])
+    a, b = losses
+    diff = max((abs(x - y) for x, y in zip(a, b, strict=True)), default=0.0)
+    env = settings.env or {}
+    result = {
+        "run": run.name,
+        "iterations": RERUN_ITERS,
+        "losses_compared": len(a),
+        "bitwise_equal": a == b,
+        "max_abs_loss_diff": diff,
+        "machine": provenance.versions_label(env) if env else provenance.machine(),
+        "cpu": provenance.cpu_label(env)
+        if env
+        else provenance.cpu_label({"cpu": provenance.cpu()}),
+        "code": provenance.code_label(env) if env else "not recorded",
+    }
+    _replace(settings.out / "rerun.json", json.dumps(result, indent=1) + "\n")
+    return result
 
 
 def _recorded_code(run_dir: Path) -> list[dict[str, Any] | None]:

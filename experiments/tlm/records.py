@@ -130,6 +130,29 @@ def collect(settings: driver.Settings, runs: Iterable[grid.Run], dest: Path) -> 
         (dest / run.name / "metrics.json").write_text(json.dumps(rec, indent=1) + "\n")
 
 
+# The driver's own files kept with the records: each invocation's wall seconds, and the
+# same-machine rerun check.
+DRIVER_FILES = ("driver_wall.json", "rerun.json")
+
+
+def keep_driver_files(out: Path, dest: Path) -> None:
+    """Copy :data:`DRIVER_FILES` from the driver's ``out`` to ``dest`` (beside ``runs/``), where
+    they are committed with the records; a file ``out`` lacks is left as it was."""
+    dest.mkdir(parents=True, exist_ok=True)
+    for name in DRIVER_FILES:
+        if (out / name).is_file():
+            shutil.copyfile(out / name, dest / name)
+
+
+def driver_file(out: Path, dest: Path, name: str) -> Any:
+    """The content of driver file ``name``: the driver's copy in ``out``, else the one kept in
+    ``dest`` with the records (None where neither exists)."""
+    for f in (out / name, dest / name):
+        if f.is_file():
+            return json.loads(f.read_text())
+    return None
+
+
 def load_records(runs_dir: Path) -> list[dict[str, Any]]:
     """Every saved ``<run>/metrics.json`` under ``runs_dir``, sorted by run name."""
     return [json.loads(p.read_text()) for p in sorted(runs_dir.glob("*/metrics.json"))]

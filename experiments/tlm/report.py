@@ -23,6 +23,7 @@ from experiments.tlm.stats import (
     BOOTSTRAP_REPS,
     by_variant,
     late_drop_ratio,
+    ppl_stat,
     rho_stats,
     t_quantile_975,
 )
@@ -52,22 +53,101 @@ def _counted(labels: list[str]) -> str:
     return "; ".join(f"{k} ({n} runs)" for k, n in Counter(labels).most_common())
 
 
+def wall_text(meta: dict[str, Any]) -> str:
+    """The driver's wall time in words: the sum over its invocations (the driver's
+    ``driver_wall.json``, kept with the records), "so far" while runs are missing."""
+    if meta.get("plan"):
+        return "none (plan only)"
+    if not meta["wall_s"]:
+        return "in progress (not recorded yet)"
+    text = (
+        f"{meta['wall_s'] / 60:.1f} min over {meta['invocations']} invocation(s) of the driver "
+        "(one killed outright, e.g. with its machine, counts up to its last save)"
+    )
+    if meta.get("wall_source"):
+        text += f", from {meta['wall_source']}"
+    return text + ("" if meta.get("finished", True) else ", so far: runs are still missing")
+
+
+# A run whose recorded wall time is under this share of its configuration's median counts as
+# undercounted (a resume whose earlier invocations the record lacks).
+UNDERCOUNT = 0.5
+
+
+def undercounted(records: list[dict[str, Any]]) -> list[str]:
+    """Runs whose wall time is under :data:`UNDERCOUNT` of their configuration's median."""
+    walls: dict[str, list[float]] = {}
+    for r in records:
+        walls.setdefault(r["variant"], []).append(r["wall_s"])
+    return [
+        r["run"]
+        for r in records
+        if len(walls[r["variant"]]) > 2
+        and r["wall_s"] < UNDERCOUNT * statistics.median(walls[r["variant"]])
+    ]
+
+
+def mean_wall(records: list[dict[str, Any]]) -> float:
+    """Mean wall seconds per run, the :func:`undercounted` runs left out."""
+    short = set(undercounted(records))
+    kept = [r["wall_s"] for r in records if r["run"] not in short]
+    return sum(kept) / len(kept)
+
+
+def rerun_text(meta: dict[str, Any], by: dict) -> str:
+    """The rerun gap beside the seed spread: the same-machine bitwise check (the driver's
+    ``rerun.json``) and what was measured before on another machine."""
+    uni = ppl_stat(by.get(grid.UNIFORM.key))
+    spread = (
+        f" (the uniform Transformer's seed-to-seed std: {uni.std:.2f} ppl)" if uni.n > 1 else ""
+    )
+    r = meta.get("rerun")
+    if r:
+        same = (
+            f"Rerun gap{spread}: on one machine ({r['cpu']}), {r['run']} trained twice from "
+            f"scratch for {r['iterations']} iterations gave "
+            + (
+                f"bitwise-equal losses ({r['losses_compared']} compared)"
+                if r["bitwise_equal"]
+                else f"losses up to {r['max_abs_loss_diff']:.3g} apart"
+            )
+            + "."
+        )
+    else:
+        same = (
+            f"Rerun gap{spread}: the same-machine check (the driver's rerun.json) is not in "
+            "these records yet."
+        )
+    return same + " " + OTHER_MACHINE
+
+
+# Measured before these records were regenerated, by hand, not recomputed from these files.
+OTHER_MACHINE = (
+    "On another 2-core machine (measured before, by hand, not from these files), retraining two "
+    "recorded runs at their recorded commits matched the first iterations to about 1e-7 and then "
+    "drifted: final perplexities 0.8 apart, about half the uniform seed-to-seed spread; that "
+    "retrain at a later main was bitwise equal to the one at the recorded commit."
+)
+
+
 def provenance_lines(records: list[dict[str, Any]]) -> list[str]:
-    """The code versions, machines and package versions the runs were trained with, and the
-    configurations whose runs mix code versions."""
-    code, env = [], []
+    """The code versions, machines, package versions and CPUs the runs were trained with, and
+    the configurations whose runs mix code versions."""
+    code, env, cpus = [], [], []
     mixed: dict[str, set[str]] = {}
     for r in records:
         entries = r.get("provenance") or [None]
         labels = sorted({provenance.code_label(e) for e in entries})
         code.append(" + ".join(labels))
         env.append(" + ".join(sorted({provenance.versions_label(e) for e in entries})))
+        cpus.append(" + ".join(sorted({provenance.cpu_label(e) for e in entries})))
         mixed.setdefault(r["variant"], set()).update(labels)
     mixing = sorted(k for k, v in mixed.items() if len(v) > 1)
     return [
         f"- Code (commit the runs were trained at): {_counted(code)}; configurations mixing "
         f"code versions: {', '.join(mixing) if mixing else 'none'}.",
         f"- Trained on: {_counted(env)}.",
+        f"- CPU: {_counted(cpus)}.",
     ]
 
 
@@ -122,14 +202,7 @@ def render(records: list[dict[str, Any]], meta: dict[str, Any]) -> str:
         "",
         *verdict_section(by, only),
         f"- Command: `{meta['command']}`",
-        "- Wall time: "
-        + (
-            f"{meta['wall_s'] / 60:.1f} min over {meta['invocations']} invocation(s) of the "
-            "driver (one killed outright, e.g. with its machine, counts up to its last save)"
-            if meta["wall_s"]
-            else ("none (plan only)" if meta.get("plan") else "in progress")
-        )
-        + f"; machine: {meta['machine']}; date: {meta['date']}",
+        "- Wall time: " + wall_text(meta) + f"; machine: {meta['machine']}; date: {meta['date']}",
         f"- Runs: {len(records)} finished of {meta['runs_planned']} planned ("
         + (
             "; ".join(f"{n} seeds{where}" for n, where in seed_counts(by)) + " finished, "
@@ -144,8 +217,15 @@ def render(records: list[dict[str, Any]], meta: dict[str, Any]) -> str:
         )
         + ")"
         + (
-            f"; {sum(r['wall_s'] for r in records) / len(records):.0f} s wall per training run "
-            f"on average ({meta.get('jobs', 1)} at a time)"
+            f"; {mean_wall(records):.0f} s wall per training run on average "
+            f"({meta.get('jobs', 1)} at a time)"
+            + (
+                f", leaving out {', '.join(short)}: under half their configuration's median "
+                "wall time, resumed runs whose earlier invocations were not counted (trained "
+                "before the driver summed a run's invocations)"
+                if (short := undercounted(records))
+                else ""
+            )
             if records
             else ""
         )
@@ -198,7 +278,9 @@ def render(records: list[dict[str, Any]], meta: dict[str, Any]) -> str:
             f"reaches {t_quantile_975(n - 1) / math.sqrt(n):.2f} times the std of the "
             "differences on each side of Δ."
             for n, where in seed_counts(by)
-        ),
+        )
+        + " "
+        + rerun_text(meta, by),
         "",
     ]
     keys = plot_keys(by, records, only)
