@@ -449,9 +449,36 @@ def check_results(results_dir: Path) -> int:
             assert f"training tokens per run, peak LR {large[0]['lr']:g})" in intro
             late = _late_drop_range(large)
             assert (f"At this size too, {moved}{late} of what the first" in intro) == bool(late)
-        walls = statistics.fmean(r["wall_s"] for r in recs)
+        by_config: dict[str, list[float]] = {}
+        for r in recs:
+            by_config.setdefault(r["variant"], []).append(r["wall_s"])
+        short = [  # a resumed run whose earlier invocations were not counted
+            r["run"]
+            for r in recs
+            if len(by_config[r["variant"]]) > 2
+            and r["wall_s"] < 0.5 * statistics.median(by_config[r["variant"]])
+        ]
+        walls = statistics.fmean(r["wall_s"] for r in recs if r["run"] not in short)
         assert f"Runs: {len(recs)} finished of {meta['runs_planned']} planned" in text
         assert f"; {walls:.0f} s wall per training run" in text
+        assert (f"leaving out {', '.join(short)}: under half" in text) == bool(short)
+        kept = results_dir / "results" / "driver_wall.json"
+        if kept.is_file():  # the driver's wall file, committed with the records, gives the sum
+            assert round(sum(json.loads(kept.read_text())), 1) == meta["wall_s"]
+        assert f"{meta['wall_s'] / 60:.1f} min over {meta['invocations']} invocation" in text
+        rerun = results_dir / "results" / "rerun.json"
+        if rerun.is_file():
+            r = json.loads(rerun.read_text())
+            assert meta["rerun"] == r
+            said = f"{r['run']} trained twice from scratch for {r['iterations']} iterations gave "
+            assert said + ("bitwise-equal" if r["bitwise_equal"] else "losses up to") in text
+            assert r["cpu"] in text
+        uni = list(_ppl(recs, grid.UNIFORM.key).values())
+        assert f"seed-to-seed std: {statistics.stdev(uni):.2f} ppl" in text
+        cpus = [e.get("cpu") for r in recs for e in (r.get("provenance") or [{}])]
+        assert (f"CPU not recorded ({sum(c is None for c in cpus)} runs)" in text) == (None in cpus)
+        for c in filter(None, cpus):
+            assert f"{c['model']}, torch kernels {c['torch_kernels']}" in text
         unrecorded = sum(not r.get("provenance") for r in recs)
         assert (f"not recorded ({unrecorded} runs)" in text) == (unrecorded > 0)
         for r in recs:
