@@ -473,8 +473,8 @@ def check_results(results_dir: Path) -> int:
             said = f"{r['run']} trained twice from scratch for {r['iterations']} iterations gave "
             assert said + ("bitwise-equal" if r["bitwise_equal"] else "losses up to") in text
             assert r["cpu"] in text
-        uni = list(_ppl(recs, grid.UNIFORM.key).values())
-        assert f"seed-to-seed std: {statistics.stdev(uni):.2f} ppl" in text
+        spread = statistics.stdev(_ppl(recs, grid.UNIFORM.key).values())
+        assert f"seed-to-seed std: {spread:.2f} ppl" in text
         cpus = [[e.get("cpu") for e in (r.get("provenance") or [{}])] for r in recs]
         none = sum(c == [None] for c in cpus)  # runs trained before the CPU was recorded
         assert (f"CPU not recorded ({none} runs)" in text) == (none > 0)
@@ -549,6 +549,7 @@ def check_results(results_dir: Path) -> int:
             checked += 6
     if "(f)" in tables:
         checked += _check_zeroshot(text, tables["(f)"], recs, meta)
+        checked += _check_zeroshot_items(text, recs)
     if "(g)" in tables:
         checked += _check_scale(_all_tables(text)["(g)"], recs, text)
     if "Poo" in tables:
@@ -566,6 +567,43 @@ def _acc(task: str | None):
         return 100 * (z["average_acc"] if task is None else z["tasks"][task]["acc"])
 
     return get
+
+
+def _check_zeroshot_items(text: str, recs: list[dict]) -> int:
+    """(f)'s item-level table: the paired bootstrap over items and seeds and the per-seed
+    McNemar counts, recomputed; or, without per-item outputs, the sentence saying so."""
+    if not any((r.get("zeroshot") or {}).get("items") for r in recs):
+        assert "Item-level tests: these runs were evaluated before" in text
+        return 0
+    rows = _all_tables(text)["(f)"][1]
+    variants = [v for v in grid.experiment_variants("archs") if v.schedule != "uniform"]
+    for row, v in zip(rows, variants, strict=True):
+        mine, ref = _items(recs, v.key), _items(recs, grid.Variant(v.arch).key)
+        boot = _bootstrap(mine, ref)
+        assert row[:2] == [v.arch, v.label]
+        if boot is None:
+            assert row[2:] == ["—"] * 6, row
+            continue
+        m, lo, hi, p = boot
+        seeds = sorted(set(mine) & set(ref))
+        better = worse = 0
+        for s in seeds:
+            b = sum(x == "1" and y == "0" for x, y in zip(mine[s], ref[s]))
+            c = sum(x == "0" and y == "1" for x, y in zip(mine[s], ref[s]))
+            sig = b + c > 0 and scipy_stats.binomtest(b, b + c).pvalue < 0.05
+            better += sig and b > c
+            worse += sig and c > b
+        side = "lower" if m < 0 else "higher" if m > 0 else "equal"
+        words = "interval excludes 0" if lo > 0 or hi < 0 else "in the mean, interval includes 0"
+        assert row[2:] == [
+            f"{len(seeds)} × {len(mine[seeds[0]])}",
+            f"{m:+.2f}",
+            f"[{lo:+.2f}, {hi:+.2f}]",
+            _p(p),
+            f"{side}, {words}" if lo > 0 or hi < 0 else f"{side} {words}",
+            f"{better} / {worse} of {len(seeds)}",
+        ], row
+    return 6 * len(rows)
 
 
 def _check_zeroshot(text: str, rows: list[list[str]], recs: list[dict], meta: dict) -> int:
@@ -1030,6 +1068,31 @@ def test_committed_results_are_recomputed_from_saved_metrics() -> None:
         assert abs(curve[-1] - curve[-2]) < 0.2 * abs(curve[0] - curve[1]), rec["run"]
 
 
+def test_zeroshot_items_give_item_level_tests_and_the_verdict(tmp_path: Path) -> None:
+    """Runs with per-item zero-shot outputs: (f)'s paired bootstrap over items and seeds and
+    McNemar counts, and the verdict table's (f) row resting on them, rendered and recomputed
+    (the committed runs predate per-item outputs: outcomes drawn here stand in for them)."""
+    runs = tmp_path / "results" / "runs"
+    shutil.copytree(DOCS / "results" / "runs", runs)
+    rng = random.Random(3)
+    for rec in records.load_records(runs):
+        if rec.get("zeroshot") and not rec.get("size"):
+            p = 0.75 if rec["schedule"] == "uniform" else 0.7 if rec["arch"] == "titans" else 0.8
+            rec["zeroshot"]["items"] = {
+                t: "".join("1" if rng.random() < p else "0" for _ in range(100))
+                for t in ("tm_shakespeare_lastchoice", "tm_shakespeare_wordswap")
+            }
+            (runs / rec["run"] / "metrics.json").write_text(json.dumps(rec))
+    meta = json.loads((DOCS / "results" / "meta.json").read_text())
+    text = report.render(records.load_records(runs), meta)
+    (tmp_path / "results" / "meta.json").write_text(json.dumps(meta))
+    (tmp_path / "RESULTS.md").write_text(text)
+    assert check_results(tmp_path) > 300
+    assert "paired bootstrap over items and seeds (5 seeds)" in text
+    verdicts = {row[0][:3]: row for row in _all_tables(text)["Ver"][0]}
+    assert "titans Δ -" in verdicts["(f)"][3] and verdicts["(f)"][1] == "**not reproduced**"
+
+
 def test_scale_change_with_seeds_at_both_sizes_is_recomputed(tmp_path: Path) -> None:
     """(g) with several seeds at the second size: the relative table's Welch column and the
     Reading's trend words, rendered and recomputed (the committed runs may have one seed)."""
@@ -1338,6 +1401,43 @@ def test_smoke_every_path_and_kill_rerun_gives_the_same_tables(tmp_path: Path) -
     assert _table_lines(tmp_path / "b" / "report" / "RESULTS.md") == _table_lines(
         res_a / "RESULTS.md"
     )
+
+
+@pytest.mark.slow
+def test_reproduction_tasks_keep_per_item_outputs(tmp_path: Path) -> None:
+    """The zero-shot evaluation of the reproduction's four tasks, on a tiny model, saves each
+    item's outcome, and they give the accuracy the harness reports."""
+    from tiny_export import tiny_export, tiny_tokenizer
+
+    from tapered_megatron.eval.zeroshot import main as zeroshot
+
+    out, _ = tiny_export(tmp_path / "model", "transformer", tiny_tokenizer(tmp_path))
+    args = ["--model", str(out), "--tasks", ",".join(driver.ZEROSHOT_TASKS), "--limit", "8"]
+    assert zeroshot([*args, "--output", str(tmp_path / "zs")]) == 0
+    got = json.loads((tmp_path / "zs" / "zeroshot.json").read_text())
+    assert set(got["items"]) == set(driver.ZEROSHOT_TASKS) == set(got["tasks"])
+    for task, bits in got["items"].items():
+        assert len(bits) == 8 and set(bits) <= {"0", "1"}
+        assert bits.count("1") / 8 == pytest.approx(got["tasks"][task]["acc"]), task
+    assert not driver.zeroshot_stale(tmp_path / "zs" / "zeroshot.json", smoke=True)
+
+
+@pytest.mark.slow
+def test_second_corpus_is_the_python_docs_with_its_own_tokenizer(tmp_path: Path) -> None:
+    from experiments.tlm import corpus
+    from tapered_megatron.data import IndexedDataset, load_tokenizer
+
+    docs = corpus.python_docs()
+    assert len(docs) > 200 and sum(map(len, docs)) > 10**6
+    settings = driver.Settings(tmp_path, grid.SCALES["cpu"], ["python"])
+    tok, prefix = settings.second_corpus()
+    tokens = IndexedDataset(prefix)
+    assert tokens.num_documents == len(docs) and tokens.num_tokens > 300_000
+    first = load_tokenizer(tok).decode(int(x) for x in tokens.document(0))
+    assert first.split()[:5] == docs[0].split()[:5]
+    cmd = settings.command(grid.Run(grid.experiment_variants("corpus")[1], 2))
+    assert cmd[cmd.index("--data.path") + 1] == prefix
+    assert cmd[cmd.index("--data.tokenizer_model") + 1] == tok
 
 
 @pytest.mark.slow
