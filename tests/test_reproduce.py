@@ -913,8 +913,8 @@ def _families(recs: list[dict], only: list[str]) -> list[tuple[str, list[tuple]]
     """Each claim's comparisons, recomputed: ``(label, (mean, lo, hi, p) or None, expected
     sign, unit, digits)``."""
 
-    def t(d: list[float]) -> tuple | None:
-        return (statistics.fmean(d), *_ttest(d)) if len(d) >= 2 else None
+    def t(d: list[float]) -> tuple | int:  # below two values: how many there are
+        return (statistics.fmean(d), *_ttest(d)) if len(d) >= 2 else len(d)
 
     def ppl(a: str, b: str) -> tuple | None:
         return t(_paired(_ppl(recs, a), _ppl(recs, b)))
@@ -985,7 +985,7 @@ def _families(recs: list[dict], only: list[str]) -> list[tuple[str, list[tuple]]
         comps = []
         for i in range(1, len(archs), 3):
             v, u = archs[i], archs[i - 1]
-            boot = _bootstrap(_items(recs, v.key), _items(recs, u.key))
+            boot: tuple | int | None = _bootstrap(_items(recs, v.key), _items(recs, u.key))
             if boot is None:
                 boot = t(
                     _paired(_per_seed(recs, v.key, _acc(None)), _per_seed(recs, u.key, _acc(None)))
@@ -1025,12 +1025,12 @@ def _check_verdicts(text: str, recs: list[dict], only: list[str]) -> int:
     assert text.index("## Verdicts") < text.index("- Command:")  # RESULTS opens with it
     assert [r[0][:3] for r in rows] == [f for f, _ in fams]
     for row, (_, comps) in zip(rows, fams, strict=True):
-        adj = _holm([c[1][3] if c[1] else None for c in comps])
+        adj = _holm([c[1][3] if isinstance(c[1], tuple) else None for c in comps])
         outcome, parts = [], []
         for (label, est, sign, unit, digits), q in zip(comps, adj, strict=True):
-            if est is None:
+            if not isinstance(est, tuple):
                 outcome.append("not run")
-                parts.append(f"{label}: not run")
+                parts.append(f"{label}: {'one seed' if est else 'not run'}")
                 continue
             m, lo, hi, p = est
             outcome.append("open" if q >= 0.05 else "confirmed" if m * sign > 0 else "contradicted")
@@ -1397,7 +1397,7 @@ def test_smoke_every_path_and_kill_rerun_gives_the_same_tables(tmp_path: Path) -
     _start_and_kill_after(tmp_path / "b", 10)
     b = _driver(tmp_path / "b")
     assert b.returncode == 0, b.stdout + b.stderr
-    assert "runs already done" in b.stdout and "training: 0 of 35 runs" not in b.stdout
+    assert "runs already done" in b.stdout and "training: 0 of 38 runs" not in b.stdout
     assert _table_lines(tmp_path / "b" / "report" / "RESULTS.md") == _table_lines(
         res_a / "RESULTS.md"
     )
