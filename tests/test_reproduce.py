@@ -1075,12 +1075,19 @@ def test_zeroshot_items_give_item_level_tests_and_the_verdict(tmp_path: Path) ->
     runs = tmp_path / "results" / "runs"
     shutil.copytree(DOCS / "results" / "runs", runs)
     rng = random.Random(3)
+    shared = [rng.random() < 0.6 for _ in range(200)]  # what every model gets right
     for rec in records.load_records(runs):
         if rec.get("zeroshot") and not rec.get("size"):
-            p = 0.75 if rec["schedule"] == "uniform" else 0.7 if rec["arch"] == "titans" else 0.8
+            seed = random.Random(rec["run"])  # a few flips of the model's own
+            bits = [x != (seed.random() < 0.05) for x in shared]
+            if rec["schedule"] != "uniform":  # tapered: 20 items better (titans: worse)
+                wrong = rec["arch"] == "titans"
+                for i in [i for i, x in enumerate(bits) if x == wrong][:20]:
+                    bits[i] = not wrong
+            text = "".join("1" if x else "0" for x in bits)
+            tasks = ("tm_shakespeare_lastchoice", "tm_shakespeare_wordswap")
             rec["zeroshot"]["items"] = {
-                t: "".join("1" if rng.random() < p else "0" for _ in range(100))
-                for t in ("tm_shakespeare_lastchoice", "tm_shakespeare_wordswap")
+                t: text[i * 100 : i * 100 + 100] for i, t in enumerate(tasks)
             }
             (runs / rec["run"] / "metrics.json").write_text(json.dumps(rec))
     meta = json.loads((DOCS / "results" / "meta.json").read_text())

@@ -123,10 +123,7 @@ def _seeds(comparisons: list[Comparison]) -> str:
 
 
 def _t_test(what: str, comparisons: list[Comparison]) -> str:
-    return (
-        f"paired t over seeds ({_seeds(comparisons)}) of {what}; Holm over the "
-        f"{len(comparisons)} comparisons"
-    )
+    return f"paired t over seeds ({_seeds(comparisons)}) of {what}; Holm within the family"
 
 
 def claim_per_architecture(by: dict, second_corpus: bool = False) -> Claim:
@@ -213,8 +210,7 @@ def claim_zeroshot(by: dict) -> Claim:
         comps.append(Comparison(f"{a} Δ", est, +1, "points"))
     what = "Δ average accuracy (points), tapered − uniform, per architecture"
     test = (
-        f"paired bootstrap over items and seeds ({_seeds(comps)}) of {what}; Holm over the "
-        f"{len(comps)} comparisons"
+        f"paired bootstrap over items and seeds ({_seeds(comps)}) of {what}; Holm within the family"
         if items
         else _t_test(what, comps) + "; all seeds answer the same items, which this test "
         "ignores (no per-item outputs saved; chance levels in (f))"
