@@ -556,6 +556,7 @@ def check_results(results_dir: Path) -> int:
         checked += _check_pooled(tables["Poo"], recs, meta["only"])
     checked += _check_reading(text, tables, recs, meta["only"])
     checked += _check_verdicts(text, recs, meta["only"])
+    checked += _check_claim_words(text, recs, meta["only"])
     return checked
 
 
@@ -1015,6 +1016,50 @@ def _families(recs: list[dict], only: list[str]) -> list[tuple[str, list[tuple]]
             )
         )
     return fams
+
+
+def _check_claim_words(text: str, recs: list[dict], only: list[str]) -> int:
+    """The Reading says what the numbers say: a claim is "shown" only where its interval
+    excludes 0, the best schedule is named against the paper's, (c)'s perplexity is not passed
+    off as the paper's zero-shot claim, and a first-size effect missing at the second size is
+    said to be missing."""
+    reading = text[text.index("## Reading") :]
+    lines = reading.splitlines()
+    if "controlled" in only:
+        for v in grid.experiment_variants("controlled")[1:]:
+            d = _paired(_ppl(recs, v.key), _ppl(recs, grid.UNIFORM.key))
+            line = next(x for x in lines if x.startswith(f'  - "{v.label.split()[0]} '))
+            shown = len(d) > 1 and (_ttest(d)[0] > 0 or _ttest(d)[1] < 0)
+            assert ("interval includes 0" in line) == (
+                not shown
+            ) and "paper's direction:" not in line
+    if "sweep" in only:
+        sweep = [v for v in grid.experiment_variants("sweep")[1:] if _ppl(recs, v.key)]
+        best = min(sweep, key=lambda v: statistics.fmean(_ppl(recs, v.key).values()))
+        paper = best.key == grid.Variant("transformer", *grid.DEFAULT_TAPER).key
+        said = f"Our best is {best.label} "
+        assert said in reading and ("as in the paper" in reading) == paper
+    if "archs" in only:
+        assert "The paper's claim here is zero-shot accuracy" in reading
+    sched, ratio = grid.DEFAULT_TAPER
+    for a in grid.SCALE_ARCHS if "scale" in only else ():
+        d = [
+            _paired(
+                _ppl(recs, grid.Variant(a, sched, ratio).key + sfx),
+                _ppl(recs, a + "-uniform" + sfx),
+            )
+            for sfx in ("", f"-{grid.SECOND}")
+        ]
+        if min(map(len, d)) < 2:
+            continue
+        (lo1, hi1, _), (lo2, hi2, _) = map(_ttest, d)
+        gone = (lo1 > 0 or hi1 < 0) and lo2 <= 0 <= hi2
+        line = next(x for x in lines if x.startswith(f"  - {a}, cosine 1.5/0.5: "))
+        m2 = statistics.fmean(d[1])
+        said = "(shown at the first size, not at the second: "
+        said += f"Δ {m2:+.2f} ppl [{lo2:+.2f}, {hi2:+.2f}];"
+        assert (said in line) == gone, line
+    return 1
 
 
 def _check_verdicts(text: str, recs: list[dict], only: list[str]) -> int:
