@@ -9,14 +9,19 @@ Experiments (the paper's, arXiv 2606.23670): (a) ``controlled`` uniform vs
 wider-early/middle/late thirds, (b) ``sweep`` cosine/linear/sigmoid x five ratio pairs,
 (c) ``archs`` four architectures x {uniform, cosine 1.5/0.5, reverse}, with (d) validation
 curves of all of them, (e) ``alignment`` (rho_block / rho_mlp of the uniform and tapered
-Transformer) and (f) zero-shot scores of the (c) models; and (g) ``scale``: the (c) comparisons
-of the Transformer and Titans again at a second, larger size (cpu scale). ``--headline-seeds``
-gives (c) and (g) more seeds than the rest; ``--archs`` trains and evaluates a subset of the
+Transformer) and (f) zero-shot scores of the (c) models, each item's outcome kept; (g)
+``scale``: the (c) comparisons of the Transformer and Hope-attention again at a second, larger
+size; and (h) ``corpus``: the Transformer's uniform / cosine 1.5/0.5 / reverse on a second corpus
+of another domain, the Python documentation CPython ships ((g) and (h): cpu scale). Every
+configuration gets ``--seeds`` seeds (default 5); ``--headline-seeds`` gives (c) and (g) more;
+each invocation that trains also checks, once, that a short run trained twice on its machine
+gives bitwise-equal losses (``<out>/rerun.json``). ``--archs`` trains and evaluates a subset of the
 architectures (RESULTS.md still shows every planned row, the others as they were saved). Each run
 is an ordinary ``pretrain/main.py`` job under ``--launcher``; finished runs and evaluations are
 skipped, so the command can be killed and rerun. A configuration's runs are trained by one code
 version (``--allow-mixed-commits`` lets them mix). At the end it copies each run's metrics to
-``docs/results/runs/<run>/metrics.json`` and writes ``docs/RESULTS.md`` and the plots under
+``docs/results/runs/<run>/metrics.json`` (and ``driver_wall.json``, ``rerun.json`` beside them)
+and writes ``docs/RESULTS.md`` and the plots under
 ``docs/results/`` from those files alone.
 
 On a machine without a GPU, scales ``440m`` and up print the launch plan and its cost (GPU-hours
