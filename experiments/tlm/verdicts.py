@@ -36,10 +36,21 @@ ALPHA = 0.05
 class Estimate(Protocol):
     """What a comparison's test gives: the estimate, its 95 % interval and p value."""
 
-    n: int
-    mean: float
-    interval: tuple[float, float] | None
-    p: float | None
+    @property
+    def n(self) -> int:
+        """How many seeds the estimate pairs."""
+
+    @property
+    def mean(self) -> float:
+        """The estimate."""
+
+    @property
+    def interval(self) -> tuple[float, float] | None:
+        """Its 95 % interval (None: too few values)."""
+
+    @property
+    def p(self) -> float | None:
+        """Its two-sided p value (None: too few values)."""
 
 
 @dataclass(frozen=True)
