@@ -1204,12 +1204,14 @@ def _env() -> dict[str, str]:
 
 
 def _driver(out: Path, *args: str) -> subprocess.CompletedProcess:
+    # the whole smoke plan (38 tiny runs, their evaluations, the second corpus and the rerun
+    # check) takes well over 900 s on a loaded 2-core machine
     return subprocess.run(
         [sys.executable, str(SCRIPT), "--smoke", "--out", str(out), *args],
         capture_output=True,
         text=True,
         env=_env(),
-        timeout=900,
+        timeout=2400,
     )
 
 
