@@ -111,11 +111,9 @@ def test_item_level_paired_tests() -> None:
     diffs = np.array([[int(a) - int(b) for a, b in zip(better[s], base[s])] for s in (1, 2, 3)])
     assert d.mean == pytest.approx(100 * diffs.mean())
     gen = np.random.default_rng(stats.BOOTSTRAP_SEED)
-    reps = []
-    for _ in range(stats.BOOTSTRAP_REPS):
-        seeds = gen.integers(0, 3, 3)
-        items = gen.integers(0, 120, 120)
-        reps.append(100 * diffs[seeds][:, items].mean())
+    seeds = gen.integers(0, 3, (stats.BOOTSTRAP_REPS, 3))
+    items = gen.integers(0, 120, (stats.BOOTSTRAP_REPS, 120))
+    reps = [100 * diffs[s][:, i].mean() for s, i in zip(seeds, items, strict=True)]
     assert d.interval == pytest.approx(tuple(np.percentile(reps, [2.5, 97.5])))
     assert d.interval[0] > 0 and d.p == pytest.approx(2 / stats.BOOTSTRAP_REPS)
     same = stats.ItemPaired(base, base)
@@ -880,15 +878,11 @@ def _bootstrap(a: dict[int, str], b: dict[int, str]) -> tuple[float, float, floa
         return None
     d = np.array([[int(x) - int(y) for x, y in zip(a[s], b[s])] for s in seeds], dtype=float)
     gen = np.random.default_rng(stats.BOOTSTRAP_SEED)
-    reps = np.array(
-        [
-            100
-            * d[gen.integers(0, d.shape[0], d.shape[0])][
-                :, gen.integers(0, d.shape[1], d.shape[1])
-            ].mean()
-            for _ in range(stats.BOOTSTRAP_REPS)
-        ]
+    draws = (
+        gen.integers(0, d.shape[0], (stats.BOOTSTRAP_REPS, d.shape[0])),
+        gen.integers(0, d.shape[1], (stats.BOOTSTRAP_REPS, d.shape[1])),
     )
+    reps = np.array([100 * d[s][:, i].mean() for s, i in zip(*draws, strict=True)])
     lo, hi = np.percentile(reps, [2.5, 97.5])
     tail = max(1, min(int((reps <= 0).sum()), int((reps >= 0).sum())))
     return 100 * d.mean(), lo, hi, min(1.0, 2 * tail / stats.BOOTSTRAP_REPS)

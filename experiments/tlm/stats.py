@@ -312,8 +312,9 @@ class ItemPaired:
     """Per-item outcomes (1 right, 0 wrong) of a configuration and its baseline on the same
     items, seed by seed: the accuracy difference ``config - base`` in percentage points, with a
     95 % percentile interval and a two-sided p value from a paired bootstrap that resamples the
-    seeds and the items (both with replacement, every replicate drawing the seeds first), so
-    that the items all seeds share count as a source of variance."""
+    seeds and the items (both with replacement; the generator draws every replicate's seeds,
+    then every replicate's items), so that the items all seeds share count as a source of
+    variance."""
 
     config: dict[int, str]
     base: dict[int, str]
@@ -350,13 +351,18 @@ class ItemPaired:
         import numpy as np
 
         d = self._diffs
+        n_seeds, n_items = d.shape
         rng = np.random.default_rng(BOOTSTRAP_SEED)
-        out = np.empty(BOOTSTRAP_REPS)
-        for k in range(BOOTSTRAP_REPS):
-            s = rng.integers(0, d.shape[0], d.shape[0])
-            i = rng.integers(0, d.shape[1], d.shape[1])
-            out[k] = d[np.ix_(s, i)].mean()
-        return 100.0 * out
+        seeds = rng.integers(0, n_seeds, (BOOTSTRAP_REPS, n_seeds))
+        items = rng.integers(0, n_items, (BOOTSTRAP_REPS, n_items))
+
+        def counts(draws: Any, n: int) -> Any:  # per replicate, how often each index is drawn
+            flat = draws + n * np.arange(BOOTSTRAP_REPS)[:, None]
+            return np.bincount(flat.ravel(), minlength=BOOTSTRAP_REPS * n).reshape(-1, n)
+
+        # a replicate's mean over its drawn seeds x drawn items
+        weighted = (counts(seeds, n_seeds) @ d) * counts(items, n_items)
+        return 100.0 * weighted.sum(axis=1) / (n_seeds * n_items)
 
     @property
     def interval(self) -> tuple[float, float] | None:
