@@ -1026,10 +1026,12 @@ def _check_claim_words(text: str, recs: list[dict], only: list[str]) -> int:
         for v in grid.experiment_variants("controlled")[1:]:
             d = _paired(_ppl(recs, v.key), _ppl(recs, grid.UNIFORM.key))
             line = next(x for x in lines if x.startswith(f'  - "{v.label.split()[0]} '))
-            shown = len(d) > 1 and (_ttest(d)[0] > 0 or _ttest(d)[1] < 0)
-            assert ("interval includes 0" in line) == (
-                not shown
-            ) and "paper's direction:" not in line
+            assert "paper's direction:" not in line
+            if len(d) < 2:
+                assert "no interval" in line, line
+                continue
+            shown = _ttest(d)[0] > 0 or _ttest(d)[1] < 0
+            assert ("interval includes 0" in line) == (not shown), line
     if "sweep" in only:
         sweep = [v for v in grid.experiment_variants("sweep")[1:] if _ppl(recs, v.key)]
         best = min(sweep, key=lambda v: statistics.fmean(_ppl(recs, v.key).values()))
