@@ -150,7 +150,7 @@ class ParallelLayout:
     @classmethod
     def from_record(cls, record: dict[str, Any]) -> ParallelLayout:
         """The layout a ``layout.json`` record describes (keys it lacks take their defaults)."""
-        return cls(**{k: record[k] for k in _RECORD_KEYS if k in record})
+        return cls(**{k: record[k] for k in RECORD_KEYS if k in record})
 
     def describe(self, counts: tuple[str, ...] = ("tp", "pp", "dp", "zero_stage")) -> str:
         """``TP2 PP1 DP1 ZeRO-1 unit none`` (only the ``counts`` named), with ``schedule
@@ -163,7 +163,15 @@ class ParallelLayout:
         return " ".join(words)
 
 
-_RECORD_KEYS = ("tp", "pp", "dp", "zero_stage", "pipeline_unit", "schedule", "virtual_stages")
+RECORD_KEYS = (  # the keys a layout.json may hold
+    "tp",
+    "pp",
+    "dp",
+    "zero_stage",
+    "pipeline_unit",
+    "schedule",
+    "virtual_stages",
+)
 
 
 def saved_layout(tag_dir: Path) -> ParallelLayout | None:

@@ -22,6 +22,7 @@ from tapered_megatron.checkpoint.collective import rank, world_size
 from tapered_megatron.checkpoint.layout import (
     CONFIG,
     LAYOUT,
+    RECORD_KEYS,
     TAPER_PLAN,
     is_complete,
     is_tag,
@@ -117,7 +118,11 @@ def _checked_problem(tag: str, _stamp: tuple) -> str | None:
 
 
 _SAVED_RECORDS = (
-    (LAYOUT, received.load_json, "a layout record (tp, pp, dp, zero_stage, pipeline_unit)"),
+    (
+        LAYOUT,
+        received.load_json,
+        "a layout record (tp, pp, dp, zero_stage, pipeline_unit[, schedule, virtual_stages])",
+    ),
     (TAPER_PLAN, received.load_json, "a taper plan (a mapping with its widths)"),
     (CONFIG, received.load_yaml, "a complete configuration (a mapping, without 'base')"),
 )
@@ -132,7 +137,10 @@ def _is_record(name: str, data: Any) -> bool:
         return False
     if name == LAYOUT:
         counts = all(type(data.get(k)) is int and data[k] >= lo for k, lo in _LAYOUT_KEYS.items())
-        return counts and set(data) <= {*_LAYOUT_KEYS, "pipeline_unit"}
+        virtual = "virtual_stages" not in data or (
+            type(data["virtual_stages"]) is int and data["virtual_stages"] >= 1
+        )
+        return counts and virtual and set(data) <= set(RECORD_KEYS)
     if name == TAPER_PLAN:
         widths = data.get("widths")
         return isinstance(widths, list) and all(type(w) is int and w > 0 for w in widths)
