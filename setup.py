@@ -40,6 +40,8 @@ setup(
     version="0.1.0",
     description="DeepSpeed/Megatron-style pretraining of Tapered Language Models",
     packages=find_packages(include=["tapered_megatron", "tapered_megatron.*"]),
+    # data read beside its module: the planner's calibration set of published runs
+    package_data={"tapered_megatron.planning": ["calibration_runs.yaml"]},
     cmdclass={"build_py": BuildWithResources},
     python_requires=">=3.10",
     install_requires=[

@@ -40,11 +40,12 @@ MICRO_BATCHES = 8
 
 # --------------------------------------------------------------------------- predicted (1.3B)
 def predict() -> list[dict]:
+    from tapered_megatron.architectures import BUILT_IN
     from tapered_megatron.config import load_config
     from tapered_megatron.planning.balance import METHODS, analyse
 
     rows = []
-    for arch in ("transformer", "gated_attention", "titans", "hope_attention"):
+    for arch in BUILT_IN:
         cfg = load_config(f"{arch}_1.3b")
         for pp in (4, 8):
             for unit in ("layer", "sublayer"):

@@ -93,13 +93,13 @@ def main() -> None:
         ds, layout = launch.resolve(cfg, launch.load_ds_config(args.ds_config), 1)
         launch.init_distributed()
         trainer = Trainer(cfg, ds, layout, time.time())
-        batches = trainer._batches(trainer.train_ds, iters * layout.global_batch_size, 0)
-        trainer._train_step(batches, want_norm=False)  # Adam's moments exist from here
+        batches = trainer.batches(trainer.train_ds, iters * layout.global_batch_size, 0)
+        trainer.train_step(batches, want_norm=False)  # Adam's moments exist from here
         times: dict[str, list[float]] = {k: [] for k in ("save", "hash", "verify", "load")}
         size = files = 0
         for it in range(1, args.rounds + 1):
             t0 = time.perf_counter()
-            tag_dir = trainer._save(it)
+            tag_dir = trainer.save(it)
             times["save"].append(time.perf_counter() - t0)
             names = tag_files(tag_dir)
             files, size = len(names), sum((tag_dir / n).stat().st_size for n in names)
@@ -111,7 +111,7 @@ def main() -> None:
             times["verify"].append(time.perf_counter() - t0)
             t0 = time.perf_counter()
             safe_load.verify_tag(tag_dir)
-            trainer._load(tag_dir.parent, tag_of(it))
+            trainer.load(tag_dir.parent, tag_of(it))
             times["load"].append(time.perf_counter() - t0)
             shutil.rmtree(tag_dir)
         med = {k: statistics.median(v) for k, v in times.items()}

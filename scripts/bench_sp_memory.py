@@ -20,13 +20,14 @@ import argparse
 
 from bench_common import LIBRARY_SHAPE, emit, stamp
 
+from tapered_megatron.architectures import BUILT_IN
 from tapered_megatron.config import Config, load_config
 from tapered_megatron.parallel import init_model_parallel, model_parallel_seed
 from tapered_megatron.parallel.local_launch import run_workers
 from tapered_megatron.planning import cost as costlib
 from tapered_megatron.planning.profile import model_saved_bytes
 
-ARCHS = ("transformer", "gated_attention", "titans", "hope_attention")
+ARCHS = BUILT_IN
 
 
 def _cfg(arch: str, a: argparse.Namespace, sp: bool) -> Config:

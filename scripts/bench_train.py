@@ -50,8 +50,8 @@ def _overhead(config: str, ds_config: str, overrides: list[str], rounds: int, st
     launch.init_distributed()
     trainer = Trainer(cfg, ds, layout, time.time())
     total = iters * layout.global_batch_size
-    engine_batches = trainer._batches(trainer.train_ds, total, 0)
-    bare_batches = trainer._batches(trainer.train_ds, total, 0)
+    engine_batches = trainer.batches(trainer.train_ds, total, 0)
+    bare_batches = trainer.batches(trainer.train_ds, total, 0)
 
     model = build_model(cfg)
     opt = optim.build_optimizer(model, cfg.train)
@@ -67,7 +67,7 @@ def _overhead(config: str, ds_config: str, overrides: list[str], rounds: int, st
         opt.zero_grad(set_to_none=True)
 
     def engine_step() -> None:
-        trainer._train_step(engine_batches, want_norm=False)
+        trainer.train_step(engine_batches, want_norm=False)
 
     for fn in (bare_step, engine_step):  # warm-up, not timed
         fn()

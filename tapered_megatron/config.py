@@ -1,12 +1,16 @@
 """Typed configuration: dataclasses loaded from YAML presets, overridable with dotted flags.
 
 Presets live in ``pretrain/configs/<name>.yaml``; a preset may start from another with
-``base: <name>`` and then list only what differs. Command-line overrides use the dotted key path::
+``base: <name>`` and then list only what differs. The architecture presets ``<arch>_<scale>`` are
+composed: a scale's file plus the architecture record's settings at that scale
+(:func:`arch_preset`). Command-line overrides use the dotted key path::
 
     --model.arch titans --taper.schedule uniform --train.iters 20 --taper.ratio 1.5 0.5
 
 Unknown keys, wrong types and impossible combinations raise :class:`ConfigError` whose message
-names the key, before any process group exists.
+names the key, before any process group exists. A leaf: it reads the architecture records
+(:mod:`tapered_megatron.architectures`, plain data) and imports neither torch nor the model or
+data code.
 
 Public entry (stable, used by outside scripts)::
 
@@ -20,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import copy
 import dataclasses
 import functools
 import json
@@ -35,6 +40,8 @@ from typing import Any, Literal
 
 import yaml
 
+from tapered_megatron import architectures
+from tapered_megatron.architectures import Architecture, ArchitectureError
 from tapered_megatron.config_fields import ConfigError, at_least
 from tapered_megatron.resources import resource
 from tapered_megatron.taper import (
@@ -48,6 +55,7 @@ from tapered_megatron.taper import (
 PRESET_DIR = Path(os.environ.get("TM_CONFIG_DIR", resource("presets")))
 Partition = Literal["balanced", "uniform", "parameters", "megatron"]
 PipelineUnit = Literal["layer", "sublayer"]
+PipelineSchedule = Literal["1f1b", "interleaved", "zbv", "dualpipev", "zero_bubble"]
 Recompute = Literal["none", "selective", "full"]
 
 
@@ -55,14 +63,16 @@ Recompute = Literal["none", "selective", "full"]
 class ModelConfig:
     """Model shape. ``d_ff`` is the uniform baseline width the taper redistributes.
 
-    ``options`` holds the settings of ``arch`` (its registered options dataclass), written in
-    YAML and on the command line under the architecture's own key (``model.titans.chunk_size``,
-    ``model.hope.levels``, ``model.gate``) and read the same way (``cfg.model.titans``). A config
-    carries no other architecture's settings. ``plugins`` are modules or ``.py`` files imported
-    before ``arch`` is looked up (architectures defined outside the package).
+    The settings of ``arch`` (its record's options dataclass) are fields too: a config's
+    ``model`` is of the type :func:`model_type` makes for its architecture, this class plus the
+    options under the architecture's own key, written, given on the command line and read alike
+    (``model.titans.chunk_size``, ``cfg.model.hope.levels``), or flat (``cfg.model.gate``). A
+    config carries no other architecture's settings. ``plugins`` are modules, package folders or
+    ``.py`` files imported before ``arch`` is looked up (architectures defined outside the
+    package).
     """
 
-    arch: str = "transformer"  # any registered architecture (tapered_megatron.models.ARCHITECTURES)
+    arch: str = "transformer"  # any registered architecture (tapered_megatron.architectures)
     d_model: int = at_least(1, 256)
     layers: int = at_least(1, 8)
     heads: int = at_least(1, 4)
@@ -77,7 +87,6 @@ class ModelConfig:
     init_std: float = 0.02
     dropout: float = at_least(0, 0.0)  # on each block's mixer and MLP output (training only); < 1
     plugins: tuple[str, ...] = ()
-    options: Any = field(default=None, metadata={"derived": True})
 
     def __post_init__(self) -> None:
         if self.kv_heads == 0:  # the default: one key/value head per query head
@@ -88,30 +97,44 @@ class ModelConfig:
         """Per-head width."""
         return self.d_model // self.heads
 
-    def __getattr__(self, name: str) -> Any:
-        # cfg.model.<section> (or a flat option such as cfg.model.gate): the arch's options
-        opts = self.__dict__.get("options")
-        if name.startswith("__") or opts is None:
-            raise AttributeError(name)
-        key = _registry().resolve_architecture(self.__dict__["arch"]).options_key
-        if name == key:
-            return opts
-        if key == "" and name in {f.name for f in dataclasses.fields(opts)}:
-            return getattr(opts, name)
-        raise AttributeError(f"model has no setting {name!r} (model.arch is {self.arch})")
-
     def to_dict(self) -> dict[str, Any]:
         """Plain dictionary; the options sit under the architecture's own key."""
-        out = {
-            f.name: _plain(getattr(self, f.name))
-            for f in dataclasses.fields(self)
-            if f.name != "options"
-        }
-        key = _registry().resolve_architecture(self.arch).options_key
-        if key is not None and self.options is not None:
-            values = _plain(dataclasses.asdict(self.options))
-            out.update(values if key == "" else {key: values})
-        return out
+        return _plain(dataclasses.asdict(self))
+
+    def __reduce__(self) -> tuple[Any, tuple[dict[str, Any]]]:
+        # rebuilt from its plain form: the type of an architecture's model config is made at
+        # run time (model_type), so it cannot be pickled by name
+        return _model_from_plain, (self.to_dict(),)
+
+
+@functools.cache
+def model_type(arch: Architecture) -> type[ModelConfig]:
+    """:class:`ModelConfig` with ``arch``'s options as fields: the options dataclass under its
+    key, or (a record with ``section=""``) each option as a field of its own."""
+    key = arch.options_key
+    if key is None:
+        return ModelConfig
+    if key:
+        own = [(key, arch.options, field(default_factory=arch.options))]
+    else:
+        hints = typing.get_type_hints(arch.options)
+        own = [
+            (
+                f.name,
+                hints[f.name],
+                field(default=f.default, default_factory=f.default_factory, metadata=f.metadata),
+            )
+            for f in dataclasses.fields(arch.options)
+        ]
+    cls = dataclasses.make_dataclass(
+        f"ModelConfig[{arch.name}]", own, bases=(ModelConfig,), frozen=True
+    )
+    cls.__module__ = __name__
+    return cls
+
+
+def _model_from_plain(data: dict[str, Any]) -> ModelConfig:
+    return _model_from_dict(data, "model.")
 
 
 @dataclass(frozen=True)
@@ -137,6 +160,8 @@ class ParallelConfig:
     # split norms, residual adds, dropout and the stage boundaries along the sequence over the
     # TP group (Megatron's sequence parallelism; needs tp > 1)
     sequence_parallel: bool = False
+    schedule: PipelineSchedule = "1f1b"  # 1f1b: DeepSpeed's engine; others: torch
+    virtual_stages: int = at_least(1, 1)  # pipeline chunks per rank (interleaved: 2 or more)
 
 
 @dataclass(frozen=True)
@@ -149,6 +174,23 @@ class DataConfig:
     cache_dir: str = ".cache/tapered_megatron"
     seed: int = 1234
     num_workers: int = 0
+
+
+def parse_split(split: str | tuple | list) -> list[float]:
+    """``"969,30,1"`` (or ``"98/2/0"``, or a list) -> three normalised weights."""
+    if isinstance(split, str):
+        parts = [p for p in split.replace("/", ",").split(",") if p.strip()]
+        try:
+            weights = [float(p) for p in parts]
+        except ValueError as e:
+            raise ValueError(f"split {split!r}: expected numbers like '969,30,1'") from e
+    else:
+        weights = [float(p) for p in split]
+    if not 1 <= len(weights) <= 3 or any(w < 0 for w in weights) or sum(weights) <= 0:
+        raise ValueError(f"split {split!r}: need 1-3 non-negative weights with a positive sum")
+    weights += [0.0] * (3 - len(weights))
+    total = sum(weights)
+    return [w / total for w in weights]
 
 
 @dataclass(frozen=True)
@@ -175,6 +217,9 @@ class TrainConfig:
     # disk) so the checkpoint resumes under any other parallel layout; false: same layout only
     universal_checkpoint: bool = True
     resume: str = ""  # "" (fresh), "auto" (newest complete checkpoint in save_dir) or a path
+    # a fresh run into a save_dir holding checkpoints: move them aside into
+    # save_dir/earlier-run-<UTC time>/ (nothing is deleted); false: refuse to start
+    start_over: bool = False
     exit_interval: int = at_least(0, 0)  # stop (after saving) at multiples of it; 0: never
     # on this signal (e.g. SIGUSR1, which SLURM's --signal sends before the time limit) every
     # rank stops at the same iteration boundary after saving; exit code 75. "": no handler
@@ -249,9 +294,7 @@ class Config:
 
     def to_dict(self) -> dict[str, Any]:
         """Plain nested dictionary (YAML/JSON ready)."""
-        out = _plain(dataclasses.asdict(self))
-        out["model"] = self.model.to_dict()
-        return out
+        return _plain(dataclasses.asdict(self))
 
     def with_overrides(self, overrides: list[str]) -> Config:
         """A new validated config with dotted command-line overrides applied."""
@@ -264,13 +307,6 @@ def _plain(x: Any) -> Any:
     if isinstance(x, (list, tuple)):
         return [_plain(v) for v in x]
     return x
-
-
-def _registry() -> types.ModuleType:
-    """The architecture registry (imported on use: it imports torch and the model files)."""
-    from tapered_megatron.models import registry
-
-    return registry
 
 
 def _coerce(value: Any, tp: Any, key: str) -> Any:
@@ -355,16 +391,16 @@ def _aliased(layer: dict[str, Any]) -> dict[str, Any]:
     return {**layer, "train": train}
 
 
-def _from_dict(cls: type, data: dict[str, Any], prefix: str = "", extra: tuple = ()) -> Any:
+def _from_dict(cls: type, data: dict[str, Any], prefix: str = "") -> Any:
     """``cls(**data)`` with every value type-checked (``Literal`` choices and ``at_least``
-    bounds included); ``extra`` are further keys valid here, named in the unknown-key error."""
+    bounds included)."""
     hints = typing.get_type_hints(cls)
-    fields = {f.name: f for f in dataclasses.fields(cls) if not f.metadata.get("derived")}
+    fields = {f.name: f for f in dataclasses.fields(cls)}
     for k in data:
         if prefix + k in RENAMED:
             raise ConfigError(f"{prefix}{k} was renamed: use {RENAMED[prefix + k]}")
         if k not in fields:
-            valid = ", ".join(sorted([*fields, *extra]))
+            valid = ", ".join(sorted(fields))
             raise ConfigError(f"{prefix}{k}: unknown key; valid keys here: {valid}")
     kwargs = {}
     for k, v in data.items():
@@ -380,36 +416,42 @@ def _from_dict(cls: type, data: dict[str, Any], prefix: str = "", extra: tuple =
 
 def _model_from_dict(data: dict[str, Any], prefix: str) -> ModelConfig:
     """The ``model`` section: plugins imported, ``arch`` looked up in the registry, and the
-    architecture's own settings parsed into its options dataclass."""
-    reg = _registry()
+    whole section (the architecture's own settings included) parsed into its
+    :func:`model_type`."""
     data = dict(data)
     plugins = _coerce(data.pop("plugins", ()), tuple[str, ...], prefix + "plugins")
     name = _coerce(data.pop("arch", ModelConfig.arch), str, prefix + "arch")
-    try:
-        reg.load_plugins(plugins)
-        arch = reg.resolve_architecture(name)
-    except reg.ArchitectureError as e:
-        raise ConfigError(str(e)) from None
+    arch = _architecture(name, plugins)
     own = arch.option_names()
-    settings = {k: data.pop(k) for k in own if k in data}
     for k in data:
-        owners = [a.name for a in reg.ARCHITECTURES.values() if k in a.option_names()]
-        if owners and not hasattr(ModelConfig, k):
+        owners = [a.name for a in architectures.ARCHITECTURES.values() if k in a.option_names()]
+        if owners and k not in own and not hasattr(ModelConfig, k):
             raise ConfigError(
                 f"{prefix}{k}: a setting of model.arch {' / '.join(owners)}, but model.arch is "
                 f"{name}; remove it (a config carries only its own architecture's settings)"
             )
-    model = _from_dict(ModelConfig, {**data, "arch": name, "plugins": plugins}, prefix, own)
-    if arch.options is None:
-        return model
-    if arch.options_key:
-        section = settings.get(arch.options_key) or {}
-        if not isinstance(section, dict):
-            raise ConfigError(f"{prefix}{arch.options_key}: expected a mapping, got {section!r}")
-        options = _from_dict(arch.options, section, f"{prefix}{arch.options_key}.")
-    else:
-        options = _from_dict(arch.options, settings, prefix, tuple(ModelConfig.__annotations__))
-    return dataclasses.replace(model, options=options)
+    if arch.options_key and data.get(arch.options_key) is None:
+        data.pop(arch.options_key, None)  # an empty section: the defaults
+    return _from_dict(model_type(arch), {**data, "arch": name, "plugins": plugins}, prefix)
+
+
+def _architecture(name: str, plugins: tuple[str, ...] | list[str] = ()) -> Architecture:
+    """The record of ``name``, ``plugins`` imported first; a :class:`ConfigError` when either
+    fails."""
+    _load_plugins(plugins)
+    try:
+        return architectures.resolve_architecture(name)
+    except ArchitectureError as e:
+        raise ConfigError(str(e)) from None
+
+
+def _load_plugins(plugins: Any) -> None:
+    """:func:`tapered_megatron.architectures.load_plugins`; a :class:`ConfigError` when one
+    does not load."""
+    try:
+        architectures.load_plugins(_coerce(plugins, tuple[str, ...], "model.plugins"))
+    except ArchitectureError as e:
+        raise ConfigError(str(e)) from None
 
 
 def _merge(base: dict, over: dict) -> dict:
@@ -428,13 +470,9 @@ def _override(base: dict, over: dict) -> dict:
     base, over = _aliased(base), _aliased(over)
     old = base.get("model", {}).get("arch", ModelConfig.arch)
     if over.get("model", {}).get("arch", old) != old:
-        reg = _registry()
         model = dict(base["model"])
-        try:
-            reg.load_plugins(model.get("plugins", ()))
-        except reg.ArchitectureError as e:
-            raise ConfigError(str(e)) from None
-        arch = reg.ARCHITECTURES.get(old)
+        _load_plugins(model.get("plugins", ()))
+        arch = architectures.ARCHITECTURES.get(old)
         for key in arch.option_names() if arch else ():
             model.pop(key, None)
         base = {**base, "model": model}
@@ -493,14 +531,46 @@ def preset_path(name_or_path: str) -> Path:
         return p
     q = PRESET_DIR / f"{name_or_path}.yaml"
     if not q.exists():
-        known = sorted(x.stem for x in PRESET_DIR.glob("*.yaml"))
         raise ConfigError(
-            f"--config: no preset named {name_or_path!r}; known presets: {', '.join(known)}"
+            f"--config: no preset named {name_or_path!r}; known presets: "
+            f"{', '.join(preset_names())}"
         )
     return q
 
 
+def scales() -> list[str]:
+    """The scales of the architecture presets: the files ``scales/<scale>.yaml`` of the preset
+    folder (a name starting with ``_`` is a shared base, not a scale)."""
+    return sorted(p.stem for p in (PRESET_DIR / "scales").glob("[!_]*.yaml"))
+
+
+def preset_names() -> list[str]:
+    """Every preset: the files of the preset folder and ``<arch>_<scale>`` for each registered
+    architecture and scale (:func:`arch_preset`)."""
+    files = {p.stem for p in PRESET_DIR.glob("*.yaml")}
+    return sorted(files | {f"{a}_{s}" for a in architectures.ARCHITECTURES for s in scales()})
+
+
+def arch_preset(name: str) -> dict[str, Any] | None:
+    """The preset ``<arch>_<scale>`` where no file has that name: the scale's file, then
+    ``model.arch``, ``train.save_dir`` (``checkpoints/<name>``) and the record's layer for that
+    scale (:attr:`~tapered_megatron.architectures.Architecture.presets`); ``None`` when
+    ``name`` is a file or names no registered architecture and scale."""
+    if Path(name).suffix in (".yaml", ".yml") or (PRESET_DIR / f"{name}.yaml").exists():
+        return None
+    for arch in architectures.ARCHITECTURES.values():
+        scale = name.removeprefix(f"{arch.name}_")
+        if scale != name and scale in scales():
+            own = {"model": {"arch": arch.name}, "train": {"save_dir": f"checkpoints/{name}"}}
+            layer = _merge(own, copy.deepcopy(dict(arch.presets.get(scale, {}))))
+            return _override(_load_yaml(str(PRESET_DIR / "scales" / f"{scale}.yaml")), layer)
+    return None
+
+
 def _load_yaml(name_or_path: str, seen: tuple[str, ...] = ()) -> dict[str, Any]:
+    composed = arch_preset(name_or_path)
+    if composed is not None:
+        return composed
     path = preset_path(name_or_path)
     if str(path) in seen:
         raise ConfigError(f"{path}: 'base' chain loops back on itself")
@@ -526,10 +596,15 @@ def _build(data: dict[str, Any]) -> Config:
 
 
 def load_config(name_or_path: str = "quickstart", overrides: list[str] | None = None) -> Config:
-    """Load a preset (name or YAML path), apply dotted overrides, validate, return the config."""
+    """Load a preset (name or YAML path), apply dotted overrides, validate, return the config.
+
+    The overrides' ``model.plugins`` are imported first, so their architectures have presets
+    too (:func:`arch_preset`)."""
+    over = parse_overrides(list(overrides or []))
+    _load_plugins(over.get("model", {}).get("plugins", ()))
     data = _load_yaml(name_or_path)
     data.setdefault("name", Path(name_or_path).stem)
-    return _build(_override(data, parse_overrides(list(overrides or []))))
+    return _build(_override(data, over))
 
 
 def config_from_dict(
@@ -538,11 +613,37 @@ def config_from_dict(
     """A validated :class:`Config` from its ``to_dict()`` form (e.g. an export's
     ``config.json``), through the same loader as presets; its ``model.plugins`` are never
     imported (:func:`received_model`: ``plugins``, the caller's own, are)."""
+    _refuse_base(data, "config.json")
     model = received_model(dict(data.get("model") or {}), "config.json", plugins, fix)
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "config.yaml"
         path.write_text(yaml.safe_dump({**data, "model": model}, sort_keys=False))
         return load_config(str(path))
+
+
+def _refuse_base(data: dict[str, Any], where: str) -> None:
+    """A saved or received configuration is complete: its ``base`` (an inclusion that could
+    name any file, whose ``model.plugins`` would be imported) is refused, never followed."""
+    if not isinstance(data, dict):
+        raise ConfigError(f"{where}: the configuration is not a mapping; refused")
+    if "base" in data:
+        raise ConfigError(
+            f"{where}: 'base: {data['base']!r:.80}' is not followed in a saved or received "
+            "configuration (it is complete as saved; an inclusion could name any file); refused"
+        )
+
+
+def _received_layer(path: Path) -> dict[str, Any]:
+    """A checkpoint's ``config.yaml`` as one layer: parsed within the bounds of
+    :mod:`tapered_megatron.received` (size, nesting depth, alias expansion), no ``base``."""
+    from tapered_megatron.received import ReceivedFileError, load_yaml
+
+    try:
+        data = load_yaml(path)
+    except ReceivedFileError as e:
+        raise ConfigError(str(e)) from None
+    _refuse_base(data, str(path))
+    return data
 
 
 def received_model(
@@ -552,14 +653,10 @@ def received_model(
     ``plugins`` (the user's own flag), which are imported: a file's own list is never imported,
     since importing runs its code. When the file's architecture is registered by none of them,
     :class:`ConfigError` saying how to pass its plugins (``fix``, formatted with their names)."""
-    reg = _registry()
-    try:
-        reg.load_plugins(plugins)
-    except reg.ArchitectureError as e:
-        raise ConfigError(str(e)) from None
+    _load_plugins(plugins)
     saved = " ".join(str(p) for p in model.get("plugins") or ())
     arch = model.get("arch", ModelConfig.arch)
-    if saved and arch not in reg.ARCHITECTURES:
+    if saved and arch not in architectures.ARCHITECTURES:
         raise ConfigError(
             f"{where}: model.arch {arch!r} comes from model.plugins {saved}, which is not "
             f"imported from a saved file; if you trust that code, {fix.format(saved)}"
@@ -577,7 +674,7 @@ def load_saved_config(
     Checkpoints written before the architecture records carried every architecture's settings;
     the settings owned by another architecture than the saved ``model.arch`` are dropped. Keys
     saved under an old name (:data:`RENAMED`) move to the new one."""
-    data = _load_yaml(str(path))
+    data = _received_layer(Path(path))
     for old, new in RENAMED.items():
         (sec, key), (new_sec, new_key) = old.split("."), new.split(".")
         section = dict(data.get(sec) or {})
@@ -585,12 +682,12 @@ def load_saved_config(
             data[sec] = section
             data[new_sec] = {**(data.get(new_sec) or {}), new_key: section.pop(key)}
     model = received_model(dict(data.get("model") or {}), str(path), plugins, fix)
-    reg = _registry()
     try:
-        own = reg.resolve_architecture(model.get("arch", ModelConfig.arch)).option_names()
-    except reg.ArchitectureError as e:
+        own = architectures.resolve_architecture(model.get("arch", ModelConfig.arch))
+    except ArchitectureError as e:
         raise ConfigError(f"{path}: {e}") from None
-    foreign = {k for a in reg.ARCHITECTURES.values() for k in a.option_names()} - set(own)
+    every = {k for a in architectures.ARCHITECTURES.values() for k in a.option_names()}
+    foreign = every - set(own.option_names())
     data["model"] = {k: v for k, v in model.items() if k not in foreign or hasattr(ModelConfig, k)}
     return _build(data)
 
@@ -647,7 +744,7 @@ def validate(cfg: Config) -> None:
     """Reject impossible combinations with a message naming the key (types, choices and bounds
     are checked while parsing; the architecture's own checks run last)."""
     m, p, tr = cfg.model, cfg.parallel, cfg.train
-    arch = _registry().resolve_architecture(m.arch)
+    arch = _architecture(m.arch)
     _require(
         m.d_model % m.heads == 0,
         f"model.d_model ({m.d_model}) must be divisible by model.heads ({m.heads})",
@@ -682,14 +779,12 @@ def validate(cfg: Config) -> None:
         not tr.exit_signal or _is_signal(tr.exit_signal),
         f"train.exit_signal: {tr.exit_signal!r} is not a signal name; use e.g. SIGUSR1 or ''",
     )
-    compilable = sorted(a.name for a in _registry().ARCHITECTURES.values() if a.compiles)
+    compilable = sorted(a.name for a in architectures.ARCHITECTURES.values() if a.compiles)
     _require(
         not tr.compile or arch.compiles,
         f"train.compile: supported for {', '.join(compilable)} only (the loops of {m.arch} do "
         "not compile in reasonable time); drop --train.compile",
     )
-    from tapered_megatron.data.gpt_dataset import parse_split
-
     try:
         parse_split(cfg.data.split)
     except ValueError as e:

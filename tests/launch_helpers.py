@@ -142,3 +142,24 @@ def reseal(tag_dir: Path) -> None:
     marker = json.loads((tag_dir / COMPLETE).read_text())
     marker["files"] = digests(tag_dir)
     (tag_dir / COMPLETE).write_text(json.dumps(marker))
+
+
+_HOLD = """
+import sys, time
+from pathlib import Path
+from tapered_megatron.checkpoint_layout import lock_save_dir
+held = lock_save_dir(Path(sys.argv[1]))
+print("held" if held else "busy", flush=True)
+time.sleep(600)
+"""
+
+
+def hold_save_dir(save_dir: Path) -> subprocess.Popen:
+    """A process holding ``save_dir``'s lock (as a running job does) until it is killed."""
+    holder = popen_job([sys.executable, "-c", _HOLD, str(save_dir)], job_env())
+    line = holder.stdout.readline().strip()
+    if line != "held":
+        holder.kill()
+        holder.wait()
+        raise AssertionError(f"the lock of {save_dir} was not taken: {line!r}")
+    return holder

@@ -47,3 +47,32 @@ def reference(cfg: Any, batches: list[tuple[torch.Tensor, torch.Tensor]], lr: fl
     grads = {n: p.grad.clone() for n, p in model.named_parameters()}
     after = {n: (p - lr * p.grad).detach() for n, p in model.named_parameters()}
     return loss.item(), grads, after
+
+
+def reference_steps(
+    cfg: Any, steps: list[list[tuple[torch.Tensor, torch.Tensor]]], lr: float, clip: float
+):
+    """One process, several SGD steps of ``lr`` with DeepSpeed's clipping to ``clip`` (the
+    gradient times ``clip / (norm + 1e-6)`` when the global norm exceeds it): per step the mean
+    loss over its micro-batches, the clipped gradients and the parameters after it (by name)."""
+    from tapered_megatron.models import build_model
+
+    model = build_model(cfg)
+    out = []
+    for batches in steps:
+        model.zero_grad()
+        loss = sum(model(x, y) for x, y in batches) / len(batches)
+        loss.backward()
+        raw = {
+            n: torch.zeros_like(p) if p.grad is None else p.grad
+            for n, p in model.named_parameters()
+        }  # a parameter the loss does not reach has no gradient
+        norm = torch.sqrt(sum(g.double().pow(2).sum() for g in raw.values())).item()
+        coef = min(1.0, clip / (norm + 1e-6))
+        grads = {n: g * coef for n, g in raw.items()}
+        with torch.no_grad():
+            for n, p in model.named_parameters():
+                p -= lr * grads[n]
+        params = {n: p.detach().clone() for n, p in model.named_parameters()}
+        out.append({"loss": loss.item(), "norm": norm, "grads": grads, "params": params})
+    return out

@@ -8,9 +8,9 @@ import sys
 
 import pytest
 
-from tapered_megatron.config import PRESET_DIR, ConfigError, load_config, parse_overrides
+from tapered_megatron.config import ConfigError, load_config, parse_overrides, preset_names
 
-PRESETS = sorted(p.stem for p in PRESET_DIR.glob("*.yaml"))
+PRESETS = preset_names()
 
 
 def test_presets_cover_every_arch_and_scale():

@@ -143,6 +143,22 @@ def test_an_input_without_documents_is_an_error_naming_it(tmp_path, tok_model, t
     assert sorted(p.name for p in tmp_path.iterdir()) == ["empty.jsonl"]
 
 
+def test_a_tokenizer_model_that_is_not_one_is_a_line_naming_it(tmp_path, capsys):
+    """``--tokenizer-model`` given a text file: exit 1, one line naming the flag and the file,
+    nothing written."""
+    from tapered_megatron.data.cli import tokenize_main
+
+    src = write_jsonl(tmp_path / "in.jsonl", [{"text": "a b c"}])
+    notes = tmp_path / "notes.txt"
+    notes.write_text("not a model\n")
+    argv = ["--input", str(src), "--output-prefix", str(tmp_path / "o")]
+    assert tokenize_main([*argv, "--tokenizer-model", str(notes)]) == 1
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"error: --tokenizer-model {notes}: not a readable sentencepiece")
+    assert "\n" not in err, err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["in.jsonl", "notes.txt"]
+
+
 def test_a_long_document_is_encoded_in_segments_with_the_tokens_of_one_encode(tmp_path, tok_model):
     from tapered_megatron.data.preprocess import ENCODE_CHARS
 

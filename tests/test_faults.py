@@ -20,7 +20,7 @@ from launch_helpers import MAIN, common_args, job_env, metrics, popen_job, resea
 
 from tapered_megatron.parallel.host import free_port
 from tapered_megatron.training.heartbeat import Heartbeat, period_for
-from tapered_megatron.training.trainer import _Health
+from tapered_megatron.training.monitor import Health
 
 pytestmark = pytest.mark.distributed
 
@@ -64,7 +64,7 @@ def run_once(
 
 
 def test_loss_spike_and_skip_bookkeeping():
-    h = _Health(max_skipped=2, spike_factor=3.0)
+    h = Health(max_skipped=2, spike_factor=3.0)
     for it in range(1, 11):
         assert h.update(it, 2.0, False, it * 8, 8) == ("", "")
     note, stop = h.update(11, 7.0, False, 88, 8)

@@ -221,7 +221,7 @@ def test_cost_model_counts_the_smaller_or_replicated_kv_projection():
     """The 7B transformer (32 heads, d 4096) at TP 8: 8 key/value heads (one per rank) shrink
     each mixer's parameters, model state, activations and FLOPs by the key/value projection's
     share; 4 (replicated) leave every rank the whole, 4-head projection."""
-    from tapered_megatron.planning.cost import RunShape, get_device, unit_costs
+    from tapered_megatron.planning.cost import RunShape, bytes_per_param, get_device, unit_costs
 
     shape, dev = RunShape(tp=8, seq_len=4096), get_device("h100")
     cost = {}
@@ -233,8 +233,12 @@ def test_cost_model_counts_the_smaller_or_replicated_kv_projection():
     full = cost[32]
     assert full.params - cost[8].params == 24 * per_head
     assert full.local_params - cost[8].local_params == 24 * per_head / 8
-    assert cost[4].local_params == (full.params - 32 * per_head) / 8 + 4 * per_head
-    assert cost[4].static / cost[4].local_params == full.static / full.local_params
+    # the mixer's norm gain (d) is whole on every rank too
+    assert cost[4].local_params == (full.params - 32 * per_head - d) / 8 + d + 4 * per_head
+    bpp = bytes_per_param(shape.precision, shape.zero_stage, shape.dp, shape.pipeline)
+    assert full.static - cost[4].static == pytest.approx(
+        (full.local_params - cost[4].local_params) * bpp
+    )
     assert full.flops_fwd - cost[8].flops_fwd == 2 * 24 * per_head
     # bf16: the projection output's k and v and the rope'd k
     assert full.act - cost[8].act == pytest.approx(3 * 24 * hd * 2 * tok / 8)

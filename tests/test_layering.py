@@ -27,6 +27,23 @@ def test_training_imports_neither_eval_nor_export() -> None:
     assert not bad, f"importing the trainer imports {bad}"
 
 
+def test_configuration_is_a_leaf() -> None:
+    """Loading and validating every preset imports neither torch nor the model or data code."""
+    code = (
+        "import json, sys; from tapered_megatron.config import load_config, preset_names, validate;"
+        " [validate(load_config(p)) for p in preset_names()]; "
+        "print(json.dumps(sorted(sys.modules)))"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT
+    ).stdout
+    loaded = json.loads(out.splitlines()[-1])
+    assert "tapered_megatron.architectures.titans" in loaded  # the presets' records were read
+    heavy = ("tapered_megatron.models", "tapered_megatron.data")
+    bad = [m for m in loaded if m.split(".")[0] == "torch" or m.startswith(heavy)]
+    assert not bad, f"loading a config imports {bad[:8]}"
+
+
 def _module_name(path: Path) -> str:
     parts = list(path.relative_to(ROOT).with_suffix("").parts)
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
@@ -139,3 +156,57 @@ def test_no_test_module_imports_another() -> None:
             names = [a.name for a in node.names] if isinstance(node, ast.Import) else [node.module]
             bad += [f"{path.name} imports {n}" for n in names if n and n.split(".")[0] in tests]
     assert not bad, "; ".join(bad) + " (share fixtures in conftest.py, helpers in a module)"
+
+
+def _package(path: Path) -> str:
+    """The package a file belongs to: its folder, dotted (``tapered_megatron.training``)."""
+    return ".".join(path.relative_to(ROOT).parts[:-1])
+
+
+def _module_package(module: str) -> str:
+    """The package of an imported module name: itself when it is a package, else its parent."""
+    if (ROOT / module.replace(".", "/") / "__init__.py").exists():
+        return module
+    return module.rpartition(".")[0]
+
+
+def test_no_module_uses_another_packages_private_names() -> None:
+    """An underscore name is private to its package: the package, its tools (scripts, pretrain,
+    data_tools) and the experiments reach other packages through public names only. An
+    attribute ``x._name`` counts when ``_name`` is defined (def, class or assignment) only in
+    other packages; ``self._name`` and ``cls._name`` are the object's own."""
+    folders = ("tapered_megatron", "scripts", "pretrain", "data_tools", "experiments")
+    files = [p for d in folders for p in (ROOT / d).rglob("*.py")]
+    trees = {p: ast.parse(p.read_text()) for p in files}
+    private = lambda name: name.startswith("_") and not name.startswith("__")  # noqa: E731
+    defined: dict[str, set[str]] = {}
+    for path, tree in trees.items():
+        for node in ast.walk(tree):
+            names: list[str] = []
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                names = [node.name]
+            elif isinstance(node, (ast.Assign, ast.AnnAssign)):
+                targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+                names = [
+                    t.id if isinstance(t, ast.Name) else getattr(t, "attr", "") for t in targets
+                ]
+            for name in filter(private, names):
+                defined.setdefault(name, set()).add(_package(path))
+    bad = []
+    for path, tree in trees.items():
+        mine = _package(path)
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith(
+                "tapered_megatron"
+            ):
+                if _module_package(node.module) != mine:
+                    bad += [
+                        f"{path.name}:{node.lineno} {a.name}" for a in node.names if private(a.name)
+                    ]
+            elif isinstance(node, ast.Attribute) and private(node.attr):
+                if isinstance(node.value, ast.Name) and node.value.id in ("self", "cls"):
+                    continue
+                owners = defined.get(node.attr, set())
+                if owners and mine not in owners:
+                    bad.append(f"{path.relative_to(ROOT)}:{node.lineno} .{node.attr}")
+    assert not bad, f"private names used across packages: {bad}"

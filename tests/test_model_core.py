@@ -10,10 +10,12 @@ import gc
 import pytest
 import torch
 
+from tapered_megatron.architectures import ARCHITECTURES
 from tapered_megatron.config import ConfigError, load_config
 from tapered_megatron.models import (
     Architecture,
     ArchitectureError,
+    blocks,
     build_model,
     lm_loss,
     pipeline_layer_specs,
@@ -21,7 +23,6 @@ from tapered_megatron.models import (
     resolve_architecture,
     set_recompute,
 )
-from tapered_megatron.models.base import ARCHITECTURES
 from tapered_megatron.parallel import cross_entropy
 
 TINY = [
@@ -221,7 +222,7 @@ def test_registry_is_the_list_of_architectures():
         load_config("quickstart", ["--model.arch", "nope"])
     base = resolve_architecture("transformer")
     with pytest.raises(TypeError, match="TokenMixer"):
-        register_architecture(Architecture("_bad", base.mlp, base.mlp))
+        blocks(Architecture("_bad", base.mlp, base.mlp))
     register_architecture(Architecture("_copy", base.mixer, base.mlp))
     try:
         cfg = load_config("quickstart", [*TINY, "--model.arch", "_copy"])

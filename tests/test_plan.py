@@ -9,9 +9,9 @@ from dataclasses import replace
 
 import pytest
 
-from tapered_megatron.config import PRESET_DIR, load_config
+from tapered_megatron.config import PRESET_DIR, load_config, preset_names
 from tapered_megatron.models.counters import count_model
-from tapered_megatron.models.language_model import meta_param_count
+from tapered_megatron.models.language_model import meta_param_count, units
 from tapered_megatron.planning import cost as costlib
 from tapered_megatron.planning.balance import partition
 from tapered_megatron.planning.planner import (
@@ -24,7 +24,7 @@ from tapered_megatron.planning.planner import (
     plan,
 )
 
-SCALED = sorted(p.stem for p in PRESET_DIR.glob("*.yaml") if p.stem.endswith(("_1.3b", "_7b")))
+SCALED = [p for p in preset_names() if p.endswith(("_1.3b", "_7b"))]
 
 
 def test_meta_param_count_equals_counters() -> None:
@@ -37,7 +37,8 @@ def test_bytes_per_param_follow_zero_stages() -> None:
     assert costlib.bytes_per_param("bf16", 1, 4, False) == 2 + 2 + 4 + 3  # fp32 grad buffer
     assert costlib.bytes_per_param("bf16", 2, 4, False) == 2 + 1 + 3  # fp32 grad partition
     assert costlib.bytes_per_param("bf16", 3, 4, False) == 0.5 + 1 + 3
-    assert costlib.bytes_per_param("bf16", 1, 1, True) == 20  # BF16_Optimizer fp32 grad buffer
+    # the pipeline's BF16_Optimizer: an fp32 gradient buffer and no bf16 gradients held
+    assert costlib.bytes_per_param("bf16", 1, 1, True) == 2 + 12 + 4
     assert costlib.bytes_per_param("fp32", 0, 1, True) == 16
     assert costlib.bytes_per_param("fp32", 3, 4, False) == 20 / 4  # ZeRO's fp32 master copy
 
@@ -166,10 +167,12 @@ def test_zero3_unit_peak_holds_its_gradient() -> None:
     dev = costlib.get_device("cpu")
     base = costlib.RunShape(micro_batch_size=1, seq_len=64, dp=4, precision="fp32")
     z2 = costlib.unit_costs(cfg, base, dev)
-    for a, b in zip(z2, costlib.unit_costs(cfg, replace(base, zero_stage=3), dev), strict=True):
+    z3 = costlib.unit_costs(cfg, replace(base, zero_stage=3), dev)
+    for u, a, b in zip(units(cfg), z2, z3, strict=True):
         grads = 0 if a.kind == "head" else 4
         assert b.peak - a.peak == pytest.approx(a.params * grads)
-        assert b.static == pytest.approx(a.params * 20 / 4)  # weights, grads, master, Adam
+        # weights, grads, master, Adam; buffers (RoPE's tables) whole
+        assert b.static - costlib.buffer_bytes(u) == pytest.approx(a.params * 20 / 4)
 
 
 @pytest.mark.parametrize(
@@ -213,7 +216,7 @@ def test_zero3_settings_are_the_repo_config() -> None:
 def test_zero3_stage_terms() -> None:
     """The stage term: the reduce bucket (whole on a GPU, the written part on a CPU), the kept
     weights and the bucket's interleaved copy, or the optimizer step's sub-group temporaries
-    when larger."""
+    and the first unit's weights (gathered through the step) when larger."""
     cfg = load_config("transformer_760m", ["--model.layers", "2", "--model.seq_len", "64"])
     cpu = costlib.get_device("cpu")
     shape = costlib.RunShape(
@@ -239,8 +242,9 @@ def test_zero3_stage_terms() -> None:
         c = costlib.unit_costs(cfg, opt, dev)
         units = sum(u.act for u in c) + max(u.peak for u in c)
         step = total * 4 * (1 + temps)
+        first = 4 * c[0].local_params  # the first unit stays gathered through the step
         assert costlib.zero3_stage_bytes(cfg, c, opt, dev) == pytest.approx(
-            4 * z.reduce_bucket_size + step - units
+            4 * z.reduce_bucket_size + first + step - units
         )
 
 
@@ -307,7 +311,8 @@ def test_dp_communication_overlaps_where_deepspeed_overlaps_it() -> None:
 
 def test_planner_writes_overlapped_zero_configs() -> None:
     """A ZeRO-2 candidate: its DeepSpeed config overlaps the reduce with the planner's bucket
-    size, the memory prediction holds its two reduce buckets, the breakdown names the overlap."""
+    size, the memory prediction holds its two reduce buckets, the breakdown names the overlap;
+    bf16 ZeRO-1 holds no buckets."""
     cfg = load_config("transformer_1.3b")
     dev = costlib.get_device("h100")
     cap = 0.9 * 80 * costlib.GiB
@@ -321,7 +326,79 @@ def test_planner_writes_overlapped_zero_configs() -> None:
     z0 = evaluate(cfg, replace(cand, zero=0), dev, cap)
     z1 = evaluate(cfg, replace(cand, zero=1), dev, cap)
     assert z0.breakdown["dp_overlapped_s"] == 0
-    local = count_model(cfg).params_total / 2
-    state = local * (costlib.bytes_per_param("bf16", 1, 8, False) - 16)  # ZeRO-1 vs ZeRO-0
-    buckets = 2 * 4 * cand.reduce_bucket  # ZeRO-1 reduces in fp32 (the accumulation dtype)
-    assert (z1.mem_gib - z0.mem_gib) * costlib.GiB == pytest.approx(state + buckets, rel=1e-6)
+    local = sum(u.local_params for u in costlib.unit_costs(cfg, costlib.RunShape(tp=2), dev))
+    state = local * (costlib.bytes_per_param("bf16", 2, 8, False) - 16)  # ZeRO-2 vs ZeRO-0
+    buckets = 2 * 2 * cand.reduce_bucket  # ZeRO-2 reduces in the model's dtype
+    assert (cand.mem_gib - z0.mem_gib) * costlib.GiB == pytest.approx(state + buckets, rel=1e-6)
+    # bf16 ZeRO-1 runs DeepSpeed's BF16_Optimizer: no reduce buckets, only the state differs
+    # (its reduce's flat copies come after backward, when the activations are gone)
+    state = local * (costlib.bytes_per_param("bf16", 1, 8, False) - 16)
+    assert (z1.mem_gib - z0.mem_gib) * costlib.GiB == pytest.approx(state, rel=1e-6)
+
+
+def test_layout_flag_predicts_the_printed_pick(capsys) -> None:
+    """``--layout`` takes a label as the table prints it and predicts exactly what
+    :func:`evaluate` predicts for that candidate; ``--json`` carries it as ``best``."""
+    from tapered_megatron.planning.planner import main, parse_layout
+
+    label = "tp2 sp pp4 dp2 zero1 mbs2 gas8 rc-selective sublayer"
+    c = parse_layout(label)
+    assert c.label == label
+    cfg = load_config("transformer_1.3b")
+    dev = costlib.get_device("h100", mem_bytes=40 * costlib.GiB, gpus_per_node=8)
+    want = evaluate(cfg, c, dev, 0.9 * 40 * costlib.GiB)
+    argv = ["--config", "transformer_1.3b", "--gpus", "16", "--gpu-mem", "40", "--layout"]
+    assert main([*argv, label, "--json"]) == 0
+    obj = json.loads(capsys.readouterr().out)
+    assert obj["best"]["step_s"] == pytest.approx(want.step_s, rel=1e-12)
+    assert obj["best"]["parts"] == list(want.parts) and obj["candidates"] == [obj["best"]]
+    assert any(line.startswith(f"layout: {label}: predicted") for line in obj["reasoning"])
+    assert main([*argv, label]) == 0
+    assert f"   1 {label}" in capsys.readouterr().out
+
+
+def test_layout_flag_takes_a_scheduled_pick() -> None:
+    """A label with a pipeline schedule (what ``--schedules`` prints) reads back: the 1F1B
+    candidate replayed under that schedule, as the search's :func:`with_schedule` gives it."""
+    from tapered_megatron.planning.planner import evaluate_layout, parse_layout, with_schedule
+
+    label = "tp1 pp2 zbv v2 dp8 zero1 mbs4 gas4 rc-none layer"
+    c = parse_layout(label)
+    assert (c.schedule, c.virtual_stages, c.label) == ("zbv", 2, label)
+    cfg = load_config("transformer_1.3b")
+    dev = costlib.get_device("h100", mem_bytes=80 * costlib.GiB, gpus_per_node=8)
+    cap = 0.9 * 80 * costlib.GiB
+    one = evaluate_layout(cfg, label, 16, dev, cap)
+    want = with_schedule(
+        cfg,
+        evaluate(cfg, replace(c, schedule="1f1b", virtual_stages=1), dev, cap),
+        dev,
+        cap,
+        "zbv",
+        2,
+    )
+    assert one.label == label and one.step_s == pytest.approx(want.step_s, rel=1e-12)
+    assert (
+        one.breakdown["pipeline_s"]
+        != evaluate(cfg, replace(c, schedule="1f1b", virtual_stages=1), dev, cap).breakdown[
+            "pipeline_s"
+        ]
+    )
+
+
+@pytest.mark.parametrize(
+    ("layout", "why"),
+    [
+        ("tp2 pp4", "is not a layout"),
+        ("tp2 pp4 dp4 zero1 mbs1 gas8 rc-none layer", "not --gpus 16"),
+        ("tp2 pp4 dp2 zero3 mbs1 gas8 rc-none layer", "ZeRO 0-1 only"),
+        ("tp3 pp1 dp5 zero1 mbs1 gas8 rc-none layer", "not --gpus 16"),
+    ],
+)
+def test_layout_flag_refuses_a_bad_layout(layout: str, why: str, capsys) -> None:
+    from tapered_megatron.planning.planner import main
+
+    argv = ["--config", "transformer_1.3b", "--gpus", "16", "--gpu-mem", "40", "--layout"]
+    assert main([*argv, layout]) == 2
+    err = capsys.readouterr().err
+    assert why in err and len(err.strip().splitlines()) == 1

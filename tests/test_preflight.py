@@ -20,8 +20,11 @@ import pytest
 import torch
 import torch.distributed as dist
 import yaml
+from launch_helpers import reseal
 
+from tapered_megatron.checkpoint_layout import digests
 from tapered_megatron.config import ConfigError, load_config
+from tapered_megatron.data import write_indexed_dataset
 
 ROOT = Path(__file__).resolve().parents[1]
 MAIN = ROOT / "pretrain" / "main.py"
@@ -121,9 +124,19 @@ def _saved_checkpoint(
     (tag / "config.yaml").write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
     if layout is not None:
         (tag / "layout.json").write_text(json.dumps(layout))
-    (tag / "complete").write_text("{}\n")
+    marker = {"iteration": 5, "consumed_samples": 40, "files": digests(tag)}
+    (tag / "complete").write_text(json.dumps(marker))
     (save / "latest").write_text("global_step5")
     return save
+
+
+def _ds_with(tmp: Path, **params: object) -> str:
+    """The tiny runs' ds_config with an AdamW optimizer section of ``params``."""
+    ds = json.loads((ROOT / "ds_configs" / "zero0.json").read_text())
+    ds["optimizer"] = {"type": "AdamW", "params": params}
+    path = tmp / "ds_optimizer.json"
+    path.write_text(json.dumps(ds))
+    return str(path)
 
 
 CASES = {
@@ -176,6 +189,18 @@ CASES = {
             "4",
         ],
         "bytes) free on",
+    ),
+    "split without training documents": (
+        lambda c, t, k: ["--data.path", c, "--data.split", "0,0,100"],
+        "data.split '0,0,100' leaves the training split of",
+    ),
+    "ds_config optimizer lr a quoted number": (
+        lambda c, t, k: ["--data.path", c, "--ds_config", _ds_with(t, lr="3e-4")],
+        'ds_config "optimizer.params.lr": "3e-4" is not a number; write "lr": 0.0003',
+    ),
+    "ds_config optimizer betas not numbers": (
+        lambda c, t, k: ["--data.path", c, "--ds_config", _ds_with(t, betas=["0.9", 0.95])],
+        '"optimizer.params.betas": ["0.9", 0.95] is not a number',
     ),
     "resume path missing": (
         lambda c, t, k: ["--data.path", c, "--resume", str(t / "gone")],
@@ -267,6 +292,7 @@ def test_layout_change_needs_the_universal_copy(corpus, tmp_path):
         preflight.check_resume(cfg, layout)
     (save / "global_step5" / "universal").mkdir()
     torch.save({}, save / "global_step5" / "universal" / "meta.pt")
+    reseal(save / "global_step5")
     preflight.check_resume(cfg, layout)  # a layout change is allowed with the copy
 
     old = _saved_checkpoint(tmp_path / "x", ["--data.path", corpus, "--parallel.tp", "2"], D32)
@@ -288,3 +314,45 @@ def test_resume_may_change_dropout_only(corpus, tmp_path):
     other = load_config("quickstart", [*args, "--model.norm_eps", "1e-6"])
     with pytest.raises(ConfigError, match=r"model\.norm_eps 1e-05 in the checkpoint, 1e-06 here"):
         check_resume(other)
+
+
+def test_an_id_beyond_the_vocabulary_missed_by_the_content_key_stops_at_the_batch(tmp_path):
+    """A token file over 64 MiB is keyed by 16 pieces of 1 MiB; ids beyond the vocabulary
+    written between them after a clean check (size and mtime kept) pass pre-flight's cached
+    check, and the run stops at the first batch holding one: exit 1, one line naming the file
+    and the token's position, no traceback, no checkpoint saved."""
+    from tapered_megatron.data import IndexedDataset
+    from tapered_megatron.data.blended import (
+        HASH_PIECE_BYTES,
+        HASH_PIECES,
+        WHOLE_HASH_BYTES,
+        check_vocab_cached,
+    )
+
+    n_tokens = (WHOLE_HASH_BYTES + (4 << 20)) // 2
+    docs = np.random.default_rng(0).integers(0, 255, n_tokens, dtype=np.uint16)
+    prefix, cache = str(tmp_path / "big"), tmp_path / "cache"
+    write_indexed_dataset(prefix, np.split(docs, 8))
+    check_vocab_cached(IndexedDataset(prefix), 256, cache)
+    st = os.stat(prefix + ".bin")
+    tokens = np.memmap(prefix + ".bin", dtype=np.uint16, mode="r+")
+    hashed = np.zeros(len(tokens), bool)
+    for k in range(HASH_PIECES):  # the bytes content_key reads, in tokens
+        at = (st.st_size - HASH_PIECE_BYTES) * k // (HASH_PIECES - 1)
+        hashed[at // 2 : (at + HASH_PIECE_BYTES + 1) // 2] = True
+    tokens[~hashed] = 300
+    tokens.flush()
+    del tokens
+    os.utime(prefix + ".bin", ns=(st.st_atime_ns, st.st_mtime_ns))
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    env.pop("WORLD_SIZE", None)
+    tiny = [x for k, v in zip(TINY[::2], TINY[1::2]) if k != "--model.seq_len" for x in (k, v)]
+    cmd = [sys.executable, str(MAIN), *tiny, "--data.path", prefix, "--data.cache_dir", str(cache)]
+    cmd += ["--train.save_dir", str(tmp_path / "save"), "--train.save_interval", "1"]
+    cmd += ["--data.split", "1,0,0", "--eval.interval", "0", "--model.seq_len", "2048"]
+    p = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    err = [line for line in p.stderr.splitlines() if line.startswith("error: ")]
+    assert p.returncode == 1 and len(err) == 1 and "Traceback" not in p.stderr, p.stderr[-3000:]
+    assert f"{prefix}.bin: token id 300 at token " in err[0], err[0]
+    assert "outside the vocabulary [0, 256)" in err[0] and "stopped without saving" in err[0]
+    assert not list((tmp_path / "save").glob("global_step*"))

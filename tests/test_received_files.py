@@ -19,9 +19,9 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from launch_helpers import MAIN, ROOT, common_args, job_env, popen_job, reseal
+from launch_helpers import MAIN, ROOT, common_args, hold_save_dir, job_env, popen_job, reseal
 
-from tapered_megatron.checkpoint_layout import file_digest, write_manifest
+from tapered_megatron.checkpoint_layout import complete_tags, file_digest, write_manifest
 from tapered_megatron.export.__main__ import main as export_main
 
 pytestmark = pytest.mark.distributed
@@ -393,3 +393,177 @@ def test_an_unreadable_pt_names_the_file_and_quotes_the_cause(tmp_path):
     assert str(err.value) == f"{bad}: unreadable ({cause})"
     assert first_line(ValueError("first\nsecond")) == "first"
     assert first_line(EOFError()) == "EOFError"
+
+
+def listing(folder: Path) -> list[str]:
+    """Every path under ``folder``, relative, sorted."""
+    return sorted(str(p.relative_to(folder)) for p in folder.rglob("*"))
+
+
+def test_export_overwrite_never_deletes_what_an_export_did_not_write(trained, tmp_path, capsys):
+    """``--overwrite`` replaces only an earlier export: the checkpoint directory itself, a
+    folder of someone's files, or an export with an unlisted file in it is refused in one line
+    and left as it was."""
+    run_dir = copy_run(trained, tmp_path / "run", ("global_step2", "global_step4"))
+    ckpt = run_dir / "ckpt"
+    (ckpt / "notes").mkdir()
+    (ckpt / "notes" / "plan.txt").write_text("mine")
+    before = listing(ckpt)
+    export = ["--checkpoint", str(ckpt), "--overwrite", "--out"]
+    earlier = tmp_path / "export"
+    assert export_main([*export, str(earlier)]) == 0
+    assert export_main([*export, str(earlier)]) == 0  # an earlier export is replaced
+    (earlier / "notes.txt").write_text("mine")
+    for out, why in [
+        (ckpt, "not an earlier export"),
+        (ckpt / "notes", "not an earlier export"),
+        (earlier, "holds notes.txt, which its manifest.json does not list"),
+    ]:
+        capsys.readouterr()
+        assert export_main([*export, str(out)]) == 2, out
+        lines = capsys.readouterr().err.strip().splitlines()
+        assert len(lines) == 1 and why in lines[0], lines
+    assert listing(ckpt) == before
+    assert (earlier / "notes.txt").read_text() == "mine"
+
+
+def test_a_second_job_on_a_save_dir_in_use_is_refused(corpus, trained, tmp_path):
+    """A job whose save directory another job holds (its lock, here held by a small process)
+    stops in one line before training, writing no checkpoint (the lock's release at ``kill -9``
+    of its holder: ``test_train_units.py``)."""
+    run_dir = copy_run(trained, tmp_path / "run", ("global_step2", "global_step4"))
+    ckpt = run_dir / "ckpt"
+    holder = hold_save_dir(ckpt)
+    try:
+        rc, log = run(corpus, run_dir, RESUME)
+    finally:
+        holder.kill()
+        holder.wait()
+    err = [line for line in log.splitlines() if line.startswith("error: ")]
+    assert rc == 1 and len(err) == 1 and "Traceback" not in log, log[-3000:]
+    assert f"in use by another job (pid {holder.pid} on" in err[0], err[0]
+    assert [t for _, t in complete_tags(ckpt)] == ["global_step2", "global_step4"]
+
+
+def _drop_entry(out: Path, name: str) -> None:
+    manifest = json.loads((out / "manifest.json").read_text())
+    del manifest["files"][name]
+    (out / "manifest.json").write_text(json.dumps(manifest))
+
+
+def _set_files(out: Path, files: object) -> None:
+    (out / "manifest.json").write_text(json.dumps({"files": files}))
+
+
+def _weights_zeroed_and_unlisted(out: Path) -> None:
+    _drop_entry(out, "model.safetensors")
+    f = out / "model.safetensors"
+    data = bytearray(f.read_bytes())
+    data[-4096:] = bytes(4096)
+    f.write_bytes(bytes(data))
+
+
+def _config_linked_out(out: Path) -> None:
+    _drop_entry(out, "config.json")
+    outside = out.parent / "outside.json"
+    outside.write_bytes((out / "config.json").read_bytes())
+    (out / "config.json").unlink()
+    (out / "config.json").symlink_to(outside)
+
+
+EXPORT_FAULTS = {
+    "model.safetensors unlisted and changed": (
+        _weights_zeroed_and_unlisted,
+        "model.safetensors: not in the manifest manifest.json",
+    ),
+    "a file added": (lambda out: (out / "extra.py").write_text("x = 1\n"), "extra.py: not in"),
+    "files null": (lambda out: _set_files(out, None), "'files' is None"),
+    "files empty": (lambda out: _set_files(out, {}), ": not in the manifest manifest.json"),
+    "config.json a link out, unlisted": (_config_linked_out, "config.json: a symbolic link"),
+    "no manifest.json": (lambda out: (out / "manifest.json").unlink(), "not a readable JSON"),
+}
+
+
+@pytest.mark.parametrize("fault", EXPORT_FAULTS)
+def test_an_export_manifest_that_does_not_cover_every_file_is_refused(fault, tmp_path, capsys):
+    """An export whose ``manifest.json`` no longer covers exactly its plain files: generate,
+    perplexity and ``load_model`` refuse it in one line naming the problem, and so does
+    ``from_pretrained`` (which loads Hugging Face's own ``save_pretrained`` folders, those
+    without a manifest)."""
+    import transformers
+    from tiny_export import tiny_export
+
+    import tapered_megatron.hf  # noqa: F401 - registers the classes with the Auto* factories
+    from tapered_megatron.eval.perplexity import main as perplexity_main
+    from tapered_megatron.export.load import ExportError, load_model
+    from tapered_megatron.generate import main as generate_main
+
+    change, why = EXPORT_FAULTS[fault]
+    out, _ = tiny_export(tmp_path / "export", "transformer", None)
+    change(out)
+    with pytest.raises(ExportError, match=re.escape(why)):
+        load_model(model=out)
+    for tool, args in [
+        (generate_main, ["--model", str(out), "--prompt", "1 2 3"]),
+        (perplexity_main, ["--model", str(out)]),
+    ]:
+        capsys.readouterr()
+        assert tool(args) == 2, tool
+        lines = capsys.readouterr().err.strip().splitlines()
+        assert len(lines) == 1 and why in lines[0], lines
+    if fault != "no manifest.json":
+        with pytest.raises(ValueError, match=re.escape(why)):
+            transformers.AutoModelForCausalLM.from_pretrained(out)
+
+
+def test_an_export_config_including_a_base_is_never_followed(tmp_path, capsys):
+    """An export whose ``config.json`` carries ``tapered_config.base`` with an absolute path to
+    a YAML file naming a plugin (the manifest rewritten): generate, ``load_model`` and
+    ``from_pretrained`` refuse it in one line; the plugin never runs."""
+    import transformers
+    from tiny_export import tiny_export
+
+    import tapered_megatron.hf  # noqa: F401 - registers the classes with the Auto* factories
+    from tapered_megatron.export.load import ExportError, load_model
+    from tapered_megatron.generate import main as generate_main
+
+    marker, plugin = tmp_path / "imported", tmp_path / "received_arch.py"
+    plugin.write_text(f"open({str(marker)!r}, 'w').close()\n")
+    defaults = tmp_path / "defaults.yaml"
+    defaults.write_text(yaml.safe_dump({"model": {"arch": "x", "plugins": [str(plugin)]}}))
+    out, _ = tiny_export(tmp_path / "export", "transformer", None)
+    raw = json.loads((out / "config.json").read_text())
+    raw["tapered_config"]["base"] = str(defaults)
+    (out / "config.json").write_text(json.dumps(raw))
+    write_manifest(out)
+    why = f"'base: {str(defaults)!r}' is not followed"
+    with pytest.raises(ExportError, match=re.escape(why)):
+        load_model(model=out)
+    capsys.readouterr()
+    assert generate_main(["--model", str(out), "--prompt", "1 2 3"]) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and why in lines[0], lines
+    with pytest.raises(ValueError, match=re.escape(why)):
+        transformers.AutoModelForCausalLM.from_pretrained(out)
+    assert not marker.exists()
+
+
+def test_zero_shot_never_runs_code_from_the_export(tmp_path):
+    """Python appended to an export's ``configuration_tapered.py`` and ``modeling_tapered.py``
+    (the manifest rewritten): zero-shot (a fresh process: one that imported
+    ``tapered_megatron.hf`` already prefers the registered classes) evaluates it with the
+    installed classes and the appended code never runs."""
+    from tiny_export import tiny_export, tiny_tokenizer
+
+    marker = tmp_path / "ran"
+    out, _ = tiny_export(tmp_path / "export", "transformer", tiny_tokenizer(tmp_path))
+    for name in ("configuration_tapered.py", "modeling_tapered.py"):
+        with open(out / name, "a") as f:
+            f.write(f"\nopen({str(marker)!r}, 'w').close()\n")
+    write_manifest(out)
+    cmd = [sys.executable, "-m", "tapered_megatron.eval.zeroshot", "--model", str(out)]
+    cmd += ["--tasks", "tm_shakespeare_lastword", "--limit", "2", "--output", str(tmp_path / "z")]
+    p = subprocess.run(cmd, cwd=ROOT, env=job_env(), capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert json.loads((tmp_path / "z" / "zeroshot.json").read_text())["tasks"]
+    assert not marker.exists()

@@ -13,10 +13,10 @@ import torch.nn.functional as F
 import torch.utils.checkpoint
 from arch_args import for_arch
 
+from tapered_megatron.architectures import ARCHITECTURES
 from tapered_megatron.config import ConfigError, load_config
 from tapered_megatron.models import base as model_base
 from tapered_megatron.models import build_model
-from tapered_megatron.models.base import ARCHITECTURES
 from tapered_megatron.parallel import get_rng_tracker, init_model_parallel, model_parallel_seed
 from tapered_megatron.parallel.local_launch import run_workers
 from tapered_megatron.parallel.random import recompute

@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -12,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from launch_helpers import reseal
 from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
@@ -322,6 +324,7 @@ def test_resume_passes_over_an_unusable_checkpoint_with_a_note(tmp_path):
         checkpoint.save(FakeEngine(), cfg, it, it * 8)
     resume = _cfg(tmp_path, "--train.resume", "auto")
     (tmp_path / "global_step20" / "layout.json").write_text("{not json")
+    reseal(tmp_path / "global_step20")  # listed in the manifest: only its content is wrong
     notes: list[str] = []
     assert checkpoint.find_resume(resume, note=notes.append) == (tmp_path, "global_step10")
     assert len(notes) == 1 and "global_step20/layout.json: unreadable" in notes[0], notes
@@ -335,3 +338,242 @@ def test_resume_passes_over_an_unusable_checkpoint_with_a_note(tmp_path):
     f.write_bytes(f.read_bytes()[:64])
     with pytest.raises(ConfigError, match=r"no usable checkpoint .*global_step20/layout\.json"):
         checkpoint.find_resume(resume)
+
+
+def _tamper(f: Path) -> None:
+    """Invert 16 bytes in the middle of ``f``: same size, another sha256."""
+    data = bytearray(f.read_bytes())
+    mid = len(data) // 2
+    data[mid : mid + 16] = bytes(255 - b for b in data[mid : mid + 16])
+    f.write_bytes(bytes(data))
+
+
+def test_pruning_counts_only_usable_checkpoints_and_spares_the_resumed_one(tmp_path):
+    """The newest checkpoint unusable (changed after saving), the run resumed from the older
+    one with keep_last 1: its saves never prune the checkpoint it resumed from nor the newest
+    one it saved, and ``latest`` always names a tag that exists."""
+    for it in (2, 4):
+        checkpoint.save(FakeEngine(), _cfg(tmp_path), it, it * 8)
+    _tamper(tmp_path / "global_step4" / "mp_rank_00_model_states.pt")  # found by the sha256
+    over = ["--train.save_dir", str(tmp_path), "--train.keep_last", "1", "--train.resume", "auto"]
+    cfg = load_config("quickstart", over)
+    lineage = checkpoint.Lineage(resumed="global_step2")  # what the trainer resumed from
+    checkpoint.save(FakeEngine(), cfg, 3, 24, lineage=lineage)
+    assert [t for _, t in checkpoint.complete_tags(tmp_path)] == [
+        "global_step2",
+        "global_step3",
+        "global_step4",
+    ]
+    assert checkpoint.find_resume(cfg, known={"global_step4": "changed"}) == (
+        tmp_path,
+        "global_step3",
+    )
+    checkpoint.save(FakeEngine(), cfg, 4, 32, lineage=lineage)  # replaces the unusable one
+    assert [t for _, t in checkpoint.complete_tags(tmp_path)] == ["global_step2", "global_step4"]
+    assert (tmp_path / "latest").read_text() == "global_step4"
+    assert checkpoint.hash_problem(tmp_path / "global_step4") is None
+
+
+def _checkpoints_of_another_run(save_dir: Path) -> list[str]:
+    for it in (2, 4):
+        checkpoint.save(FakeEngine(), _cfg(save_dir), it, it * 8)
+    (save_dir / "notes").mkdir()
+    (save_dir / "notes" / "mine.txt").write_text("keep")
+    return sorted(p.name for p in save_dir.iterdir())
+
+
+def test_a_fresh_run_into_another_runs_save_dir_stops_in_one_line(tmp_path):
+    from tapered_megatron.training.preflight import check_owner
+
+    before = _checkpoints_of_another_run(tmp_path)
+    with pytest.raises(ConfigError) as e:
+        check_owner(_cfg(tmp_path))
+    line = str(e.value)
+    assert "\n" not in line and "another run's checkpoints" in line and "--resume auto" in line
+    assert "--train.start_over" in line
+    elsewhere = tmp_path / "elsewhere" / "global_step4"
+    with pytest.raises(ConfigError):  # resuming from another directory into this one
+        check_owner(_cfg(tmp_path, "--train.resume", str(elsewhere)))
+    check_owner(_cfg(tmp_path, "--train.resume", "auto"))
+    check_owner(_cfg(tmp_path, "--train.resume", str(tmp_path / "global_step2")))
+    with pytest.raises(ConfigError, match="one of the two"):
+        check_owner(_cfg(tmp_path, "--train.resume", "auto", "--train.start_over", "true"))
+    assert sorted(p.name for p in tmp_path.iterdir()) == before
+    with pytest.raises(checkpoint.SaveDirTaken), checkpoint.own_save_dir(_cfg(tmp_path)):
+        pass  # checked again once the lock is held
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([*before, "job.lock"])
+
+
+def test_start_over_moves_the_earlier_checkpoints_aside(tmp_path, capsys):
+    _checkpoints_of_another_run(tmp_path)
+    cfg = _cfg(tmp_path, "--train.start_over", "true")
+    with checkpoint.own_save_dir(cfg):
+        checkpoint.save(FakeEngine(), cfg, 1, 8, lineage=checkpoint.Lineage())
+    (aside,) = tmp_path.glob("earlier-run-*")
+    assert sorted(p.name for p in aside.iterdir()) == ["global_step2", "global_step4", "latest"]
+    assert checkpoint.hash_problem(aside / "global_step4") is None  # moved, intact
+    assert (tmp_path / "notes" / "mine.txt").read_text() == "keep"
+    assert (tmp_path / "latest").read_text() == "global_step1"
+    assert "moved to" in capsys.readouterr().out
+
+
+def test_a_save_dir_in_use_is_refused_and_freed_when_its_holder_is_killed(tmp_path):
+    """Another process holds the directory's lock: a job is refused in one line naming it;
+    after ``kill -9`` of the holder the kernel has released the lock and the job proceeds."""
+    from launch_helpers import hold_save_dir
+
+    holder = hold_save_dir(tmp_path)
+    try:
+        cfg = _cfg(tmp_path)
+        with pytest.raises(checkpoint.SaveDirTaken) as e, checkpoint.own_save_dir(cfg):
+            pass
+        line = str(e.value)
+        assert "\n" not in line and "in use by another job" in line
+        assert f"pid {holder.pid}" in line
+    finally:
+        holder.kill()  # SIGKILL: no clean-up of its own
+        holder.wait()
+    with checkpoint.own_save_dir(cfg):
+        checkpoint.save(FakeEngine(), cfg, 1, 8, lineage=checkpoint.Lineage())
+    assert (tmp_path / "latest").read_text() == "global_step1"
+
+
+STATES = "mp_rank_00_model_states.pt"
+
+
+def _drop(marker: dict, name: str) -> None:
+    del marker["files"][name]
+
+
+MANIFEST_FAULTS = {
+    "files null": (lambda m, d: m.update(files=None), "'files' is None"),
+    "files a list": (lambda m, d: m.update(files=[]), "'files' is [], not the mapping"),
+    "an entry removed, its file edited": (
+        lambda m, d: (_drop(m, STATES), _tamper(d / STATES)),
+        "mp_rank_00_model_states.pt: not in the manifest complete",
+    ),
+    "a file added": (lambda m, d: (d / "extra.pt").write_bytes(b"x"), "extra.pt: not in the"),
+    "a listed file removed": (
+        lambda m, d: (d / "taper_plan.json").unlink(),
+        "taper_plan.json: missing",
+    ),
+    "a file replaced by a link out of the tag, its entry removed": (
+        lambda m, d: (_drop(m, "config.yaml"), _link_out(d / "config.yaml")),
+        "config.yaml: a symbolic link",
+    ),
+    "iteration a string": (lambda m, d: m.update(iteration="4"), "iteration is '4', not a count"),
+    "consumed samples negative": (lambda m, d: m.update(consumed_samples=-1), "not a count"),
+    "iteration of another tag": (lambda m, d: m.update(iteration=9), "not the tag's 4"),
+    "an absurd size": (
+        lambda m, d: m["files"]["config.yaml"].__setitem__(0, 1 << 60),
+        "lists 'config.yaml' as [1152921504606846976",
+    ),
+    "a size of another type": (
+        lambda m, d: m["files"]["config.yaml"].__setitem__(0, "12"),
+        "not [size, sha256]",
+    ),
+}
+
+
+def _link_out(f: Path) -> None:
+    outside = f.parent.parent / "outside.yaml"
+    outside.write_bytes(f.read_bytes())
+    f.unlink()
+    f.symlink_to(outside)
+
+
+@pytest.mark.parametrize("fault", MANIFEST_FAULTS)
+def test_a_manifest_that_does_not_cover_every_file_makes_the_checkpoint_unusable(fault, tmp_path):
+    """``complete`` of the newest checkpoint changed so its manifest no longer covers exactly
+    its plain files (or a field is of the wrong type or absurd): resume falls back to the older
+    checkpoint with a one-line note naming the problem, export refuses in one line, the
+    free-space estimate uses the older checkpoint's size, and pruning never counts it."""
+    from tapered_megatron.export.consolidate import resolve_checkpoint
+    from tapered_megatron.export.load import ExportError
+
+    change, why = MANIFEST_FAULTS[fault]
+    for it in (2, 4):
+        checkpoint.save(FakeEngine(), _cfg(tmp_path), it, it * 8)
+    size2 = checkpoint.saved_bytes(tmp_path)
+    tag4 = tmp_path / "global_step4"
+    marker = json.loads((tag4 / "complete").read_text())
+    change(marker, tag4)
+    (tag4 / "complete").write_text(json.dumps(marker))
+    notes: list[str] = []
+    resume = _cfg(tmp_path, "--train.resume", "auto")
+    assert checkpoint.find_resume(resume, note=notes.append) == (tmp_path, "global_step2")
+    assert len(notes) == 1 and why in notes[0] and "\n" not in notes[0], notes
+    with pytest.raises(ExportError, match=re.escape(why)):
+        resolve_checkpoint(tmp_path, "global_step4")
+    assert checkpoint.checkpoint_bytes(resume, half=False) == size2
+    assert [t for _, t in checkpoint.usable_tags(tmp_path)] == ["global_step2"]
+
+
+def _plugin(tmp_path: Path) -> tuple[Path, Path]:
+    """A plugin file that would create ``marker`` when imported; (plugin, marker)."""
+    marker, plugin = tmp_path / "imported", tmp_path / "received_arch.py"
+    plugin.write_text(f"open({str(marker)!r}, 'w').close()\n")
+    return plugin, marker
+
+
+def test_a_saved_config_including_a_base_is_never_followed(tmp_path):
+    """The newest checkpoint's ``config.yaml`` says ``base: defaults.yaml`` (a file of the tag,
+    the manifest resealed) whose ``model.plugins`` names a Python file: resume passes over the
+    tag with a note, loading the saved config and export refuse it in one line, and the plugin
+    never runs."""
+    import yaml
+
+    from tapered_megatron.config import load_saved_config
+    from tapered_megatron.export.consolidate import resolve_checkpoint
+    from tapered_megatron.export.load import ExportError
+
+    plugin, marker = _plugin(tmp_path)
+    save = tmp_path / "ckpt"
+    for it in (2, 4):
+        checkpoint.save(FakeEngine(), _cfg(save), it, it * 8)
+    tag4 = save / "global_step4"
+    base = {"model": {"arch": "received_arch", "plugins": [str(plugin)]}}
+    (tag4 / "defaults.yaml").write_text(yaml.safe_dump(base))
+    saved = yaml.safe_load((tag4 / "config.yaml").read_text())
+    (tag4 / "config.yaml").write_text(yaml.safe_dump({"base": "defaults.yaml", **saved}))
+    reseal(tag4)
+    notes: list[str] = []
+    resume = _cfg(save, "--train.resume", "auto")
+    assert checkpoint.find_resume(resume, note=notes.append) == (save, "global_step2")
+    assert len(notes) == 1 and "without 'base'" in notes[0], notes
+    with pytest.raises(ConfigError, match=re.escape("'base: 'defaults.yaml'' is not followed")):
+        load_saved_config(tag4 / "config.yaml")
+    with pytest.raises(ExportError, match="is not followed"):
+        resolve_checkpoint(save, "global_step4")
+    assert not marker.exists()
+
+
+BOUNDLESS = {
+    "aliases expanding to 9**9 values": "a: &a [x, x, x, x, x, x, x, x, x]\n"
+    + "".join(f"{b}: &{b} [{', '.join([f'*{a}'] * 9)}]\n" for a, b in zip("abcdefgh", "bcdefghi")),
+    "nested 5000 deep": "x: " + "[" * 5000 + "]" * 5000 + "\n",
+    "a recursive alias": "x: &a [*a]\n",
+    "5 MiB": "x: '" + "y" * (5 << 20) + "'\n",
+}
+
+
+@pytest.mark.parametrize("case", BOUNDLESS)
+def test_a_saved_config_is_parsed_within_bounds(case, tmp_path):
+    """A checkpoint's ``config.yaml`` that would take unbounded memory, time or stack to parse
+    is refused in one line within a second; resume passes over its checkpoint."""
+    from tapered_megatron.config import load_saved_config
+
+    for it in (2, 4):
+        checkpoint.save(FakeEngine(), _cfg(tmp_path), it, it * 8)
+    f = tmp_path / "global_step4" / "config.yaml"
+    f.write_text(BOUNDLESS[case])
+    reseal(f.parent)
+    t = time.perf_counter()
+    with pytest.raises(ConfigError) as e:
+        load_saved_config(f)
+    assert "\n" not in str(e.value) and str(f) in str(e.value)
+    notes: list[str] = []
+    resume = _cfg(tmp_path, "--train.resume", "auto")
+    assert checkpoint.find_resume(resume, note=notes.append) == (tmp_path, "global_step2")
+    assert len(notes) == 1 and "config.yaml: unreadable" in notes[0], notes
+    assert time.perf_counter() - t < 5

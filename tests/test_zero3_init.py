@@ -24,9 +24,9 @@ import pytest
 import torch
 from arch_args import for_arch
 
+from tapered_megatron.architectures import ARCHITECTURES
 from tapered_megatron.config import load_config
 from tapered_megatron.models import build_model, lm_loss, set_recompute, units
-from tapered_megatron.models.base import ARCHITECTURES
 from tapered_megatron.parallel.local_launch import run_workers
 
 TINY = [

@@ -13,6 +13,7 @@ from .indexed import (
     IndexedDataset,
     IndexedDatasetError,
     IndexedDatasetWriter,
+    error_line,
     token_dtype,
     write_indexed_dataset,
 )
@@ -29,6 +30,7 @@ __all__ = [
     "PretrainingSampler",
     "SentencePieceTokenizer",
     "build_gpt_datasets",
+    "error_line",
     "load_tokenizer",
     "merge_datasets",
     "parse_blend",

@@ -116,6 +116,7 @@ class BlendedDataset:
 #: Token files up to this size are hashed whole for the vocabulary-check marker; larger ones
 #: by their index, size and 16 evenly spread 1 MiB pieces.
 WHOLE_HASH_BYTES = 64 << 20
+HASH_PIECES, HASH_PIECE_BYTES = 16, 1 << 20
 
 
 def content_key(ds: IndexedDataset) -> str:
@@ -128,10 +129,9 @@ def content_key(ds: IndexedDataset) -> str:
         if size <= WHOLE_HASH_BYTES:
             parts.append(f.read())
         else:
-            piece = 1 << 20
-            for k in range(16):
-                f.seek((size - piece) * k // 15)
-                parts.append(f.read(piece))
+            for k in range(HASH_PIECES):
+                f.seek((size - HASH_PIECE_BYTES) * k // (HASH_PIECES - 1))
+                parts.append(f.read(HASH_PIECE_BYTES))
     return digest(*parts)
 
 
@@ -162,7 +162,8 @@ def build_gpt_datasets(
     ``blend`` is a prefix or ``"w1 prefix1 w2 prefix2 ..."``; ``split`` like ``"969,30,1"`` cuts
     every dataset's documents into train/valid/test ranges. A split asked for 0 samples, or
     whose range is empty, is ``None``. With ``vocab_size``, the files are checked to hold ids
-    below it. Bad files raise :class:`IndexedDatasetError` naming the file and the fault. Under
+    below it (once per content, :func:`check_vocab_cached`) and every sample again as it is
+    read. Bad files raise :class:`IndexedDatasetError` naming the file and the fault. Under
     ``torch.distributed`` every rank must call this (index building is rank-0-first + barrier)
     unless ``barrier=False`` (the file lock alone still keeps concurrent builders safe).
     """
@@ -192,7 +193,17 @@ def build_gpt_datasets(
                 continue
             want = n if len(pairs) == 1 else math.ceil(n * w * 1.005)
             parts.append(
-                GPTDataset(ds, (start, end), seq_len, want, seed, cache_dir, name, barrier)
+                GPTDataset(
+                    ds,
+                    (start, end),
+                    seq_len,
+                    want,
+                    seed,
+                    cache_dir,
+                    name,
+                    barrier,
+                    vocab_size=vocab_size,
+                )
             )
             weights.append(w)
         if not parts:

@@ -24,28 +24,13 @@ from pathlib import Path
 
 import numpy as np
 
+from tapered_megatron.config import parse_split
+
 from .cache import build_once, digest, load_arrays, save_arrays
-from .indexed import IndexedDataset
+from .indexed import IndexedDataset, IndexedDatasetError
 
 INDEX_VERSION = "gpt-index-v1"
 CHUNK = 1 << 22  # positions per searchsorted chunk: bounds the temporary memory
-
-
-def parse_split(split: str | tuple | list) -> list[float]:
-    """``"969,30,1"`` (or ``"98/2/0"``, or a list) -> three normalised weights."""
-    if isinstance(split, str):
-        parts = [p for p in split.replace("/", ",").split(",") if p.strip()]
-        try:
-            weights = [float(p) for p in parts]
-        except ValueError as e:
-            raise ValueError(f"split {split!r}: expected numbers like '969,30,1'") from e
-    else:
-        weights = [float(p) for p in split]
-    if not 1 <= len(weights) <= 3 or any(w < 0 for w in weights) or sum(weights) <= 0:
-        raise ValueError(f"split {split!r}: need 1-3 non-negative weights with a positive sum")
-    weights += [0.0] * (3 - len(weights))
-    total = sum(weights)
-    return [w / total for w in weights]
 
 
 def split_ranges(split: str | tuple | list, num_documents: int) -> list[tuple[int, int]]:
@@ -151,10 +136,12 @@ class GPTDataset:
         barrier: bool = True,
         doc_lengths: np.ndarray | None = None,
         doc_offsets: np.ndarray | None = None,
+        vocab_size: int | None = None,
     ):
         if seq_len < 1 or num_samples < 1:
             raise ValueError(f"{name}: seq_len and num_samples must be positive")
         self.indexed, self.name, self.seq_len, self.seed = indexed, name, seq_len, seed
+        self.vocab_size = vocab_size  # with it, every sample's ids are checked as it is read
         start, end = doc_range
         self.doc_range = (int(start), int(end))
         self.doc_lengths = indexed.document_lengths if doc_lengths is None else doc_lengths
@@ -210,15 +197,37 @@ class GPTDataset:
     def sample_tokens(self, i: int) -> np.ndarray:
         """Unshuffled sample ``i`` (stream positions ``i*L`` .. ``i*L + L``)."""
         k, offset = (int(x) for x in self.sample_idx[i])
-        need, parts = self.seq_len + 1, []
+        need, parts, starts = self.seq_len + 1, [], []
         while need > 0:
             doc = int(self.doc_idx[k])
             take = min(int(self.doc_lengths[doc]) - offset, need)
             if take > 0:
-                parts.append(self.indexed.tokens(int(self.doc_offsets[doc]) + offset, take))
+                starts.append((int(self.doc_offsets[doc]) + offset, take))
+                parts.append(self.indexed.tokens(*starts[-1]))
                 need -= take
             k, offset = k + 1, 0
-        return np.concatenate(parts).astype(np.int64, copy=False)
+        tokens = np.concatenate(parts)
+        if self.vocab_size is not None:
+            self._check_ids(tokens, starts)
+        return tokens.astype(np.int64, copy=False)
+
+    def _check_ids(self, tokens: np.ndarray, starts: list[tuple[int, int]]) -> None:
+        """Raise :class:`IndexedDatasetError` naming the file and the position of an id of
+        ``tokens`` (read from ``starts``: ``(first token, count)`` in the file) outside
+        ``[0, vocab_size)``: a file changed after pre-flight's check (whose marker is keyed by
+        sampled pieces of a large file) is stopped at the batch, before an embedding lookup."""
+        signed = np.issubdtype(tokens.dtype, np.signedinteger)
+        if int(tokens.max()) < self.vocab_size and not (signed and int(tokens.min()) < 0):
+            return
+        at = int(np.flatnonzero((tokens >= self.vocab_size) | (tokens < 0))[0])
+        ends = np.cumsum([count for _, count in starts])
+        part = int(np.searchsorted(ends, at, side="right"))  # the read holding it
+        position = starts[part][0] + at - int(ends[part] - starts[part][1])
+        raise IndexedDatasetError(
+            f"{self.indexed._bin_file}: token id {int(tokens[at])} at token {position} is "
+            f"outside the vocabulary [0, {self.vocab_size}) (read for a {self.name} sample; "
+            "the file changed after pre-flight checked it)"
+        )
 
     def __getitem__(self, i: int) -> np.ndarray:
         if not -len(self) <= i < len(self):

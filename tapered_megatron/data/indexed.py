@@ -46,6 +46,14 @@ class IndexedDatasetError(ValueError):
     """A malformed or inconsistent .idx/.bin pair; the message names the file and the fault."""
 
 
+def error_line(error: IndexedDatasetError) -> str:
+    """The one-line message of ``error``, also when a ``DataLoader`` worker raised it (torch
+    re-raises it with the worker's traceback, whose last line is ``...Error: message``)."""
+    last = [line for line in str(error).splitlines() if line.strip()][-1:] or [""]
+    head, sep, rest = last[0].partition(f"{IndexedDatasetError.__name__}: ")
+    return rest if sep and "." in head else last[0]
+
+
 def token_dtype(vocab_size: int) -> type:
     """The token dtype Megatron picks for a vocabulary: uint16 below 65,500 entries, else int32."""
     return np.uint16 if vocab_size < UINT16_VOCAB_LIMIT else np.int32

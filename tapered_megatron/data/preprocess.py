@@ -432,7 +432,14 @@ def tokenize_files(
     sources = expand_inputs(inputs)
     keys = list(json_keys)
     init = (tokenizer_model, keys, append_eod)
-    _init_worker(*init)  # before forking: the workers inherit the loaded tokenizer
+    try:
+        _init_worker(*init)  # before forking: the workers inherit the loaded tokenizer
+    except (OSError, RuntimeError) as e:  # sentencepiece's parse error is a RuntimeError
+        why = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        raise InputError(
+            f"--tokenizer-model {tokenizer_model}: not a readable sentencepiece model ({why}); "
+            "pass the .model file data_tools/train_tokenizer.py wrote"
+        ) from None
     fingerprint = _fingerprint(sources, tokenizer_model, keys, append_eod)
     state = _load_state(state_path(output_prefix), fingerprint) if resume else None
     summary = TokenizeSummary(

@@ -3,12 +3,16 @@
     python -m tapered_megatron.eval.zeroshot --model OUT|--checkpoint DIR [--tag T] \\
         [--tasks a,b] [--limit N] [--batch-size 8] [--include-path tasks/] --output DIR
 
-Runs the harness's own ``hf`` backend on the export (``trust_remote_code``; a ``--checkpoint``
+Runs the harness's own ``hf`` backend on the export with this package's installed model classes
+(``trust_remote_code`` off: no code from the export directory runs; a ``--checkpoint``
 is exported to a temporary directory first, with ``--tokenizer-model`` or the run's tokenizer)
 and writes ``DIR/zeroshot.json``::
 
     {"tasks": {"<task>": {"acc": float, "acc_norm": float | null, "n": int}},
-     "average_acc": float, "model": "...", "limit": N | null}
+     "average_acc": float, "items": {"<task>": "0110..."}, "model": "...", "limit": N | null}
+
+(``items``: each item right (1) or wrong (0) by ``acc``, in document order, for item-level
+paired tests.)
 
 and the same as a Markdown table in ``DIR/zeroshot.md``. The default tasks are the local ones
 shipped in ``tasks/`` (``tm_shakespeare_nextline``, multiple choice; ``tm_shakespeare_lastword``,
@@ -56,9 +60,11 @@ def run_harness(
     import lm_eval
     from lm_eval.tasks import TaskManager
 
+    import tapered_megatron.hf  # noqa: F401 - the installed classes, never the export's code
+
     return lm_eval.simple_evaluate(
         model="hf",
-        model_args=f"pretrained={model_dir},trust_remote_code=True,dtype={dtype}",
+        model_args=f"pretrained={model_dir},trust_remote_code=False,dtype={dtype}",
         tasks=tasks,
         limit=limit,
         batch_size=batch_size,
@@ -83,6 +89,19 @@ def summarise(results: dict[str, Any]) -> dict[str, Any]:
         raise ExportError("the harness reported no accuracy for the requested tasks")
     average = sum(t["acc"] for t in out.values()) / len(out)
     return {"tasks": out, "average_acc": average}
+
+
+def item_outcomes(results: dict[str, Any], tasks: dict[str, Any]) -> dict[str, str]:
+    """Per task of ``tasks`` (a :func:`summarise` result's), whether each item was answered
+    right: ``"0110..."`` in document order, from the harness's logged samples (item-level
+    paired tests need them; a task without logged samples is left out)."""
+    out = {}
+    for task in tasks:
+        samples = results.get("samples", {}).get(task)
+        if samples:
+            by_doc = {int(x["doc_id"]): x["acc"] for x in samples}
+            out[task] = "".join("1" if by_doc[i] else "0" for i in sorted(by_doc))
+    return out
 
 
 def markdown(summary: dict[str, Any], model: str) -> str:
@@ -159,6 +178,7 @@ def main(argv: list[str] | None = None) -> int:
                     )
             results = run_harness(model_dir, tasks, a.limit, batch, a.device, include, a.dtype)
         summary = summarise(results)
+        summary["items"] = item_outcomes(results, summary["tasks"])
     except (ExportError, ArchitectureError, OSError) as e:
         return fail(e)
     source = a.model or a.checkpoint

@@ -37,7 +37,7 @@ from typing import Any
 
 import torch
 
-from tapered_megatron import safe_load
+from tapered_megatron import received, safe_load
 from tapered_megatron.checkpoint_layout import (
     COMPLETE,
     CONFIG,
@@ -132,8 +132,12 @@ def resolve_checkpoint(
         raise ExportError(f"{tag_dir / CONFIG}: {e}") from None
     plan_file = tag_dir / TAPER_PLAN
     if plan_file.is_file():
-        saved = json.loads(plan_file.read_text())["widths"]
-        if list(saved) != list(cfg.taper_plan.widths):
+        try:
+            plan = received.load_json(plan_file)
+        except received.ReceivedFileError as e:
+            raise ExportError(f"{e}; export another --tag") from None
+        saved = plan.get("widths") if isinstance(plan, dict) else plan
+        if saved != list(cfg.taper_plan.widths):
             raise ExportError(
                 f"{plan_file}: widths {saved} differ from the plan of config.yaml here "
                 f"({list(cfg.taper_plan.widths)}); use the tapered_megatron version that trained it"

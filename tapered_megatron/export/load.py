@@ -11,7 +11,6 @@ known). Only ``safetensors`` is needed for exports; nothing here imports ``trans
 
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -54,8 +53,8 @@ def check_dtype(dtype: str) -> None:
 
 def check_export(model_dir: str | Path) -> None:
     """Refuse an export whose files differ from its ``manifest.json`` (one line naming the
-    file; streamed sha256, as a checkpoint's ``complete`` is checked). An export written
-    without a manifest has nothing to check."""
+    file; streamed sha256, as a checkpoint's ``complete`` is checked): a manifest missing or not
+    listing exactly the export's files, or a symbolic link in it, is refused too."""
     why = manifest_problem(Path(model_dir), record=EXPORT_MANIFEST)
     if why is not None:
         raise ExportError(f"{why}; refused (export the checkpoint again or fetch a good copy)")
@@ -69,11 +68,25 @@ def weight_files(model_dir: str | Path) -> list[Path]:
         return [d / WEIGHTS]
     if not (d / WEIGHTS_INDEX).is_file():
         raise ExportError(f"--model {d}: no {WEIGHTS} and no {WEIGHTS_INDEX}")
-    names = sorted(set(json.loads((d / WEIGHTS_INDEX).read_text())["weight_map"].values()))
+    index = _received_json(d / WEIGHTS_INDEX)
+    files = index.get("weight_map") if isinstance(index, dict) else None
+    if not isinstance(files, dict):
+        raise ExportError(f"{d / WEIGHTS_INDEX}: no 'weight_map' mapping; refused")
+    names = sorted({str(name) for name in files.values()})
     for name in names:
         if Path(name).name != name or not (d / name).is_file():
             raise ExportError(f"{d / WEIGHTS_INDEX}: lists {name!r}, not a file of {d}")
     return [d / n for n in names]
+
+
+def _received_json(path: Path) -> Any:
+    """A JSON file of an export, parsed within :mod:`tapered_megatron.received`'s bounds."""
+    from tapered_megatron.received import ReceivedFileError, load_json
+
+    try:
+        return load_json(path)
+    except ReceivedFileError as e:
+        raise ExportError(f"{e}; refused") from None
 
 
 def read_export_config(
@@ -88,14 +101,14 @@ def read_export_config(
             f"--model {d}: no {CONFIG} (not an export directory; make one with "
             "python -m tapered_megatron.export --checkpoint DIR --out OUT)"
         )
-    raw = json.loads(path.read_text())
-    if "tapered_config" not in raw:
+    raw = _received_json(path)
+    if not isinstance(raw, dict) or "tapered_config" not in raw:
         raise ExportError(f"--model {d}: {CONFIG} is not a tapered-megatron export")
     try:
         cfg = config_from_dict(raw["tapered_config"], plugins)
     except ConfigError as e:
         raise ExportError(f"recorded configuration is not valid here: {e}") from None
-    if list(cfg.taper_plan.widths) != list(raw.get("taper_widths") or cfg.taper_plan.widths):
+    if list(cfg.taper_plan.widths) != (raw.get("taper_widths") or list(cfg.taper_plan.widths)):
         raise ExportError(
             f"--model {d}: recorded taper widths {raw['taper_widths']} differ from the plan of "
             f"its configuration here ({list(cfg.taper_plan.widths)}); use the tapered_megatron "

@@ -41,7 +41,8 @@ from pathlib import Path
 
 import torch
 
-from tapered_megatron.checkpoint_layout import write_manifest
+from tapered_megatron.architectures import resolve_architecture
+from tapered_megatron.checkpoint_layout import EXPORT_MANIFEST, manifest, write_manifest
 from tapered_megatron.config import Config
 from tapered_megatron.export.consolidate import CheckpointRef, resolve_checkpoint, weights
 from tapered_megatron.export.load import (
@@ -157,12 +158,41 @@ def write_weights(
     return n_params
 
 
+def earlier_export_problem(out: Path) -> str | None:
+    """Why ``--overwrite`` may not replace the non-empty directory ``out`` (one line), or None
+    when it is an earlier export: a ``manifest.json`` listing every other entry, nothing
+    unlisted (no checkpoint, no one's notes) and no symbolic link. Only what an export wrote is
+    ever deleted."""
+    if out.is_symlink():
+        return f"--out {out}: a symbolic link; --overwrite replaces only an earlier export"
+    listed = manifest(out, EXPORT_MANIFEST)
+    if listed is None:
+        return (
+            f"--out {out}: not empty and not an earlier export (no readable {EXPORT_MANIFEST}); "
+            "--overwrite replaces only an export, so choose a new directory"
+        )
+    for root, dirs, files in os.walk(out):  # symbolic links are listed, never followed
+        for name in dirs + files:
+            f = Path(root) / name
+            rel = str(f.relative_to(out))
+            if f.is_symlink() or not (f.is_dir() or rel in listed or rel == EXPORT_MANIFEST):
+                return (
+                    f"--out {out}: holds {rel}, which its {EXPORT_MANIFEST} does not list; "
+                    "--overwrite replaces only what an export wrote, so choose a new directory"
+                )
+    return None
+
+
 def _prepare_out(out: Path, overwrite: bool) -> Path:
     """Check ``out`` can be (re)placed and return a fresh temporary directory beside it."""
     if out.exists() and not out.is_dir():
         raise ExportError(f"--out {out}: exists and is not a directory")
-    if out.is_dir() and any(out.iterdir()) and not overwrite:
-        raise ExportError(f"--out {out}: not empty; choose a new directory or pass --overwrite")
+    if out.is_dir() and any(out.iterdir()):
+        if not overwrite:
+            raise ExportError(f"--out {out}: not empty; choose a new directory or pass --overwrite")
+        why = earlier_export_problem(out)
+        if why is not None:
+            raise ExportError(why)
     parent = out.parent
     try:
         parent.mkdir(parents=True, exist_ok=True)
@@ -246,9 +276,7 @@ def model_card(
     """The ``README.md`` of an export (``weights_note``: the weight files' dtype and layout)."""
     m, plan, val = cfg.model, cfg.taper_plan, prov.val
     tokens = prov.consumed_samples * m.seq_len
-    arch = m.arch + (f" (gate {m.gate})" if m.arch == "gated_attention" else "")
-    if m.arch == "titans":
-        arch += f" (variant {m.titans.variant})"
+    arch = resolve_architecture(m.arch).describe(cfg)
     ratios = "/".join(f"{r:g}" for r in plan.ratios)
     val_line = "not recorded by the run"
     if val is not None:
@@ -366,6 +394,7 @@ def write_export(
         write_manifest(tmp)
         _publish(tmp)
         if out.exists():
+            _prepare_out(out, overwrite).rmdir()  # still an earlier export (checked again)
             shutil.rmtree(out)
         os.replace(tmp, out)
     except BaseException:

@@ -6,10 +6,11 @@ parameter names are the exported names (``embedding.embed.weight``,
 its uncached forward is exactly our module's. Logits are returned over the real vocabulary
 (``config.vocab_size``); the padding rows of the LM head never produce a logit.
 
-Generation: ``transformer`` and ``gated_attention`` keep a key/value cache (a ``DynamicCache``,
-``model.kv_heads`` heads per layer: grouped-query attention shrinks it) and run one new token
-per step; ``titans`` and ``hope_attention`` update memories inside the
-sequence, so they recompute the whole prefix each step (correct, slower). Padding: a causal
+Generation: an architecture whose record says ``kv_cache`` (``transformer``,
+``gated_attention``: an ``Attention`` mixer) keeps a key/value cache (a ``DynamicCache``,
+``model.kv_heads`` heads per layer: grouped-query attention shrinks it) and runs one new token
+per step; the others (``titans`` and ``hope_attention`` update memories inside the sequence)
+recompute the whole prefix each step (correct, slower). Padding: a causal
 model is unaffected by padding on the right, which is all batched scoring needs; left padding
 (batched generation of prompts of unequal length) is rejected with a message.
 """
@@ -25,13 +26,12 @@ from transformers import GenerationMixin, PreTrainedModel
 from transformers.cache_utils import DynamicCache
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
+from tapered_megatron.architectures import resolve_architecture
 from tapered_megatron.checkpoint_layout import EXPORT_MANIFEST, manifest_problem
 from tapered_megatron.hf.configuration import TaperedConfig
-from tapered_megatron.models import LanguageModel, build_model, resolve_architecture
+from tapered_megatron.models import LanguageModel, blocks, build_model
 from tapered_megatron.models.attention import Attention
 from tapered_megatron.models.layers import RotaryEmbedding, rope_tables
-
-CACHED_ARCHS = ("transformer", "gated_attention")
 
 
 def _rotation(rope: RotaryEmbedding, start: int, length: int) -> torch.Tensor:
@@ -87,7 +87,7 @@ class TaperedForCausalLM(PreTrainedModel, GenerationMixin):
         cfg = config.run_config()
         self.arch, self.cfg = cfg.model.arch, cfg
         # e.g. Hope's teach signal: a pass of the whole model before the real one
-        self._first_pass = resolve_architecture(cfg.model.arch).first_pass
+        self._first_pass = blocks(cfg.model.arch).first_pass
         lm = build_model(cfg)  # random init from the run's seed; from_pretrained loads over it
         self.embedding, self.layers, self.head = lm.embedding, lm.layers, lm.head
         self.post_init()
@@ -103,8 +103,8 @@ class TaperedForCausalLM(PreTrainedModel, GenerationMixin):
 
     @property
     def supports_kv_cache(self) -> bool:
-        """Whether generation keeps a key/value cache (attention-only architectures)."""
-        return self.arch in CACHED_ARCHS
+        """Whether generation keeps a key/value cache (the record's ``kv_cache``)."""
+        return resolve_architecture(self.arch).kv_cache
 
     def _init_weights(self, module: torch.nn.Module) -> None:
         """Only the RoPE tables need computing: every parameter comes from the checkpoint (or
@@ -116,9 +116,11 @@ class TaperedForCausalLM(PreTrainedModel, GenerationMixin):
     @classmethod
     def from_pretrained(cls, pretrained_model_name_or_path: Any, *args: Any, **kwargs: Any) -> Any:
         """Hugging Face's ``from_pretrained``, after checking a local export directory against
-        its ``manifest.json`` (a changed file is refused in one line naming it)."""
+        its ``manifest.json`` (a changed, added or missing file is refused in one line naming
+        it); a directory without one (Hugging Face's own ``save_pretrained``) is not checked."""
         folder = Path(str(pretrained_model_name_or_path))
-        why = manifest_problem(folder, record=EXPORT_MANIFEST) if folder.is_dir() else None
+        ours = folder.is_dir() and (folder / EXPORT_MANIFEST).exists()
+        why = manifest_problem(folder, record=EXPORT_MANIFEST) if ours else None
         if why is not None:
             raise ValueError(f"{why}; refused")
         return super().from_pretrained(pretrained_model_name_or_path, *args, **kwargs)

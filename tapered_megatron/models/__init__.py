@@ -8,18 +8,24 @@ Public entry (stable)::
     counts = count_model(cfg)             # params / FLOPs / activation bytes per layer
     table = units(cfg, "sublayer")        # the pipeline units everything above maps over
 
-See :mod:`tapered_megatron.models.base` for the mixer / MLP-slot protocol and
-:mod:`tapered_megatron.models.registry` for the registry (it imports the built-in architectures).
+See :mod:`tapered_megatron.models.base` for the mixer / MLP-slot protocol,
+:mod:`tapered_megatron.architectures` for the records (the registry) and
+:mod:`tapered_megatron.models.registry` for the import of a record's modules.
 """
 
-from tapered_megatron.models.base import (
+from tapered_megatron.architectures import (
     ARCHITECTURES,
     Architecture,
+    ArchitectureError,
+    load_plugins,
+    register_architecture,
+    resolve_architecture,
+)
+from tapered_megatron.models.base import (
     Counts,
     MLPSlot,
     TokenMixer,
     in_context_memory,
-    register_architecture,
     take_diagnostics,
 )
 from tapered_megatron.models.counters import LayerCounts, ModelCounts, count_model
@@ -39,13 +45,14 @@ from tapered_megatron.models.language_model import (
     unit_prefixes,
     units,
 )
-from tapered_megatron.models.registry import ArchitectureError, load_plugins, resolve_architecture
+from tapered_megatron.models.registry import Blocks, blocks
 
 __all__ = [
     "ARCHITECTURES",
     "Architecture",
     "ArchitectureError",
     "Block",
+    "Blocks",
     "Counts",
     "Embedding",
     "Head",
@@ -57,6 +64,7 @@ __all__ = [
     "TokenMixer",
     "Unit",
     "allow_layer_recompiles",
+    "blocks",
     "build_model",
     "canonical_parameters",
     "count_model",

@@ -16,21 +16,13 @@ reduce-scatters them.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 
-from tapered_megatron.models.base import (
-    Architecture,
-    Counts,
-    TokenMixer,
-    register_architecture,
-    sequence_parallel,
-)
+from tapered_megatron.models.base import Counts, TokenMixer, sequence_parallel
 from tapered_megatron.models.layers import RotaryEmbedding
-from tapered_megatron.models.mlp import SwiGLU
 from tapered_megatron.parallel import (
     ColumnParallelLinear,
     RowParallelLinear,
@@ -161,13 +153,6 @@ class Attention(TokenMixer):
         )
 
 
-@dataclass(frozen=True)
-class GateOptions:
-    """``gated_attention``'s setting, written directly under ``model`` (``--model.gate``)."""
-
-    gate: Literal["elementwise", "headwise"] = "elementwise"
-
-
 class GatedAttention(Attention):
     """Gated attention (Qiu et al. 2025, "G1" as in Qwen3-Next): ``o_h * sigmoid(X W_g,h)``.
 
@@ -192,17 +177,3 @@ class GatedAttention(Attention):
 
     def gate(self, o: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
         return o * torch.sigmoid(g)
-
-
-register_architecture(Architecture("transformer", Attention, SwiGLU, compiles=True))
-register_architecture(
-    Architecture(
-        "gated_attention",
-        GatedAttention,
-        SwiGLU,
-        options=GateOptions,
-        section="",
-        mixer_efficiency=0.95,  # the gate's elementwise pass beside the attention core
-        compiles=True,
-    )
-)

@@ -1,4 +1,4 @@
-"""The block protocol and the architecture registry: a new architecture is one file.
+"""The block protocol: what a token mixer and an MLP slot are.
 
 A layer of every architecture is (pre-norm, as in the paper, arXiv 2606.23670)::
 
@@ -6,17 +6,10 @@ A layer of every architecture is (pre-norm, as in the paper, arXiv 2606.23670)::
     h = z + mlp(mlp_norm(z))            # MLP slot F_l, the tapered site (width d_ff(l))
 
 The block (:class:`tapered_megatron.models.language_model.Block`) owns the two RMSNorms and the
-residual adds. An architecture is one :class:`Architecture` record, registered with
-:func:`register_architecture` by the file that defines it; the registry :data:`ARCHITECTURES` is
-the only list of architectures (``model.arch`` accepts exactly its keys). A record names:
-
-* a :class:`TokenMixer` subclass and an :class:`MLPSlot` subclass;
-* its options dataclass (frozen), parsed from the config section ``model.<section>`` of that
-  architecture only (a config never carries another architecture's section);
-* a validation function for checks that need the whole config;
-* the cost model's efficiency of its mixer and whether ``torch.compile`` is supported;
-* an optional first pass of the whole model before each forward (Hope's teach signal; it needs
-  the whole model in one process).
+residual adds. An architecture is one record (:class:`tapered_megatron.architectures.Architecture`,
+torch-free: its options, checks, costs and the names of its modules) plus the modules: a
+:class:`TokenMixer` subclass and an :class:`MLPSlot` subclass, imported when a model is built
+(:func:`tapered_megatron.models.registry.blocks`).
 
 A module whose weights learn inside the sequence (Titans' memory, Hope's CMS) carries a boolean
 ``in_context`` (True); :func:`in_context_memory` switches those updates off for a probe. A
@@ -63,16 +56,16 @@ the parallel layers do). The unit that owns the module calls
 the init is the same at any TP size and in the pipeline form. Parameters without those
 attributes keep their constructor value (constants such as norm gains or gate biases).
 
-Architectures outside the package are files or modules named in ``model.plugins`` (imported by
-:func:`~tapered_megatron.models.registry.load_plugins` before ``model.arch`` is resolved); see
-``docs/ARCHITECTURE.md``.
+Architectures outside the package are files, folders or modules named in ``model.plugins``
+(imported by :func:`~tapered_megatron.architectures.load_plugins` before ``model.arch`` is
+resolved); see ``docs/ARCHITECTURE.md``.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, fields, is_dataclass
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
@@ -171,74 +164,6 @@ class TokenMixer(BlockPart):
 
 class MLPSlot(BlockPart):
     """Base of MLP-slot modules ``F_l`` (the tapered site): ``[b, s, d] -> [b, s, d]``."""
-
-
-@dataclass(frozen=True)
-class Architecture:
-    """Everything about one architecture (see the module docstring).
-
-    Attributes:
-        name: the ``model.arch`` value.
-        mixer: the token mixer class (a :class:`TokenMixer`).
-        mlp: the MLP-slot class (a :class:`MLPSlot`).
-        options: frozen dataclass of the architecture's own settings, or ``None``.
-        section: where those settings sit under ``model``: ``model.<section>.<field>``; ``""``
-            puts the fields directly in ``model`` (``model.gate``); ``None`` means ``name``.
-        validate: ``validate(cfg)`` for checks that need the whole config; raises
-            :class:`tapered_megatron.config.ConfigError` naming the key and the fix.
-        mixer_efficiency: the mixer's achieved fraction of attention's efficiency on the same
-            device (the pipeline cost model scales its mixer time by it).
-        compiles: whether ``train.compile`` (``torch.compile``) is supported.
-        first_pass: ``first_pass(model, input_ids)``, run by ``LanguageModel.forward`` before
-            its pass (Hope's teach signal); ``None``: no first pass.
-        first_pass_config: ``first_pass_config(cfg)``, a config whose model's forward costs
-            what ``first_pass`` adds to every training step under ``cfg`` (one forward
-            without backward), or ``None`` where it adds nothing (the default: always
-            ``None``); the FLOP counts (:func:`tapered_megatron.models.count_model`, the
-            trainer's MFU) and the pipeline cost model add that forward.
-    """
-
-    name: str
-    mixer: type[TokenMixer]
-    mlp: type[MLPSlot]
-    options: type | None = None
-    section: str | None = None
-    validate: Callable[[Config], None] | None = None
-    mixer_efficiency: float = 1.0
-    compiles: bool = False
-    first_pass: Callable[[nn.Module, torch.Tensor], None] | None = None
-    first_pass_config: Callable[[Config], Config | None] = lambda cfg: None
-
-    @property
-    def options_key(self) -> str | None:
-        """The ``model`` key of the options (``""``: flat in ``model``; ``None``: no options)."""
-        if self.options is None:
-            return None
-        return self.name if self.section is None else self.section
-
-    def option_names(self) -> tuple[str, ...]:
-        """The keys this architecture owns inside ``model``: its section, or its flat fields."""
-        key = self.options_key
-        if key is None:
-            return ()
-        return tuple(f.name for f in fields(self.options)) if key == "" else (key,)
-
-
-#: The registry: ``model.arch`` -> record. Filled by the architecture files as they are imported
-#: (:mod:`tapered_megatron.models.registry` imports the built-in ones).
-ARCHITECTURES: dict[str, Architecture] = {}
-
-
-def register_architecture(arch: Architecture) -> Architecture:
-    """Add (or replace) ``arch`` in the registry; returns it."""
-    if not (isinstance(arch.mixer, type) and issubclass(arch.mixer, TokenMixer)):
-        raise TypeError(f"architecture {arch.name!r}: mixer must be a TokenMixer subclass")
-    if not (isinstance(arch.mlp, type) and issubclass(arch.mlp, MLPSlot)):
-        raise TypeError(f"architecture {arch.name!r}: mlp must be an MLPSlot subclass")
-    if arch.options is not None and not is_dataclass(arch.options):
-        raise TypeError(f"architecture {arch.name!r}: options must be a dataclass")
-    ARCHITECTURES[arch.name] = arch
-    return arch
 
 
 @contextmanager

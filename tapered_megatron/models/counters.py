@@ -19,9 +19,9 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
 
+from tapered_megatron.architectures import resolve_architecture
 from tapered_megatron.models.base import Counts
 from tapered_megatron.models.language_model import units
-from tapered_megatron.models.registry import resolve_architecture
 
 if TYPE_CHECKING:
     from tapered_megatron.config import Config

@@ -32,9 +32,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tapered_megatron.architectures import resolve_architecture
 from tapered_megatron.models.base import Counts, Recomputed, sequence_parallel
 from tapered_megatron.models.layers import RMSNorm
-from tapered_megatron.models.registry import resolve_architecture
+from tapered_megatron.models.registry import blocks
 from tapered_megatron.parallel import (
     ColumnParallelLinear,
     VocabParallelEmbedding,
@@ -100,7 +101,7 @@ class Block(nn.Module):
 
     def __init__(self, cfg: Config, layer: int, halves: tuple[str, ...] = HALVES) -> None:
         super().__init__()
-        arch = resolve_architecture(cfg.model.arch)
+        arch = blocks(cfg.model.arch)
         m = cfg.model
         self.layer, self.halves = layer, tuple(halves)
         self.dropout = m.dropout
@@ -147,7 +148,7 @@ class Block(nn.Module):
         """Each half's module counts plus its norm (a gain; keeps its normalised input and the
         fp32 reciprocal RMS for backward) and, with ``model.dropout``, its dropout mask (one
         byte per element)."""
-        arch = resolve_architecture(cfg.model.arch)
+        arch = blocks(cfg.model.arch)
         d = cfg.model.d_model
         mask = d if cfg.model.dropout > 0 else 0
         norm = Counts(d, 0.0, float(d * dtype_bytes + 4 + mask))
@@ -313,11 +314,11 @@ class LanguageModel(nn.Module):
     def __init__(self, cfg: Config) -> None:
         super().__init__()
         self.cfg = cfg
-        embedding, *blocks, head = (u.build() for u in units(cfg, "layer"))
+        embedding, *layers, head = (u.build() for u in units(cfg, "layer"))
         self.embedding = embedding
-        self.layers = nn.ModuleList(blocks)
+        self.layers = nn.ModuleList(layers)
         self.head = head
-        self._first_pass = resolve_architecture(cfg.model.arch).first_pass
+        self._first_pass = blocks(cfg.model.arch).first_pass
 
     def forward(
         self, input_ids: torch.Tensor, labels: torch.Tensor | tuple | None = None

@@ -1,71 +1,44 @@
-"""Looking architectures up: the registry with the built-in architectures in it.
+"""The modules of an architecture: :func:`blocks` imports what its record names.
 
-This module imports the built-in architecture files, each of which adds its records to
-:data:`~tapered_megatron.models.base.ARCHITECTURES` with
-:func:`~tapered_megatron.models.base.register_architecture`, so a lookup here always sees them,
-whoever imports it first. Architectures from other files come in through :func:`load_plugins`.
+A record (:class:`tapered_megatron.architectures.Architecture`) names its token mixer, MLP slot
+and first pass as ``"module:Name"``; the model, the counters and the cost model ask
+:func:`blocks` for the classes, imported once per record and checked against the protocol of
+:mod:`tapered_megatron.models.base`.
 """
 
 from __future__ import annotations
 
-import importlib
-import sys
-from pathlib import Path
+import functools
+from collections.abc import Callable
+from dataclasses import dataclass
 
-from tapered_megatron.models import attention, hope, titans  # noqa: F401 - they register themselves
-from tapered_megatron.models.base import ARCHITECTURES, Architecture
+import torch
+from torch import nn
 
-
-class ArchitectureError(RuntimeError):
-    """An architecture that cannot be found (unknown name or a plugin that does not load)."""
-
-
-def resolve_architecture(name: str) -> Architecture:
-    """The registered record of ``name``."""
-    try:
-        return ARCHITECTURES[name]
-    except KeyError:
-        known = ", ".join(sorted(ARCHITECTURES))
-        raise ArchitectureError(
-            f"model.arch: unknown architecture {name!r}; registered: {known} (architectures "
-            "from other files are added with model.plugins)"
-        ) from None
+from tapered_megatron.architectures import Architecture, load_name, resolve_architecture
+from tapered_megatron.models.base import MLPSlot, TokenMixer
 
 
-def load_plugins(plugins: tuple[str, ...] | list[str]) -> None:
-    """Import each plugin: a module path (``my_pkg.my_arch``) or a ``.py`` file path.
+@dataclass(frozen=True)
+class Blocks:
+    """The imported modules of one architecture."""
 
-    Importing a plugin registers its architectures. A file is imported as a top-level module
-    named after the file, its folder put on ``sys.path`` (so spawned worker processes, which
-    inherit ``sys.path``, can import it again to unpickle configs).
-    """
-    for plugin in plugins:
-        path = Path(plugin)
-        if path.suffix == ".py":
-            if not path.is_file():
-                raise ArchitectureError(
-                    f"model.plugins: file {plugin} does not exist; give a .py path or a module"
-                )
-            folder, name = str(path.resolve().parent), path.stem
-            known = sys.modules.get(name)
-            if known is not None:
-                if Path(getattr(known, "__file__", "") or "").resolve() != path.resolve():
-                    raise ArchitectureError(
-                        f"model.plugins: {plugin} would import as module {name!r}, which is "
-                        f"already {known.__file__}; rename the file"
-                    )
-                continue
-            if folder not in sys.path:
-                sys.path.insert(0, folder)
-            module = name
-        else:
-            module = plugin
-        try:
-            importlib.import_module(module)
-        except ModuleNotFoundError as e:
-            if e.name != module:
-                raise
-            raise ArchitectureError(
-                f"model.plugins: no module named {module!r}; give an importable module or a "
-                ".py file path"
-            ) from None
+    mixer: type[TokenMixer]
+    mlp: type[MLPSlot]
+    first_pass: Callable[[nn.Module, torch.Tensor], None] | None
+
+
+def blocks(arch: Architecture | str) -> Blocks:
+    """The modules of ``arch`` (a record or a ``model.arch`` name), imported on first use."""
+    return _blocks(resolve_architecture(arch) if isinstance(arch, str) else arch)
+
+
+@functools.cache
+def _blocks(arch: Architecture) -> Blocks:
+    mixer, mlp = load_name(arch.mixer), load_name(arch.mlp)
+    if not (isinstance(mixer, type) and issubclass(mixer, TokenMixer)):
+        raise TypeError(f"architecture {arch.name!r}: mixer {arch.mixer} is not a TokenMixer")
+    if not (isinstance(mlp, type) and issubclass(mlp, MLPSlot)):
+        raise TypeError(f"architecture {arch.name!r}: mlp {arch.mlp} is not an MLPSlot")
+    first = load_name(arch.first_pass) if arch.first_pass else None
+    return Blocks(mixer, mlp, first)

@@ -16,11 +16,10 @@ import argparse
 import json
 import sys
 
-from tapered_megatron.config import PRESET_DIR, ConfigError, load_config
-from tapered_megatron.models.base import ARCHITECTURES
+from tapered_megatron.architectures import BUILT_IN, ArchitectureError
+from tapered_megatron.config import ConfigError, load_config, preset_names
 from tapered_megatron.models.counters import count_model
 from tapered_megatron.models.language_model import meta_param_count
-from tapered_megatron.models.registry import ArchitectureError
 
 
 def _fmt(x: float) -> str:
@@ -33,8 +32,8 @@ def _fmt(x: float) -> str:
 def compare(scales: list[str]) -> list[dict]:
     """One row per scale and built-in architecture with a preset ``<arch>_<scale>``: its
     parameters and training FLOPs per token, and their ratios to ``transformer_<scale>``'s."""
-    archs = [n for n, a in ARCHITECTURES.items() if a.mixer.__module__.startswith("tapered_m")]
-    presets = {p.stem for p in PRESET_DIR.glob("*.yaml")}
+    archs = BUILT_IN
+    presets = set(preset_names())
     rows = []
     for scale in scales:
         if f"transformer_{scale}" not in presets:

@@ -35,6 +35,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from tapered_megatron.planning import cost as costlib
+from tapered_megatron.planning.chunks import ChunkPlan, ChunkSetup, balance_chunks, chunk_table
+from tapered_megatron.planning.schedule import SCHEDULES, schedule_problem
 from tapered_megatron.planning.solver import InfeasibleError, Problem, bottleneck_ratio, solve
 
 if TYPE_CHECKING:
@@ -209,6 +211,54 @@ def analyse(
     pp: int,
     micro_batches: int | None = None,
     *,
+    methods: Sequence[str] = METHODS,
+    **kwargs: Any,
+) -> Balance:
+    """Unit costs of ``cfg`` and the partitions of ``methods`` at pipeline size ``pp``.
+
+    The trainer (through :class:`~tapered_megatron.parallel.pipeline.BalancedPipelineModule`) and
+    the planner both call this, so they choose the same stages for the same run. Keyword
+    arguments are :func:`unit_setup`'s.
+    """
+    costs, m, cap, fixed = unit_setup(cfg, pp, micro_batches, **kwargs)
+    return balance_costs(costs, pp, m, cap, fixed, methods)
+
+
+def chunk_setup(
+    cfg: Config,
+    pp: int,
+    v: int,
+    schedule: str,
+    micro_batches: int | None = None,
+    *,
+    p2p: float = 0.0,
+    **kwargs: Any,
+) -> ChunkSetup:
+    """The unit costs of ``cfg`` and what a ``pp x v`` cut for ``schedule`` is scored against;
+    keyword arguments are :func:`unit_setup`'s. Raises ``ValueError`` for a schedule that
+    cannot run the layout."""
+    costs, m, cap, fixed = unit_setup(cfg, pp, micro_batches, **kwargs)
+    problem = schedule_problem(schedule, pp, v, m)
+    if problem:
+        raise ValueError(problem)
+    full = (kwargs.get("recompute") or cfg.train.recompute) == "full"
+    return ChunkSetup(tuple(costs), schedule, pp, v, m, cap, fixed, 4 if full else 3, p2p)
+
+
+def analyse_chunks(
+    cfg: Config, pp: int, v: int, schedule: str, micro_batches: int | None = None, **kwargs: Any
+) -> tuple[ChunkSetup, dict[str, ChunkPlan]]:
+    """:func:`chunk_setup` and the cut of every method of
+    :data:`~tapered_megatron.planning.chunks.CHUNK_METHODS`."""
+    setup = chunk_setup(cfg, pp, v, schedule, micro_batches, **kwargs)
+    return setup, balance_chunks(setup)
+
+
+def unit_setup(
+    cfg: Config,
+    pp: int,
+    micro_batches: int | None = None,
+    *,
     unit: str | None = None,
     device: str | costlib.Device = "auto",
     gpu_mem: float | None = None,
@@ -219,20 +269,19 @@ def analyse(
     sequence_parallel: bool | None = None,
     micro_batch_size: int | None = None,
     profiled: bool = False,
-    methods: Sequence[str] = METHODS,
     zero3: costlib.Zero3 | None = None,
-) -> Balance:
-    """Unit costs of ``cfg`` and the partitions of ``methods`` at pipeline size ``pp``.
-
-    The trainer (through :class:`~tapered_megatron.parallel.pipeline.BalancedPipelineModule`) and
-    the planner both call this, so they choose the same stages for the same run. ``gpu_mem`` is
-    the per-device cap in GiB (default: the device's memory); ``recompute`` (``none``,
-    ``selective``, ``full``), ``tp``, ``sequence_parallel`` and ``micro_batch_size`` default to
-    the config's; ``profiled`` uses per-unit times measured on this machine (cached) instead of
-    the analytic FLOP model. Under ZeRO-3 (``zero_stage`` 3, ``pp`` 1) ``zero3`` holds
-    DeepSpeed's buffer sizes (default: ``ds_configs/zero3.json``'s) and the stage memory adds
-    :func:`~tapered_megatron.planning.cost.zero3_stage_bytes`.
-    """
+) -> tuple[list[costlib.UnitCost], int, float, float]:
+    """Unit costs, micro-batches, per-device cap and fixed bytes of ``cfg`` at pipeline size
+    ``pp``. ``gpu_mem`` is the per-device cap in GiB (default: the device's memory);
+    ``recompute`` (``none``, ``selective``, ``full``), ``tp``, ``sequence_parallel`` and
+    ``micro_batch_size`` default to the config's; ``profiled`` uses per-unit times measured on
+    this machine (cached) instead of the analytic FLOP model. Under ZeRO-3 (``zero_stage`` 3,
+    ``pp`` 1) ``zero3`` holds DeepSpeed's buffer sizes (default: ``ds_configs/zero3.json``'s)
+    and the fixed bytes add :func:`~tapered_megatron.planning.cost.zero3_stage_bytes`; under a
+    pipeline every stage adds the engine's buffers
+    (:func:`~tapered_megatron.planning.cost.pipeline_buffer_bytes`); a single bf16 ZeRO-1 stage
+    (DeepSpeed's ``BF16_Optimizer``) holds the larger of its activations and its gradient
+    reduce's flat copies (:func:`~tapered_megatron.planning.cost.fallback_reduce_bytes`)."""
     dev = device if isinstance(device, costlib.Device) else costlib.resolve_device(device)
     m = micro_batches if micro_batches is not None else default_micro_batches(cfg, pp, dp)
     shape = costlib.RunShape(
@@ -261,7 +310,14 @@ def analyse(
                 "only without pipeline parallelism; use ZeRO 0 or 1, or pp 1"
             )
         fixed += costlib.zero3_stage_bytes(cfg, costs, shape, dev)
-    return balance_costs(costs, pp, m, cap, fixed, methods)
+    if pp > 1:
+        fixed += costlib.pipeline_buffer_bytes(cfg, shape, pp)
+    elif zero_stage == 1 and dev.precision == "bf16":
+        # BF16_Optimizer's reduce after backward, instead of the activations
+        units = sum(c.act for c in costs) + max(c.peak for c in costs)
+        local = sum(c.local_params for c in costs)
+        fixed += max(0.0, costlib.fallback_reduce_bytes(local, 2) - units)
+    return costs, m, cap, fixed
 
 
 def partition(
@@ -307,22 +363,27 @@ def main(argv: list[str] | None = None) -> int:
         help="activation recomputation (default: the config's train.recompute)",
     )  # fmt: skip
     ap.add_argument("--profiled", action="store_true", help="per-unit times measured here")
+    ap.add_argument(
+        "--schedule", choices=SCHEDULES, default="1f1b",
+        help="pipeline schedule; with --virtual-stages: the per-chunk table of P x v chunks",
+    )  # fmt: skip
+    ap.add_argument("--virtual-stages", type=int, default=1, help="chunks per pipeline rank")
     ap.add_argument("--json", action="store_true", help="one JSON object")
     a, rest = ap.parse_known_args(argv)
     cfg = load_config_or_exit(a.config, rest)
+    setup_kwargs = {
+        "unit": a.unit,
+        "device": a.device,
+        "gpu_mem": a.gpu_mem,
+        "dp": a.dp,
+        "zero_stage": a.zero,
+        "recompute": a.recompute,
+        "profiled": a.profiled,
+    }
     try:
-        res = analyse(
-            cfg,
-            a.pp,
-            a.micro_batches,
-            unit=a.unit,
-            device=a.device,
-            gpu_mem=a.gpu_mem,
-            dp=a.dp,
-            zero_stage=a.zero,
-            recompute=a.recompute,
-            profiled=a.profiled,
-        )
+        if a.schedule != "1f1b" or a.virtual_stages != 1:
+            return _print_chunks(cfg, a, setup_kwargs)
+        res = analyse(cfg, a.pp, a.micro_batches, **setup_kwargs)
     except (InfeasibleError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
@@ -336,6 +397,27 @@ def main(argv: list[str] | None = None) -> int:
         "bottleneck ratio (slowest stage / mean): "
         + ", ".join(f"{m} {res.methods[m].bottleneck:.3f}" for m in METHODS)
     )
+    return 0
+
+
+def _print_chunks(cfg: Config, a: argparse.Namespace, setup_kwargs: dict[str, Any]) -> int:
+    """The chunk table (or ``--json``) of ``--schedule`` at ``--virtual-stages``."""
+    setup, plans = analyse_chunks(
+        cfg, a.pp, a.virtual_stages, a.schedule, a.micro_batches, **setup_kwargs
+    )
+    if a.json:
+        out = {
+            "config": cfg.name,
+            "schedule": setup.schedule,
+            "pp": setup.pp,
+            "virtual_stages": setup.v,
+            "micro_batches": setup.micro_batches,
+            "units": [c.name for c in setup.costs],
+            "predicted": {m: p.to_dict() for m, p in plans.items()},
+        }
+        print(json.dumps(out))
+    else:
+        print(chunk_table(setup, plans))
     return 0
 
 

@@ -6,18 +6,27 @@ and the final norm + LM head + loss. Parameters, forward FLOPs per token and act
 token are each unit's own counts (the counters' numbers); backward is 2x forward, so a unit's
 training time for one micro-batch of ``b`` sequences of ``s`` tokens is::
 
-    time = (3 + r) * (flops_fwd_per_token * b * s / (tp * peak * efficiency) + launch)
+    time = (3 + r) * (forward + launch)
            + (2 + r) * all_reduces[kind] * ring(b * s * d_model * element, tp)
+    forward = b * s / tp * ((flops - core_flops) / (peak * efficiency)
+                            + core_flops / (peak * core_efficiency)
+                            + act_traffic * act_bytes / mem_bw)
 
 with ``r = 1`` when the unit is recomputed (``train.recompute full``); under ``selective`` the
 cores' FLOPs (:class:`~tapered_megatron.models.base.Counts` ``core_flops``) run once more, with no
 extra all-reduce; an architecture's
 first pass (Hope's teach signal: the record's ``first_pass_config``) adds one more forward of the
 unit at the first-pass config's FLOPs, with its all-reduces. ``efficiency`` is the
-achieved fraction of the device's dense peak per unit kind (mixer / MLP / block / head /
-embedding; documented defaults per device, the CPU ones calibrated here), scaled for mixers by
-the architecture record's ``mixer_efficiency``; ``launch`` is a fixed per-pass overhead per
-block half (small on a GPU; PyTorch's per-op cost on a CPU). The last term is tensor-parallel
+achieved fraction of the device's dense peak per unit kind for the matrix products (mixer / MLP /
+block / head / embedding), ``core_efficiency`` that of the cores (attention scores and weighted
+sum, a memory module's inner updates), both scaled for mixers by the architecture record's
+``mixer_efficiency``; ``act_traffic`` is the memory-bound work around them (norms, activation
+functions, residual adds) as bytes moved per byte of saved activations, at HBM bandwidth. The GPU
+presets' constants are fitted to published measured runs
+(:mod:`tapered_megatron.planning.calibration`), the CPU ones calibrated here; ``launch`` is a
+fixed per-pass overhead per
+block half (on a GPU fitted too: eager PyTorch's launches and hooks; on a CPU PyTorch's per-op
+cost). The last term is tensor-parallel
 communication: ring all-reduces of the residual stream (one per sub-layer per pass) over NVLink
 inside a node, the network beyond. Under sequence parallelism each becomes a reduce-scatter and an
 all-gather (the same ring time); a half whose module runs on the whole sequence (the memory
@@ -32,13 +41,18 @@ Memory of stage ``j`` under 1F1B with ``M`` micro-batches (stage ``j`` of ``P`` 
     mem_j = overhead + sum(params) / tp * bytes_per_param(precision, zero, dp, pipeline)
             + min(P - j, M) * sum(saved activations of one micro-batch) + max(transient)
 
-* parameters per rank: the unit's count / tp, except the key/value projections when the TP size
-  exceeds ``model.kv_heads`` (grouped-query attention): every rank holds those whole.
+* parameters per rank: the unit's count / tp, except what every rank holds whole: the
+  parameters no TP layout splits (RMSNorm gains, Hope's level rates) and the key/value
+  projections when the TP size exceeds ``model.kv_heads`` (grouped-query attention).
+* buffers (RoPE's tables) whole on every rank, in their own dtype (ZeRO-3's ``zero.Init``
+  casts them to the model's), with the model state.
 * bytes per parameter (ZeRO paper accounting, K = 12 for Adam's fp32 master + m + v):
   bf16 = 2 (weights) + 2 (grads) + 12 (optimizer), with gradients accumulated in fp32 as the
   shipped and planned ds_configs ask from ZeRO-1 up (``data_types.grad_accum_dtype``):
   DeepSpeed's BF16_Optimizer (ZeRO-1, pipeline runs) adds a full 4-byte fp32 gradient buffer,
-  ZeRO-2/3 keep their gradient partition in fp32 (4 / dp instead of 2 / dp);
+  and under the pipeline engine (``immediate_grad_update``, as the planner writes it) holds
+  no bf16 gradients; ZeRO-2/3 keep their gradient partition in fp32 (4 / dp instead of
+  2 / dp);
   fp32 = 4 + 4 + 8 without ZeRO, 4 + 4 + 12 under ZeRO: DeepSpeed's ZeRO optimizers keep an
   fp32 master partition also in fp32 training (stage 1/2 clone it; stage 3's alias for an
   fp32 model compares a ``torch.device`` with a device-name string and never holds, in
@@ -54,7 +68,8 @@ Memory of stage ``j`` under 1F1B with ``M`` micro-batches (stage ``j`` of ``P`` 
   sequence shard under sequence parallelism); with ``selective`` it keeps all but its cores'
   ``core_bytes`` (inside the TP region: sharded but ``core_replicated``).
 * transient: while one unit runs backward, its activation gradients (about the size of what it
-  saved; under checkpointing its recomputed activations) live next to everything in flight.
+  saved) live next to everything in flight; under checkpointing its recomputed activations
+  live beside them too (twice the unit's activations).
   The head's fused loss keeps its fp32 weight gradient per micro-batch in flight and works
   through one chunk of fp32 logits at a time; no logits-sized tensor exists. Under ZeRO-3 a
   unit's transient also holds its full gradient (before DeepSpeed moves it into the reduce
@@ -68,23 +83,35 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
+from functools import lru_cache
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from tapered_megatron.config import Config
-    from tapered_megatron.models.base import Architecture, Counts
+    from tapered_megatron.models.base import Counts
+    from tapered_megatron.models.language_model import Unit
+    from tapered_megatron.models.registry import Blocks
 
 GiB = 1024**3
 
-# Achieved fraction of dense peak per unit kind on large-GPU bf16 training (Megatron-LM class
-# kernels, flash attention). Attention cores and memory-module scans run below matmul efficiency.
-GPU_EFFICIENCY = {
-    "embedding": 0.05,  # a gather: memory bound; its FLOPs are ~0, the launch term dominates
-    "mixer": 0.50,
-    "mlp": 0.65,
-    "layer": 0.58,
-    "head": 0.65,
-}
+
+def gpu_efficiency(dense: float, core: float) -> dict[str, float]:
+    """Achieved fraction of a GPU's dense peak per unit kind in bf16 training: ``dense`` for the
+    matrix products (projections, MLP, head), ``core`` for the cores (attention scores and
+    weighted sum: flash attention; a memory module's inner updates); the embedding is a gather
+    (memory bound, its FLOPs ~0: the launch term dominates)."""
+    return {"embedding": 0.05, "mixer": dense, "mlp": dense, "layer": dense, "head": dense,
+            "core": core}  # fmt: skip
+
+
+#: Efficiencies and overlap tax of the GPU presets, fitted on the fitting runs of the
+#: calibration set (published measured runs: tapered_megatron/planning/calibration_runs.yaml,
+#: ``python -m tapered_megatron.plan --calibrate --fit``); the held-out runs score them.
+H100_EFFICIENCY = gpu_efficiency(0.68, 0.18)
+A100_EFFICIENCY = gpu_efficiency(0.76, 0.38)
+GPU_OVERLAP_TAX = 0.35
+GPU_ACT_TRAFFIC = 2.25
+GPU_LAUNCH_S = 750e-6
 
 
 # Dense (no sparsity) bf16 peak TFLOP/s per accelerator product (vendor data sheets), keyed by a
@@ -120,8 +147,13 @@ class Device:
     gpus_per_node: int = 8
     mem_bw: float = 3.35e12  # HBM bytes/s (optimizer step is memory bound)
     overhead_bytes: float = 2.0 * GiB  # CUDA context, allocator slack, comm buffers
-    launch_s: float = 20e-6  # fixed per-pass cost of a block half or unit (launches, hooks)
-    efficiency: dict[str, float] = field(default_factory=lambda: dict(GPU_EFFICIENCY))
+    launch_s: float = GPU_LAUNCH_S  # fixed per-pass cost of a block half or unit (launches, hooks)
+    efficiency: dict[str, float] = field(default_factory=lambda: dict(H100_EFFICIENCY))
+    # Compute time lost per second of communication overlapped with it (NCCL's kernels take
+    # streaming multiprocessors and memory bandwidth from the compute they hide behind).
+    overlap_tax: float = GPU_OVERLAP_TAX
+    # Memory-bound traffic of a pass per byte of the activations a unit saves (forward_time).
+    act_traffic: float = GPU_ACT_TRAFFIC
     # Full-size fp32 temporaries of torch's AdamW step: its multi-tensor (foreach) path, the
     # default on CUDA, holds one (``exp_avg_sq_sqrt``); the single-tensor path, the default on
     # a CPU, two at once (``exp_avg_sq.sqrt() / bias_correction2_sqrt``).
@@ -134,7 +166,15 @@ class Device:
 DEVICES: dict[str, Device] = {
     "h100": Device("h100", PEAK_TFLOPS["H100"] * 1e12, 80 * GiB, 450e9, 50e9),
     "h200": Device("h200", PEAK_TFLOPS["H200"] * 1e12, 141e9, 450e9, 50e9, mem_bw=4.8e12),
-    "a100": Device("a100", PEAK_TFLOPS["A100"] * 1e12, 80 * GiB, 300e9, 25e9, mem_bw=2.0e12),
+    "a100": Device(
+        "a100",
+        PEAK_TFLOPS["A100"] * 1e12,
+        80 * GiB,
+        300e9,
+        25e9,
+        mem_bw=2.0e12,
+        efficiency=dict(A100_EFFICIENCY),
+    ),
     "cpu": Device(
         "cpu",
         50e9,  # replaced by the measured value (profile.measure_cpu_peak)
@@ -148,6 +188,8 @@ DEVICES: dict[str, Device] = {
         launch_s=0.75e-3,
         adam_temporaries=2,
         lazy_pages=True,
+        overlap_tax=0.0,
+        act_traffic=0.0,
         # calibrated on this machine class (fp32, one thread, thread CPU time, against its
         # measured matmul peak) from the profiled units of scripts/bench_balance.py's model:
         # time = 3 (flops / (peak eff) + launch_s per block half); the fixed 0.75 ms per pass is
@@ -272,7 +314,9 @@ def bytes_per_param(precision: str, zero: int, dp: int, pipeline: bool) -> float
     """Model-state bytes per parameter on one device (see the module docstring)."""
     if precision == "bf16":
         weights, optim = 2.0, 12.0
-        grads = 4.0 if zero >= 2 else 2.0  # fp32-accumulated partitions
+        # fp32-accumulated partitions; a pipeline's BF16_Optimizer moves each bf16 gradient
+        # into its fp32 buffer as it is made (immediate_grad_update) and holds none
+        grads = 4.0 if zero >= 2 else 0.0 if pipeline else 2.0
         acc = 4.0 if pipeline or zero == 1 else 0.0  # BF16_Optimizer's full fp32 gradients
     elif precision == "fp32":
         weights, grads, optim, acc = 4.0, 4.0, 12.0 if zero >= 1 else 8.0, 0.0
@@ -303,11 +347,40 @@ def ring_all_reduce(nbytes: float, n: int, bw: float) -> float:
 TP_ALL_REDUCES = {"embedding": 1, "layer": 2, "mixer": 1, "mlp": 1, "head": 1}
 
 
-def tp_local_params(c: Counts, cfg: Config, tp: int) -> float:
-    """Parameters of a unit with counts ``c`` on one of ``tp`` TP ranks: its shard, and every
+#: Bytes of a token id (int64): a micro-batch's input ids live with the embedding, its labels
+#: with the head, until its backward.
+TOKEN_ID_BYTES = 8
+
+
+def tp_local_params(c: Counts, cfg: Config, tp: int, whole: int = 0) -> float:
+    """Parameters of a unit with counts ``c`` on one of ``tp`` TP ranks: its shard, the
+    ``whole`` parameters no TP layout splits (norm gains: :func:`whole_params`), and every
     key/value projection whole where ``tp`` exceeds ``model.kv_heads`` (replicated)."""
     kv = c.kv_params if tp > cfg.model.kv_heads else c.kv_params / tp
-    return (c.params - c.kv_params) / tp + kv
+    return (c.params - c.kv_params - whole) / tp + whole + kv
+
+
+@lru_cache(maxsize=4096)
+def _built(cfg: Config, module: type, args: tuple) -> tuple[int, int]:
+    """(parameters without a TP layout, buffer bytes) of a unit built on the meta device."""
+    import torch
+
+    with torch.device("meta"):
+        built = module(cfg, *args)
+    whole = sum(p.numel() for p in built.parameters() if getattr(p, "tp_layout", None) is None)
+    return whole, sum(b.numel() * b.element_size() for b in built.buffers())
+
+
+def whole_params(unit: Unit) -> int:
+    """Parameters of ``unit`` that every TP rank holds whole: those without a ``TPLayout``
+    (RMSNorm gains, Hope's level rates), counted on the unit built on the meta device."""
+    return _built(unit.cfg, unit.module, unit.args)[0]
+
+
+def buffer_bytes(unit: Unit) -> int:
+    """Bytes of ``unit``'s buffers (RoPE's fp32 tables), whole on every rank and kept in their
+    own dtype (DeepSpeed casts the parameters only), from the unit built on the meta device."""
+    return _built(unit.cfg, unit.module, unit.args)[1]
 
 
 def launch_time(device: Device, kind: str) -> float:
@@ -316,10 +389,23 @@ def launch_time(device: Device, kind: str) -> float:
     return device.launch_s * (2 if kind == "layer" else 1)
 
 
-def whole_sequence_halves(arch: Architecture, kind: str) -> int:
-    """Halves of a unit of ``kind`` of architecture ``arch`` whose module runs on the whole
-    sequence under sequence parallelism (the block gathers its input and keeps this rank's part
-    of its output)."""
+def forward_time(c: Counts, tokens: float, device: Device, eff: float, core_eff: float) -> float:
+    """One forward of a unit with counts ``c`` over ``tokens`` tokens (per TP rank): its core's
+    FLOPs (attention scores and weighted sum, a memory module's inner updates) at ``core_eff``
+    of the device's peak, the rest (the projections and MLP matrices) at ``eff``, and the
+    memory-bound work around them (norms, activation functions, residual adds, casts):
+    :attr:`Device.act_traffic` bytes of memory traffic per byte of activations the unit saves,
+    at the memory bandwidth. That last term is why a narrow model, or a GPU with more FLOPs per
+    byte of bandwidth (H100 against A100), reaches a smaller share of its peak."""
+    dense = (c.flops - c.core_flops) / eff + c.core_flops / core_eff
+    traffic = device.act_traffic * c.act_bytes / device.mem_bw
+    return (dense / device.peak_flops + traffic) * tokens
+
+
+def whole_sequence_halves(arch: Blocks, kind: str) -> int:
+    """Halves of a unit of ``kind`` of an architecture (its modules ``arch``) whose module
+    runs on the whole sequence under sequence parallelism (the block gathers its input and keeps
+    this rank's part of its output)."""
     halves = {"layer": (arch.mixer, arch.mlp), "mixer": (arch.mixer,), "mlp": (arch.mlp,)}
     return sum(not m.takes_sequence_shards for m in halves.get(kind, ()))
 
@@ -340,10 +426,12 @@ def unit_costs(
     first pass (Hope's teach signal) is in the analytic time only (the profiler times each unit
     alone, where no first pass runs).
     """
-    from tapered_megatron.models import resolve_architecture, units
+    from tapered_megatron.architectures import resolve_architecture
+    from tapered_megatron.models import blocks, units
     from tapered_megatron.parallel.cross_entropy import CHUNK_BYTES
 
     arch = resolve_architecture(cfg.model.arch)
+    gathered = {k: whole_sequence_halves(blocks(arch), k) for k in TP_ALL_REDUCES}
     table = units(cfg, unit)
     first = arch.first_pass_config(cfg)  # a first pass's forward (Hope's teach signal)
     first_units = [None] * len(table) if first is None else units(first, unit)
@@ -358,7 +446,7 @@ def unit_costs(
     out = []
     for i, (u, f) in enumerate(zip(table, first_units, strict=True)):
         c = u.counts(elem)
-        local = tp_local_params(c, cfg, shape.tp)
+        local = tp_local_params(c, cfg, shape.tp, whole_params(u))
         act_bytes = c.act_bytes if measured_act is None else float(measured_act[i])
         input_bytes = u.input_bytes(elem)
         eff = device.efficiency[u.kind]
@@ -369,16 +457,18 @@ def unit_costs(
         if measured_times is not None:
             t = float(measured_times[i])
         else:
-            t = passes * c.flops * tok / (shape.tp * device.peak_flops * eff)
-            t += passes * launch_time(device, u.kind)
+            base = device.efficiency[u.kind]
+            core_eff = device.efficiency.get("core", base) * eff / base
+            fwd = forward_time(c, tok / shape.tp, device, eff, core_eff)
+            t = passes * (fwd + launch_time(device, u.kind))
             if shape.recompute == "selective":
-                t += c.core_flops * tok / (shape.tp * device.peak_flops * eff)
+                t += c.core_flops * tok / (shape.tp * device.peak_flops * core_eff)
             if f is not None:  # the first pass's forward of this unit
-                t += f.counts(elem).flops * tok / (shape.tp * device.peak_flops * eff)
+                t += forward_time(f.counts(elem), tok / shape.tp, device, eff, core_eff)
                 t += launch_time(device, u.kind)
         # all-reduces, or under sequence parallelism reduce-scatter + all-gather pairs (the same
         # ring time) and an all-gather more for each half that runs on the whole sequence
-        per_pass = TP_ALL_REDUCES[u.kind] + (0.5 * whole_sequence_halves(arch, u.kind) if sp else 0)
+        per_pass = TP_ALL_REDUCES[u.kind] + (0.5 * gathered[u.kind] if sp else 0)
         comm = per_pass * (passes - 1 + (f is not None)) * tp_ar
         # Each half's input and its norm's output are replicated on every TP rank; under
         # sequence parallelism only the input its TP region multiplies (gathered) is, the
@@ -390,11 +480,14 @@ def unit_costs(
         full = resid + (act_bytes * tok - resid) / shape.tp
         # While a unit runs backward, gradients of its activations (about the size of what it
         # saved) are alive next to everything held for the micro-batches in flight; a
-        # checkpointed unit first re-creates its activations. Either way: one unit's worth.
+        # checkpointed unit first re-creates its activations, which live beside those
+        # gradients: two units' worth.
         act = input_bytes * tok / (shape.tp if sp else 1) if recompute else full
         if shape.recompute == "selective" and measured_act is None:
             act -= (c.core_replicated + (c.core_bytes - c.core_replicated) / shape.tp) * tok
-        peak = full
+        peak = 2.0 * full if recompute else full
+        if u.kind in ("embedding", "head"):
+            act += TOKEN_ID_BYTES * tok  # the micro-batch's input ids / labels
         if u.kind == "head":
             # The fused loss keeps its fp32 weight gradient until the micro-batch's backward
             # and works through one chunk of fp32 logits (at most CHUNK_BYTES) at a time.
@@ -405,6 +498,8 @@ def unit_costs(
             # into the reduce bucket (the head's fp32 one is already in ``act``); its gathered
             # weights are counted for the stage (zero3_stage_bytes).
             peak += local * elem
+        # buffers keep their dtype (fp32), but zero.Init casts them to the model's
+        buffers = buffer_bytes(u) * (elem / 4 if shape.zero_stage >= 3 else 1)
         out.append(
             UnitCost(
                 name=u.name,
@@ -415,12 +510,24 @@ def unit_costs(
                 time=t + comm,
                 tp_comm=comm,
                 local_params=local,
-                static=local * bpp,
+                static=local * bpp + buffers,
                 act=act,
                 peak=peak,
             )
         )
     return out
+
+
+def pipeline_buffer_bytes(cfg: Config, shape: RunShape, stages: int) -> float:
+    """Bytes of DeepSpeed's pipeline engine's buffers on a stage, kept from step to step: for
+    each of its ``max(2, min(P - j, M))`` pipe buffers the received input, the output and the
+    output's copy it sends, and one gradient buffer; each one micro-batch's residual stream (a
+    sequence shard under sequence parallelism). Counted at the first stage's buffer count, the
+    most of any stage."""
+    sp = shape.tp if shape.sequence_parallel and shape.tp > 1 else 1
+    tensors = 3 * max(2, min(stages, shape.micro_batches)) + 1
+    elem = activation_scale(shape.precision)
+    return tensors * shape.tokens * cfg.model.d_model * elem / sp
 
 
 def zero3_gathered(params: Sequence[float], zero3: Zero3) -> float:
@@ -475,11 +582,10 @@ def zero3_stage_bytes(
     pipeline parallelism) besides ``static + act + max(peak)`` of its units, from how
     DeepSpeed 0.19's ``DeepSpeedZeroOptimizer_Stage3`` and torch's AdamW work:
 
-    * the reduce bucket: ``torch.empty(reduce_bucket_size)`` of the communication dtype (the
-      model's), made once at start (``_setup_for_real_optimizer``); with
-      ``contiguous_gradients`` every gradient that fits is copied into it until the next one
-      would overflow it. Where only written pages are resident (a CPU) at most the model's
-      size of it is;
+    * the reduce bucket (:func:`zero3_held_bytes`): ``torch.empty(reduce_bucket_size)`` of the
+      communication dtype (the model's), made once at start (``_setup_for_real_optimizer``);
+      with ``contiguous_gradients`` every gradient that fits is copied into it until the next
+      one would overflow it; and the first unit's gathered weights, held through the step;
     * the gathered weights: the most held at once in the steady state (:func:`zero3_gathered`:
       the running unit, those prefetched, those kept from forward to backward);
     * reducing the bucket: ``reduce_scatter_coalesced`` interleaves the rank chunks of the
@@ -499,7 +605,6 @@ def zero3_stage_bytes(
     params = [c.local_params for c in costs]
     total = sum(params)
     z = shape.zero3
-    bucket = min(z.reduce_bucket_size, total) if device.lazy_pages else z.reduce_bucket_size
     reduce_copy = min(z.reduce_bucket_size, total)
     fwd_bwd = (zero3_gathered(params, z) + reduce_copy) * elem
     largest = cfg.padded_vocab_size / shape.tp * cfg.model.d_model  # embedding / head weight
@@ -508,7 +613,20 @@ def zero3_stage_bytes(
     if elem != 4:
         step = max(step, sub * (elem + 4.0))
     units = sum(c.act for c in costs) + max((c.peak for c in costs), default=0.0)
-    return bucket * elem + max(fwd_bwd, step - units)
+    first = params[0] * elem if params else 0.0  # gathered through the step
+    return zero3_held_bytes(params, shape, device) + max(fwd_bwd - first, step - units)
+
+
+def zero3_held_bytes(params: Sequence[float], shape: RunShape, device: Device) -> float:
+    """What ZeRO-3 holds from step to step on a rank of units with ``params`` TP-local
+    parameters (forward order), besides the model state: its reduce bucket, made once of the
+    model's dtype (where only written pages are resident, a CPU, at most the model's size of
+    it), and the first unit's gathered weights: its backward comes last and its next use is
+    the next step's first, within any reuse distance, so it is never released."""
+    z = shape.zero3
+    total = sum(params)
+    bucket = min(z.reduce_bucket_size, total) if device.lazy_pages else z.reduce_bucket_size
+    return (bucket + (params[0] if params else 0.0)) * activation_scale(shape.precision)
 
 
 def model_unit_costs(
@@ -578,12 +696,42 @@ def reduce_bucket_elems(stage_params: float) -> int:
 def overlap_bucket_bytes(stage_params: float, elem: int, zero_stage: int) -> float:
     """Bytes of DeepSpeed's ZeRO-1/2 gradient buckets under ``overlap_comm`` with contiguous
     gradients (``stage_1_and_2.py``): two ``reduce_bucket_size`` buffers of the reduction dtype
-    (the fp32 accumulation dtype for ZeRO-1, the model's for ZeRO-2), made once; other stages
-    and ZeRO-3 (counted in :func:`zero3_stage_bytes`): 0."""
-    if zero_stage not in (1, 2):
+    (the fp32 accumulation dtype for ZeRO-1, the model's for ZeRO-2), made once at their full
+    size. bf16 ZeRO-1 runs DeepSpeed's ``BF16_Optimizer``, which makes none (its reduce is
+    :func:`fallback_reduce_bytes`); other stages and ZeRO-3 (counted in
+    :func:`zero3_stage_bytes`): 0."""
+    if zero_stage not in (1, 2) or (zero_stage == 1 and elem == 2):
         return 0.0
     dtype = 4 if zero_stage == 1 else elem
-    return 2.0 * min(reduce_bucket_elems(stage_params), stage_params) * dtype
+    return 2.0 * reduce_bucket_elems(stage_params) * dtype
+
+
+#: Gradient elements DeepSpeed's engine flattens at once when it all-reduces them itself
+#: (``MEMORY_OPT_ALLREDUCE_SIZE`` of ``deepspeed/runtime/engine.py``).
+FALLBACK_REDUCE_ELEMS = 500_000_000
+
+
+def fallback_reduce_bytes(stage_params: float, elem: int) -> float:
+    """The transient of ``BF16_Optimizer``'s gradient reduce (bf16 with ZeRO-1): after the last
+    backward the engine flattens the fp32 gradients, up to :data:`FALLBACK_REDUCE_ELEMS` of
+    them at a time, and casts the flat copy to the model's dtype before the all-reduce. The
+    activations are gone by then, so it is an alternative to the forward/backward working
+    set, not an addition."""
+    return min(stage_params, FALLBACK_REDUCE_ELEMS) * (4.0 + elem)
+
+
+def dp_bandwidth(device: Device, tp: int, dp: int) -> float:
+    """Per-rank bandwidth of a ring collective over a data-parallel group of ``dp`` ranks whose
+    neighbours are ``tp`` ranks apart (topology axes pipe, data, model).
+
+    Inside one node: NVLink. Across nodes every GPU has its own network port (``inter_bw``) and
+    NCCL runs one ring per port, so the group's ``k`` ranks on a node move the node's share of
+    the ring over ``k`` ports at once: ``k x inter_bw`` per rank, at most NVLink (``k = 1`` for
+    a group with one rank per node, e.g. under TP 8)."""
+    if dp * tp <= device.gpus_per_node:
+        return device.intra_bw
+    k = max(1, min(dp, device.gpus_per_node // tp))
+    return min(device.intra_bw, k * device.inter_bw)
 
 
 @dataclass(frozen=True)

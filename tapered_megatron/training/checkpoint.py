@@ -13,11 +13,12 @@ them). Only the newest ``train.keep_last`` complete checkpoints are kept.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import json
 import os
 import shutil
-import signal
+import time
 import traceback
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -27,25 +28,30 @@ import torch
 import torch.distributed as dist
 import yaml
 
-from tapered_megatron import parallel, safe_load
+from tapered_megatron import parallel, received, safe_load
 from tapered_megatron.checkpoint_layout import (
     COMPLETE,
     CONFIG,
     LATEST,
     LAYOUT,
+    LOCK,
     TAPER_PLAN,
     complete_tags,
     digests,
     entries_problem,
     is_complete,
     is_tag,
+    iteration_of,
     latest_problem,
     latest_tag,
+    lock_holder,
+    lock_save_dir,
     manifest,
     manifest_problem,
     resume_candidates,
     saved_bytes,
     saved_layout,
+    tag_entries,
     tag_files,
     tag_of,
     tags,
@@ -53,6 +59,7 @@ from tapered_megatron.checkpoint_layout import (
 from tapered_megatron.config import Config, ConfigError
 from tapered_megatron.config_fields import first_line
 from tapered_megatron.parallel.random import set_rng_state
+from tapered_megatron.training.faults import crash_point
 
 # Bytes per parameter in a DeepSpeed checkpoint: the module's weights plus Adam's fp32 moments
 # (and, with fp16/bf16 weights, the fp32 master copy).
@@ -64,14 +71,18 @@ _UNIVERSAL_CKPT_BYTES = 12
 
 def layout_record(cfg: Config, layout: Any) -> dict[str, Any]:
     """The parallel layout (:class:`~tapered_megatron.training.launch.Layout`) a checkpoint is
-    saved or resumed under (``layout.json``)."""
-    return {
+    saved or resumed under (``layout.json``). A virtual-stage schedule adds ``schedule`` and
+    ``virtual_stages`` (its DeepSpeed files hold a rank's chunks, not a 1F1B stage)."""
+    out = {
         "tp": layout.tp,
         "pp": layout.pp,
         "dp": layout.dp,
         "zero_stage": layout.zero_stage,
         "pipeline_unit": cfg.parallel.pipeline_unit if layout.pp > 1 else "none",
     }
+    if layout.pp > 1 and cfg.parallel.schedule != "1f1b":
+        out.update(schedule=cfg.parallel.schedule, virtual_stages=cfg.parallel.virtual_stages)
+    return out
 
 
 def saved_global_batch(tag_dir: Path, plugins: tuple[str, ...] = ()) -> int | None:
@@ -237,8 +248,10 @@ def save(
     extra: dict[str, Any] | None = None,
     also: Callable[[Path, dict[str, Any], Callable[[Any, Path], None]], None] | None = None,
     layout: dict[str, Any] | None = None,
+    lineage: Lineage | None = None,
 ) -> Path:
-    """Save a checkpoint on every rank, then mark it complete and point ``latest`` at it.
+    """Save a checkpoint on every rank, then mark it complete, point ``latest`` at it and
+    :func:`prune` (``lineage``: what the run resumed from and saved, the new tag added).
 
     ``also(tag_dir, client_state, torch_save)`` writes more files into the checkpoint, each with
     ``torch_save(obj, path)``, before it is marked complete (the trainer's layout-free copy,
@@ -280,9 +293,11 @@ def save(
             writes(_write_atomic, tag_dir / COMPLETE, json.dumps(marker) + "\n")
             crash_point("latest")
             writes(_write_atomic, save_dir / LATEST, tag)
-            if writes.cause is None:
-                prune(save_dir, cfg.train.keep_last)
         writes.settle(cfg, engine, tag_dir)
+        if lineage is not None:
+            lineage.saved.append(tag)
+        if _rank() == 0:
+            prune(save_dir, cfg.train.keep_last, lineage)
     except (OSError, RuntimeError) as e:  # a write outside ``writes``: this rank alone stops
         cause = _cause(e)
         if cause is None:
@@ -310,9 +325,7 @@ def _digests(tag_dir: Path) -> dict[str, list[Any]]:
 def hash_problem(tag_dir: Path) -> str | None:
     """:func:`~tapered_megatron.checkpoint_layout.manifest_problem` with the hashing shared by
     the ranks (collective: every rank gets the same answer)."""
-    files = manifest(tag_dir)
-    if files is None:
-        return None
+    files = manifest(tag_dir) or {}
     why = manifest_problem(tag_dir, sorted(files)[_rank() :: _world()])
     if _world() == 1:
         return why
@@ -321,23 +334,43 @@ def hash_problem(tag_dir: Path) -> str | None:
     return next((w for w in found if w), None)
 
 
-def crash_point(name: str) -> None:
-    """Fault-injection hook for tests: rank 0 kills itself (SIGKILL) at save point ``name``
-    ("rank_files": DeepSpeed's files written, RNG files not; "complete": before the
-    ``complete`` marker; "latest": before ``latest`` moves) when
-    ``$TAPERED_MEGATRON_CRASH_IN_SAVE`` names it."""
-    if os.environ.get("TAPERED_MEGATRON_CRASH_IN_SAVE") == name and _rank() == 0:
-        os.kill(os.getpid(), signal.SIGKILL)
+@dataclasses.dataclass
+class Lineage:
+    """The checkpoints a run stands on: the tag it resumed from (None: a fresh start) and the
+    tags it saved since, oldest first (what :func:`prune` may count as usable)."""
+
+    resumed: str | None = None
+    saved: list[str] = dataclasses.field(default_factory=list)
 
 
-def prune(save_dir: Path, keep_last: int) -> None:
-    """Delete all but the newest ``keep_last`` complete checkpoints (and partial older ones)."""
-    done = complete_tags(save_dir)
-    if len(done) <= keep_last:
+def usable_tags(save_dir: Path, lineage: Lineage | None = None) -> list[tuple[int, str]]:
+    """``(iteration, tag)`` of the checkpoints of ``save_dir`` known to be usable, oldest
+    first: those the run saved, the one it resumed from, and older complete ones whose
+    manifest's entries and sizes match (no file is read). A tag newer than the resumed one that
+    the run did not write was passed over at resume (unusable) and is never counted. Without a
+    ``lineage`` (a save outside a run) every complete tag that matches its manifest counts."""
+    known = {*lineage.saved, lineage.resumed} if lineage else set()
+    start = iteration_of(lineage.resumed) if lineage and lineage.resumed else -1
+    found = []
+    for it, tag in complete_tags(save_dir):
+        d = save_dir / tag
+        sound = manifest_problem(d, hashes=False) is None
+        if tag in known or (sound and (lineage is None or it < start)):
+            found.append((it, tag))
+    return found
+
+
+def prune(save_dir: Path, keep_last: int, lineage: Lineage | None = None) -> None:
+    """Delete every checkpoint older than the newest ``keep_last`` usable ones
+    (:func:`usable_tags`); never the tag the run resumed from nor the one ``latest`` names. An
+    unusable tag newer than the oldest kept stays (a later save of that step replaces it)."""
+    usable = usable_tags(save_dir, lineage)
+    if len(usable) <= keep_last:
         return
-    oldest_kept = done[-keep_last][0]
+    oldest_kept = usable[-keep_last][0]
+    spared = {lineage.resumed if lineage else None, latest_tag(save_dir)}
     for it, tag, _ in tags(save_dir):
-        if it < oldest_kept:
+        if it < oldest_kept and tag not in spared:
             shutil.rmtree(save_dir / tag, ignore_errors=True)
 
 
@@ -351,14 +384,15 @@ def checkpoint_problem(tag_dir: Path) -> str | None:
     group, the trainer after it); the answer is kept per tag and file sizes and mtimes, so each
     tag's files are read once unless they change."""
     try:
-        stamp = tuple((n, *_stat(tag_dir / n)) for n in (*tag_files(tag_dir), COMPLETE))
+        names = [n for found in tag_entries(tag_dir) for n in found]
+        stamp = tuple((n, *_stat(tag_dir / n)) for n in names)
     except OSError:  # a file went away while listing: check without the memory
         return _checked_problem.__wrapped__(str(tag_dir), ())
     return _checked_problem(str(tag_dir), stamp)
 
 
 def _stat(path: Path) -> tuple[int, int]:
-    st = path.stat()
+    st = path.lstat()
     return st.st_size, st.st_mtime_ns
 
 
@@ -377,14 +411,43 @@ def _checked_problem(tag: str, _stamp: tuple) -> str | None:
     why = manifest_problem(tag_dir, hashes=False)  # sizes only: cheap on every rank
     if why is not None:
         return why
-    for name, parse in ((LAYOUT, json.loads), (TAPER_PLAN, json.loads), (CONFIG, yaml.safe_load)):
+    for name, parse, what in _SAVED_RECORDS:
         f = tag_dir / name
         try:
-            if f.exists() and not isinstance(parse(f.read_text()), dict):
-                return f"{f}: not a mapping"
-        except (OSError, UnicodeDecodeError, ValueError, yaml.YAMLError) as e:
+            if f.exists() and not _is_record(name, parse(f)):
+                return f"{f}: not {what}"
+        except (OSError, received.ReceivedFileError) as e:
             return f"{f}: unreadable ({first_line(e)})"
     return None
+
+
+_SAVED_RECORDS = (
+    (
+        LAYOUT,
+        received.load_json,
+        "a layout record (tp, pp, dp, zero_stage, pipeline_unit[, schedule, virtual_stages])",
+    ),
+    (TAPER_PLAN, received.load_json, "a taper plan (a mapping with its widths)"),
+    (CONFIG, received.load_yaml, "a complete configuration (a mapping, without 'base')"),
+)
+_LAYOUT_KEYS = {"tp": 1, "pp": 1, "dp": 1, "zero_stage": 0}  # each key's least value
+_LAYOUT_NAMES = {"pipeline_unit", "schedule", "virtual_stages"}  # the other keys it may have
+
+
+def _is_record(name: str, data: Any) -> bool:
+    """Whether ``data``, parsed from the tag's file ``name``, has the shape we write."""
+    if not isinstance(data, dict):
+        return False
+    if name == LAYOUT:
+        counts = all(type(data.get(k)) is int and data[k] >= lo for k, lo in _LAYOUT_KEYS.items())
+        virtual = "virtual_stages" not in data or (
+            type(data["virtual_stages"]) is int and data["virtual_stages"] >= 1
+        )
+        return counts and virtual and set(data) <= {*_LAYOUT_KEYS, *_LAYOUT_NAMES}
+    if name == TAPER_PLAN:
+        widths = data.get("widths")
+        return isinstance(widths, list) and all(type(w) is int and w > 0 for w in widths)
+    return "base" not in data
 
 
 def _quiet(line: str) -> None:
@@ -438,6 +501,105 @@ def find_resume(
             "restore its files or start a new --train.save_dir"
         )
     return None
+
+
+class SaveDirTaken(RuntimeError):
+    """``train.save_dir`` belongs to another job or run; the message says which and what to
+    pass instead."""
+
+
+EARLIER_RUN = "earlier-run-{}"  # where --train.start_over moves a save directory's checkpoints
+
+
+def owner_problem(cfg: Config) -> str | None:
+    """Why this run may not write into ``train.save_dir`` (one line), or None: the directory
+    holds checkpoints (a ``global_stepN`` or ``latest``) of another run, and the run neither
+    continues them (``--resume auto``, or a ``train.resume`` inside the directory) nor starts
+    over (``train.start_over``, which may not be combined with ``--resume auto``)."""
+    tr = cfg.train
+    save_dir = Path(tr.save_dir)
+    if tr.start_over and tr.resume == "auto":
+        return (
+            "train.start_over moves aside the checkpoints --resume auto would continue; pass "
+            "one of the two"
+        )
+    found = [tag for _, tag, _ in tags(save_dir)] + [LATEST] * (save_dir / LATEST).exists()
+    if not found or tr.start_over or tr.resume == "auto":
+        return None
+    if tr.resume:
+        src = Path(tr.resume)
+        if (src.parent if is_tag(src.name) else src).resolve() == save_dir.resolve():
+            return None
+    listing = ", ".join(found[:3]) + (f" and {len(found) - 3} more" if len(found) > 3 else "")
+    return (
+        f"train.save_dir: {save_dir} holds another run's checkpoints ({listing}); pass --resume "
+        "auto to continue that run, --train.start_over true to move them aside into "
+        f"{save_dir / EARLIER_RUN.format('<UTC time>')}/ (nothing is deleted), or another "
+        "--train.save_dir"
+    )
+
+
+def move_aside(save_dir: Path) -> Path | None:
+    """Move every ``global_stepN`` and ``latest`` of ``save_dir`` into a new
+    ``earlier-run-<UTC time>/`` beside them (renames: nothing is copied or deleted); returns
+    that directory, None when there was nothing to move."""
+    found = [save_dir / tag for _, tag, _ in tags(save_dir)]
+    found += [save_dir / LATEST] * (save_dir / LATEST).exists()
+    if not found:
+        return None
+    stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
+    aside = save_dir / EARLIER_RUN.format(stamp)
+    n = 1
+    while aside.exists():
+        n += 1
+        aside = save_dir / EARLIER_RUN.format(f"{stamp}-{n}")
+    aside.mkdir()
+    for f in found:
+        os.replace(f, aside / f.name)
+    return aside
+
+
+def _claim(cfg: Config) -> tuple[Any, str | None, str | None]:
+    """Rank 0's part of :func:`own_save_dir`: ``(lock file, refusal, note)``."""
+    save_dir = Path(cfg.train.save_dir)
+    try:
+        held = lock_save_dir(save_dir)
+    except OSError as e:
+        return None, f"train.save_dir: cannot lock {save_dir / LOCK} ({e.strerror})", None
+    if held is None:
+        busy = f"{lock_holder(save_dir)} holds {save_dir / LOCK}"
+        why = f"train.save_dir: {save_dir} is in use by another job ({busy}); wait for it to end"
+        return None, f"{why} or pass another --train.save_dir", None
+    why = owner_problem(cfg)  # again, under the lock: another job may have written meanwhile
+    note = None
+    if why is None and cfg.train.start_over:
+        aside = move_aside(save_dir)
+        if aside is not None:
+            note = f"train.start_over: the earlier checkpoints of {save_dir} moved to {aside}"
+    return held, why, note
+
+
+@contextlib.contextmanager
+def own_save_dir(cfg: Config) -> Iterator[None]:
+    """Hold ``train.save_dir`` for the run inside the block (collective: every rank calls it).
+    Rank 0 takes the directory's lock (:func:`~tapered_megatron.checkpoint_layout.
+    lock_save_dir`, released when the process ends, even by ``kill -9``), checks again that no
+    other run's checkpoints are there (:func:`owner_problem`) and, with ``train.start_over``,
+    moves them aside (:func:`move_aside`). Every rank raises the same :class:`SaveDirTaken`
+    when the directory is another job's or run's."""
+    held, why, note = _claim(cfg) if _rank() == 0 else (None, None, None)
+    said = [why, note]
+    if _world() > 1:
+        dist.broadcast_object_list(said, src=0)
+    try:
+        if said[0] is not None:
+            raise SaveDirTaken(said[0])
+        if said[1] is not None and _rank() == 0:
+            print(said[1], flush=True)
+        yield
+    finally:
+        if held is not None:
+            held.close()
 
 
 def load(engine: Any, load_dir: Path, tag: str) -> dict[str, Any]:

@@ -217,6 +217,11 @@ def resolve(cfg: Config, ds_config: dict[str, Any], world_size: int) -> tuple[di
             f"ds_config enables {half} but this accelerator does not support it; set "
             f'"{half}": {{"enabled": false}} (or "auto"), or enable {other} instead'
         )
+    if pp > 1 and cfg.parallel.schedule != "1f1b":
+        from tapered_megatron.parallel.schedules import run_problem
+
+        if problem := run_problem(cfg, gas, half):
+            raise ConfigError(problem)
     ds.setdefault("steps_per_print", 10**9)
     layout = Layout(world_size, tp, pp, dp, mbs, gbs, gas, stage)
     return ds, layout

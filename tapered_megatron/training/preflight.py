@@ -6,16 +6,20 @@
 prints it and exits 2. It reads only file headers, sizes and the tokenizer (the data package's
 own MMIDIDX validation on open), writes nothing, and creates no directory.
 
-Checked: the dataset files (missing, unreadable, corrupt or truncated index, truncated or
-oversized data, fewer tokens than one sample), blend weights, the tokenizer (missing, unreadable,
-larger than ``model.vocab_size``), ``train.save_dir`` (writable, enough free disk for the next
-checkpoint from the parameter and optimizer bytes), ``train.resume`` (exists, complete, same
-model and taper as this run; saved under this run's parallel layout unless it holds the
-layout-free ``universal/`` copy) and ``logging.wandb_project`` (the ``wandb`` package present).
+Checked: the ds_config's optimizer and scheduler parameters (numbers, not quoted numbers), the
+dataset files (missing, unreadable, corrupt or truncated index, truncated or oversized data,
+fewer tokens than one sample, a ``data.split`` leaving training no sample), blend weights, the
+tokenizer (missing, unreadable, larger than ``model.vocab_size``), ``train.save_dir``
+(writable, enough free disk for the next checkpoint from the parameter and optimizer bytes; no
+other run's checkpoints in it unless resumed or moved aside), ``train.resume`` (exists,
+complete, same model and taper as this run; saved under this run's parallel layout unless it
+holds the layout-free ``universal/`` copy) and ``logging.wandb_project`` (the ``wandb`` package
+present).
 """
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 from pathlib import Path
@@ -38,11 +42,65 @@ def check_inputs(cfg: Config, ds_config: dict[str, Any], layout: Any = None) -> 
 
     ``layout`` (:class:`~tapered_megatron.training.launch.Layout`) is the run's parallel layout;
     with it, resuming under another layout needs a checkpoint holding ``universal/``."""
+    check_ds_params(ds_config)
     check_data(cfg)
     check_tokenizer(cfg)
     check_save_dir(cfg, ds_config)
     check_resume(cfg, layout)
+    check_owner(cfg)
     check_logging(cfg)
+
+
+def check_owner(cfg: Config) -> None:
+    """``train.save_dir`` holds no other run's checkpoints, unless the run continues them
+    (``--resume auto``) or moves them aside (``train.start_over``)."""
+    from tapered_megatron.training.checkpoint import owner_problem
+
+    why = owner_problem(cfg)
+    if why is not None:
+        raise ConfigError(why)
+
+
+#: DeepSpeed optimizer and scheduler parameters that take numbers (``betas``: a list of them).
+_NUMERIC_PARAMS = {
+    "lr", "betas", "eps", "weight_decay", "momentum", "dampening", "max_grad_norm",
+    "warmup_min_lr", "warmup_max_lr", "warmup_num_steps", "total_num_steps",
+    "warmup_min_ratio", "cos_min_ratio", "cycle_min_lr", "cycle_max_lr", "decay_lr_rate",
+}  # fmt: skip
+
+
+def _number(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def check_ds_params(ds_config: dict[str, Any]) -> None:
+    """The ds_config's ``optimizer.params`` / ``scheduler.params`` hold numbers where DeepSpeed
+    needs them (a quoted ``"3e-4"`` fails inside ``deepspeed.initialize``, after the process
+    group): every key of :data:`_NUMERIC_PARAMS`, and any value written as a quoted number."""
+    for section in ("optimizer", "scheduler"):
+        params = (ds_config.get(section) or {}).get("params", {})
+        if not isinstance(params, dict):
+            raise ConfigError(
+                f'ds_config "{section}.params": {json.dumps(params)[:60]} is not a JSON object'
+            )
+        for key, value in params.items():
+            items = value if isinstance(value, list) else [value]
+            quoted = any(isinstance(v, str) and _is_number(v) for v in items)
+            if (key in _NUMERIC_PARAMS or quoted) and not all(_number(v) for v in items):
+                fix = [float(v) if isinstance(v, str) and _is_number(v) else v for v in items]
+                shown = json.dumps(fix if isinstance(value, list) else fix[0])
+                raise ConfigError(
+                    f'ds_config "{section}.params.{key}": {json.dumps(value)[:60]} is not a '
+                    f'number; write "{key}": {shown} (without quotes)'
+                )
+
+
+def _is_number(text: str) -> bool:
+    try:
+        float(text)
+    except ValueError:
+        return False
+    return True
 
 
 def check_logging(cfg: Config) -> None:
@@ -101,6 +159,8 @@ def _check_prefix(cfg: Config, key: str, prefix: str, sampled: bool = True) -> N
             f"{key}: {prefix} holds {ds.num_tokens} tokens, fewer than one sample of "
             f"model.seq_len + 1 = {need}; use more data or a smaller --model.seq_len"
         )
+    if sampled and key == "data.path":
+        _check_split(cfg, prefix, ds)
     from tapered_megatron.data.blended import check_vocab_cached
 
     try:
@@ -110,6 +170,20 @@ def _check_prefix(cfg: Config, key: str, prefix: str, sampled: bool = True) -> N
             f"{key}: {e}; tokenize with a tokenizer of at most model.vocab_size = "
             f"{cfg.model.vocab_size} entries or raise --model.vocab_size"
         ) from None
+
+
+def _check_split(cfg: Config, prefix: str, ds: Any) -> None:
+    """``data.split`` leaves the training split of ``prefix`` at least one sample."""
+    from tapered_megatron.data import split_ranges
+
+    start, end = split_ranges(cfg.data.split, ds.num_documents)[0]
+    tokens = int(ds.document_lengths[start:end].sum()) if end > start else 0
+    if tokens < cfg.model.seq_len + 1:
+        raise ConfigError(
+            f"data.split {cfg.data.split!r} leaves the training split of {prefix} {end - start} "
+            f"documents ({tokens} tokens), fewer than one sample of model.seq_len + 1 = "
+            f"{cfg.model.seq_len + 1}; give training a larger share, e.g. --data.split 969,30,1"
+        )
 
 
 def check_tokenizer(cfg: Config) -> None:
@@ -241,7 +315,8 @@ def _check_layout_change(tag_dir: Path, saved_cfg: dict[str, Any], now: dict[str
         par = (saved_cfg or {}).get("parallel", {})
         then = {"tp": par.get("tp", 1), "pp": par.get("pp", 1)}
         then["pipeline_unit"] = par.get("pipeline_unit", "none") if then["pp"] > 1 else "none"
-    if any(then[k] != now[k] for k in then):
+    keys = set(then) | ({"schedule", "virtual_stages"} & set(now))
+    if any(then.get(k) != now.get(k) for k in keys):
         raise ConfigError(
             f"train.resume: {tag_dir} was saved under {layout_files.describe_layout(then)} "
             "without a universal/ copy (train.universal_checkpoint false, or an older "

@@ -11,13 +11,12 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
-import json
 import math
 import os
+import sys
 import time
-from collections import deque
 from collections.abc import Callable, Iterator
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -26,7 +25,6 @@ import torch
 import torch.distributed as dist
 from deepspeed.accelerator import get_accelerator
 from deepspeed.runtime.base_optimizer import ZeROOptimizer
-from deepspeed.runtime.utils import is_model_parallel_parameter
 from torch import nn
 
 from tapered_megatron import checkpoint_layout as layout_files
@@ -39,11 +37,14 @@ from tapered_megatron.models import (
     lm_loss,
     take_diagnostics,
 )
+from tapered_megatron.parallel.norms import computes_grad_norm, grad_norm
 from tapered_megatron.planning.clock import StageClock
 from tapered_megatron.training import checkpoint, optim, reshard
 from tapered_megatron.training.alignment import AlignmentProbe
+from tapered_megatron.training.faults import injected_nan_iterations
 from tapered_megatron.training.launch import Layout, precision_note
 from tapered_megatron.training.logger import TrainLogger
+from tapered_megatron.training.monitor import Cadence, ExitSignal, Health, MetricsFile, Window
 from tapered_megatron.training.validation import validation_loss
 
 
@@ -59,23 +60,28 @@ class Trainer:
         self.dp_rank = parallel.get_data_parallel_rank()
         self.dp_group = parallel.get_data_parallel_group()
         self.pipeline = layout.pp > 1
-        self.clock = StageClock() if self.pipeline else None  # per-stage compute time
+        # parallel.schedule other than 1f1b: torch.distributed.pipelining over this rank's chunks
+        self.virtual: Any = None
+        one_f_one_b = self.pipeline and cfg.parallel.schedule == "1f1b"
+        self.clock = StageClock() if one_f_one_b else None  # per-stage compute time
 
         self.train_ds, self.valid_ds = self._build_data()
         self.extra_ds = self._build_extra_data()
-        self.engine = self._build_engine()
-        optim.undo_priming_step(self.engine)
-        optim.skip_nonfinite_steps(self.engine)
+        if self.pipeline and not one_f_one_b:
+            self.engine = self._virtual_engine()
+        else:
+            self.engine = build_engine(cfg, ds_config, layout, self.clock)
         self.nan_iters = injected_nan_iterations()
         self.exit_signal = ExitSignal(cfg.train.exit_signal, self.device)
         self.iteration, self.consumed = 0, 0
         where = self._verified_resume()
+        self.lineage = checkpoint.Lineage(resumed=where[1] if where else None)
         if where is not None:
             for tag in layout_files.partial_tags(where[0], layout_files.iteration_of(where[1])):
                 self.log(
                     f"{where[0] / tag} is partial (no complete marker: a save cut short); ignored"
                 )
-            client = self._load(*where)
+            client = self.load(*where)
             self.iteration = int(client["iteration"])
             self.consumed = int(client["consumed_samples"])
             self.log(f"resumed from {where[0] / where[1]} at iteration {self.iteration}")
@@ -110,6 +116,13 @@ class Trainer:
         for line in notes:
             self.log(line)
         return where
+
+    def _stopped(self, why: str) -> TrainingStopped:
+        """:class:`TrainingStopped` with ``why``, which a rank other than 0 also prints (``main``
+        prints rank 0's; the others stop when their next collective fails)."""
+        if self.rank != 0:
+            print(f"error: rank {self.rank}: {why}", file=sys.stderr, flush=True)
+        return TrainingStopped(why)
 
     def log(self, msg: str) -> None:
         """Print on rank 0."""
@@ -164,8 +177,9 @@ class Trainer:
             out[Path(prefix).name] = valid
         return out
 
-    def _batches(self, dataset: Any, total: int, consumed: int) -> Iterator[tuple]:
+    def batches(self, dataset: Any, total: int, consumed: int) -> Iterator[tuple]:
         """Endless ``(inputs, labels)`` micro-batches of this DP rank, starting at ``consumed``."""
+        from tapered_megatron import data
         from tapered_megatron.data import PretrainingSampler
 
         sampler = PretrainingSampler(
@@ -180,56 +194,39 @@ class Trainer:
             # seed, which must not advance the model's stream (dropout) that checkpoints restore
             generator=torch.Generator().manual_seed(self.cfg.data.seed),
         )
-        for tokens in loader:
-            tokens = tokens.to(self.device)
-            yield tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
+        try:
+            for tokens in loader:
+                tokens = tokens.to(self.device)
+                yield tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
+        except data.IndexedDatasetError as e:  # an id beyond the vocabulary, caught at the batch
+            raise self._stopped(f"{data.error_line(e)}; stopped without saving") from None
 
-    def _build_engine(self) -> Any:
+    def _virtual_engine(self) -> Any:
+        """``parallel.schedule`` interleaved / zbv / dualpipev / zero_bubble: this rank's chunks
+        (the virtual-stage balancer's cut) under torch's schedule; DeepSpeed's engine over
+        them (what it does not support was refused at launch: ``schedules.run_problem``)."""
+        from tapered_megatron.parallel.schedules import VirtualPipeline
+
         cfg, ds = self.cfg, self.ds_config
-        mpu = parallel.topology if not self.pipeline and self.layout.tp > 1 else None
-        if self.pipeline:
-            model = self._pipeline_module()
-        else:
-            model = build_partitioned(cfg, ds)
-        if not is_zero3_partitioned(model):
-            model.to(self.device)
-        groups = optim.param_groups(model, cfg.train.weight_decay)
-        kwargs: dict[str, Any] = {"model": model, "config": ds}
-        if "optimizer" in ds:
-            kwargs["model_parameters"] = groups
-        else:
-            kwargs["optimizer"] = optim.build_optimizer(model, cfg.train, ds)
-        if "scheduler" not in ds:
-            kwargs["lr_scheduler"] = lambda opt: optim.build_scheduler(opt, cfg.train)
-        if mpu is not None:
-            kwargs["mpu"] = mpu  # DeepSpeed's mpu protocol (TP-aware ZeRO, norms)
-        engine, *_ = deepspeed.initialize(**kwargs)
-        if cfg.train.compile:
-            allow_layer_recompiles(cfg)  # every tapered layer width compiled, none left eager
-            engine.compile()
-        if self.clock is not None:
-            self.clock.attach(engine.module)
-        return engine
-
-    def _pipeline_module(self) -> Any:
-        """Stages from our balancer (``parallel.partition``), never DeepSpeed's defaults."""
-        from tapered_megatron.parallel.pipeline import BalancedPipelineModule
-
-        lay = self.layout
-        return BalancedPipelineModule.from_config(
-            self.cfg,
-            topology=parallel.get_topology(),
-            micro_batches=lay.grad_accum,
-            loss_fn=self.clock.timed(lm_loss),  # the single model's loss, fused LM head
-            partition_kwargs={"dp": lay.dp, "zero_stage": lay.zero_stage},
+        self.virtual = VirtualPipeline(
+            cfg, ds, self.layout.grad_accum, lambda model: optimizer_kwargs(cfg, ds, model)
         )
+        optim.undo_priming_step(self.virtual.engine)
+        optim.skip_nonfinite_steps(self.virtual.engine)
+        return self.virtual.engine
 
-    def _load(self, load_dir: Path, tag: str) -> dict[str, Any]:
-        """DeepSpeed's own files when the layout is the one saved, else the layout-free copy."""
+    def load(self, load_dir: Path, tag: str) -> dict[str, Any]:
+        """DeepSpeed's own files when the layout is the one saved, else the layout-free copy
+        (always under a virtual-stage schedule: DeepSpeed's engine over a rank's chunks names
+        its ZeRO files by the tensor-parallel rank, so one stage's optimizer state is missing
+        there)."""
         now = checkpoint.layout_record(self.cfg, self.layout)
         saved = layout_files.saved_layout(load_dir / tag)
-        if saved is None or saved == now:
+        if self.virtual is None and (saved is None or saved == now):
             return checkpoint.load(self.engine, load_dir, tag)
+        if saved == now:
+            self.log(f"resuming {load_dir / tag} from its universal/ copy")
+            return reshard.load(self.engine, self.cfg, load_dir / tag)
         self.log(
             f"layout change: checkpoint {load_dir / tag} was saved under "
             f"{layout_files.describe_layout(saved)}, resuming under "
@@ -237,7 +234,7 @@ class Trainer:
         )
         return reshard.load(self.engine, self.cfg, load_dir / tag)
 
-    def _save(self, it: int) -> Path:
+    def save(self, it: int) -> Path:
         """A checkpoint of iteration ``it``, with its layout and (if on) the universal copy."""
         record = checkpoint.layout_record(self.cfg, self.layout)
 
@@ -249,13 +246,19 @@ class Trainer:
         also = universal if self.cfg.train.universal_checkpoint else None
         try:
             return checkpoint.save(
-                self.engine, self.cfg, it, self.consumed, also=also, layout=record
+                self.engine,
+                self.cfg,
+                it,
+                self.consumed,
+                also=also,
+                layout=record,
+                lineage=self.lineage,
             )
         except checkpoint.SaveFailed as e:
             raise TrainingStopped(str(e)) from None
 
     # ------------------------------------------------------------------ loop
-    def _train_step(
+    def train_step(
         self, batches: Iterator[tuple], want_norm: bool, it: int = 0
     ) -> tuple[float, float | None]:
         """One global batch; returns the mean loss and (when ``want_norm``) the gradient norm.
@@ -263,6 +266,9 @@ class Trainer:
         Iteration ``it`` listed in ``$TAPERED_MEGATRON_INJECT_NAN`` gets a NaN loss on rank 0
         (a fault-injection hook for tests; not supported under pipeline parallelism)."""
         eng = self.engine
+        if self.virtual is not None:
+            loss = self.virtual.train_batch(batches)
+            return loss, self.virtual.last_grad_norm if want_norm else None
         if self.pipeline:
             loss = float(eng.train_batch(batches))
             return loss, grad_norm(eng) if want_norm else None
@@ -298,9 +304,14 @@ class Trainer:
         out: dict[str, Any] = {}
 
         def loss(dataset: Any, after: Callable[[], None] | None = None) -> float:
-            batches = self._batches(dataset, n, 0)
+            batches = self.batches(dataset, n, 0)
             return validation_loss(
-                self.engine, batches, cfg.eval.iters, lay.grad_accum, self.dp_group, after
+                self.virtual or self.engine,
+                batches,
+                cfg.eval.iters,
+                lay.grad_accum,
+                self.dp_group,
+                after,
             )
 
         if self.valid_ds is not None and cfg.eval.alignment:
@@ -329,10 +340,10 @@ class Trainer:
         if note := precision_note(self.ds_config):
             self.log(note)
         cadence = Cadence.of(cfg, can_eval=self.valid_ds is not None or bool(self.extra_ds))
-        batches = self._batches(self.train_ds, cadence.iters * lay.global_batch_size, self.consumed)
-        metrics = _MetricsFile(cfg.logging.metrics_file if self.rank == 0 else "")
-        window = _Window(lay.global_batch_size * cfg.model.seq_len)
-        health = _Health(cfg.train.max_skipped_steps, cfg.train.loss_spike_factor)
+        batches = self.batches(self.train_ds, cadence.iters * lay.global_batch_size, self.consumed)
+        metrics = MetricsFile(cfg.logging.metrics_file if self.rank == 0 else "")
+        window = Window(lay.global_batch_size * cfg.model.seq_len)
+        health = Health(cfg.train.max_skipped_steps, cfg.train.loss_spike_factor)
         losses: list[float] = []
         while self.iteration < cadence.iters:
             it = self.iteration + 1
@@ -340,7 +351,7 @@ class Trainer:
             t = time.perf_counter()
             want_norm = cadence.log(it) or bool(cfg.logging.metrics_file)  # same on all ranks
             skipped_before = self.engine.skipped_steps
-            loss, gnorm = self._train_step(batches, want_norm, it)
+            loss, gnorm = self.train_step(batches, want_norm, it)
             skipped = self.engine.skipped_steps > skipped_before
             overflow = skipped and self.engine.fp16_enabled() and math.isfinite(loss)
             step_s = time.perf_counter() - t
@@ -369,7 +380,7 @@ class Trainer:
                 metrics.close()
                 raise TrainingStopped(stop)
             if cadence.log(it):
-                stages = self._gather_stage_ms(window.iters) if self.pipeline else None
+                stages = self._gather_stage_ms(window.iters) if self.clock else None
                 scale = self.engine.optimizer.loss_scale if self.engine.fp16_enabled() else None
                 diag = take_diagnostics(self.engine.module)  # this rank's modules, since the last
                 record.update(diag)
@@ -406,7 +417,7 @@ class Trainer:
                 "stays latest and nothing is pruned"
             )
         else:
-            self.log(f"saved checkpoint {self._save(it)}")
+            self.log(f"saved checkpoint {self.save(it)}")
 
     def _unsafe_to_save(self, loss: float, skipped_in_a_row: int) -> str:
         """Why the state after this step must not become a checkpoint ("" when it may): the
@@ -468,68 +479,6 @@ class Trainer:
         return per
 
 
-@dataclass(frozen=True)
-class Cadence:
-    """When the loop logs, evaluates, saves and stops (iterations count from 1)."""
-
-    iters: int
-    log_every: int
-    eval_every: int  # 0: never
-    save_every: int  # 0: only at the end
-    exit_every: int  # 0: never
-
-    @classmethod
-    def of(cls, cfg: Config, can_eval: bool = True) -> Cadence:
-        """The cadence of ``cfg`` (no evaluation when there is no validation data)."""
-        tr = cfg.train
-        ev = cfg.eval.interval if can_eval else 0
-        return cls(tr.iters, cfg.logging.interval, ev, tr.save_interval, tr.exit_interval)
-
-    def _at(self, every: int, it: int) -> bool:
-        return every > 0 and it % every == 0
-
-    def log(self, it: int) -> bool:
-        """Log a line after iteration ``it``: every ``logging.interval`` and at the end."""
-        return self._at(self.log_every, it) or it == self.iters
-
-    def evaluate(self, it: int) -> bool:
-        """Evaluate: every ``eval.interval`` and at the end (never when it is 0)."""
-        return self.eval_every > 0 and (self._at(self.eval_every, it) or it == self.iters)
-
-    def stop(self, it: int) -> bool:
-        """Stop early (after saving): at multiples of ``train.exit_interval`` before the end."""
-        return self._at(self.exit_every, it) and it < self.iters
-
-    def save(self, it: int) -> bool:
-        """Checkpoint: every ``train.save_interval``, at the end and before an early stop."""
-        return self._at(self.save_every, it) or it == self.iters or self._at(self.exit_every, it)
-
-
-class _Window:
-    """Loss, time and tokens accumulated over one logging interval."""
-
-    def __init__(self, tokens_per_iter: int) -> None:
-        self.tokens_per_iter = tokens_per_iter
-        self.iters, self.counted, self.loss, self.seconds = 0, 0, 0.0, 0.0
-
-    def add(self, loss: float, seconds: float, counted: bool = True) -> None:
-        """One iteration; a skipped one (``counted=False``) adds time but not its loss."""
-        self.iters += 1
-        self.counted += counted
-        self.loss += loss if counted else 0.0
-        self.seconds += seconds
-
-    @property
-    def mean_loss(self) -> float:
-        return self.loss / self.counted if self.counted else math.nan
-
-    def take(self) -> tuple[int, float]:
-        """(tokens, seconds) of the interval; starts the next one."""
-        out = (self.tokens_per_iter * self.iters, self.seconds)
-        self.iters, self.counted, self.loss, self.seconds = 0, 0, 0.0, 0.0
-        return out
-
-
 class TrainingStopped(RuntimeError):
     """The run cannot continue (e.g. too many non-finite steps); the message says why."""
 
@@ -538,73 +487,66 @@ class TrainingPreempted(RuntimeError):
     """``train.exit_signal`` arrived: every rank saved and stopped at the same iteration."""
 
 
-class ExitSignal:
-    """Notes ``signal_name`` (``train.exit_signal``) and says, collectively, whether any rank
-    got it, so every rank stops at the same iteration boundary (Megatron's exit signal
-    handler). Without a name it installs nothing and costs nothing."""
+def build_engine(
+    cfg: Config, ds_config: dict[str, Any], layout: Layout, clock: StageClock | None = None
+) -> Any:
+    """This rank's DeepSpeed engine as training runs it, from no data: the model (under
+    ``parallel.pp > 1`` this rank's pipeline stage from our balancer, timed by ``clock``; else
+    the single model, built partitioned under ZeRO-3), the trainer's optimizer and schedule
+    unless the ds_config names its own, ``deepspeed.initialize``, the 16-bit optimizers'
+    priming step taken back and non-finite steps skipped. Call after
+    :func:`parallel.init_model_parallel` and :func:`parallel.model_parallel_seed`."""
+    pipeline = layout.pp > 1
+    mpu = parallel.topology if not pipeline and layout.tp > 1 else None
+    if pipeline:
+        model = _pipeline_module(cfg, layout, clock)
+    else:
+        model = build_partitioned(cfg, ds_config)
+    if not is_zero3_partitioned(model):
+        model.to(get_accelerator().current_device_name())
+    kwargs: dict[str, Any] = {
+        "model": model,
+        "config": ds_config,
+        **optimizer_kwargs(cfg, ds_config, model),
+    }
+    if mpu is not None:
+        kwargs["mpu"] = mpu  # DeepSpeed's mpu protocol (TP-aware ZeRO, norms)
+    engine, *_ = deepspeed.initialize(**kwargs)
+    if cfg.train.compile:
+        allow_layer_recompiles(cfg)  # every tapered layer width compiled, none left eager
+        engine.compile()
+    if clock is not None:
+        clock.attach(engine.module)
+    optim.undo_priming_step(engine)
+    optim.skip_nonfinite_steps(engine)
+    return engine
 
-    def __init__(self, signal_name: str, device: str) -> None:
-        import signal
 
-        self.device, self.seen = device, False
-        self.armed = bool(signal_name)
-        if self.armed:
-            signal.signal(getattr(signal, signal_name), self._note)
-
-    def _note(self, *_: Any) -> None:
-        self.seen = True
-
-    def received(self) -> bool:
-        """Whether any rank has received the signal (a one-element all-reduce when armed)."""
-        if not self.armed:
-            return False
-        flag = torch.tensor(float(self.seen), device=self.device)
-        if dist.get_world_size() > 1:
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        return bool(flag.item())
+def optimizer_kwargs(cfg: Config, ds_config: dict[str, Any], model: nn.Module) -> dict[str, Any]:
+    """``deepspeed.initialize``'s optimizer and LR-schedule arguments for ``model``: the
+    trainer's AdamW groups and warmup + cosine schedule unless the ds_config names its own."""
+    out: dict[str, Any] = {}
+    if "optimizer" in ds_config:
+        out["model_parameters"] = optim.param_groups(model, cfg.train.weight_decay)
+    else:
+        out["optimizer"] = optim.build_optimizer(model, cfg.train, ds_config)
+    if "scheduler" not in ds_config:
+        out["lr_scheduler"] = lambda opt: optim.build_scheduler(opt, cfg.train)
+    return out
 
 
-class _Health:
-    """Skipped (non-finite) steps in a row and loss spikes against a running mean."""
+def _pipeline_module(cfg: Config, layout: Layout, clock: StageClock | None) -> Any:
+    """Stages from our balancer (``parallel.partition``), never DeepSpeed's defaults."""
+    from tapered_megatron.parallel.pipeline import BalancedPipelineModule
 
-    def __init__(self, max_skipped: int, spike_factor: float, window: int = 50) -> None:
-        self.max_skipped, self.spike_factor = max_skipped, spike_factor
-        self.in_a_row = 0
-        self.recent: deque[float] = deque(maxlen=window)
-
-    def update(
-        self, it: int, loss: float, skipped: bool, consumed: int, batch: int
-    ) -> tuple[str, str]:
-        """``(note, stop)``: a line to log ("" if none) and why to stop ("" to go on)."""
-        if skipped:
-            self.in_a_row += 1
-            note = (
-                f"iteration {it}: loss {loss:.4g} or gradients not finite: step skipped (no "
-                f"optimizer or learning-rate update); samples {consumed - batch}-{consumed - 1} "
-                f"are consumed and not trained on ({self.in_a_row} skipped in a row, "
-                f"train.max_skipped_steps={self.max_skipped})"
-            )
-            stop = ""
-            if self.in_a_row >= self.max_skipped:
-                stop = (
-                    f"{self.in_a_row} consecutive steps with non-finite loss or gradients "
-                    f"(train.max_skipped_steps={self.max_skipped}) at iteration {it}: stopped "
-                    "without saving; the last complete checkpoint is intact (lower train.lr, "
-                    "check the data, then --resume auto)"
-                )
-            return note, stop
-        self.in_a_row = 0
-        note = ""
-        if self.spike_factor > 0 and len(self.recent) >= 10:
-            mean = sum(self.recent) / len(self.recent)
-            if loss > self.spike_factor * mean:
-                note = (
-                    f"iteration {it}: loss spike {loss:.4g} > train.loss_spike_factor "
-                    f"{self.spike_factor:g} x running mean {mean:.4g} "
-                    f"(last {len(self.recent)} iterations)"
-                )
-        self.recent.append(loss)
-        return note, ""
+    return BalancedPipelineModule.from_config(
+        cfg,
+        topology=parallel.get_topology(),
+        micro_batches=layout.grad_accum,
+        # the single model's loss, fused LM head
+        loss_fn=clock.timed(lm_loss) if clock is not None else lm_loss,
+        partition_kwargs={"dp": layout.dp, "zero_stage": layout.zero_stage},
+    )
 
 
 def build_partitioned(cfg: Config, ds_config: dict[str, Any]) -> nn.Module:
@@ -670,16 +612,6 @@ def is_zero3_partitioned(model: nn.Module) -> bool:
     return any(hasattr(p, "ds_id") for p in model.parameters())
 
 
-def injected_nan_iterations() -> frozenset[int]:
-    """Iterations named in ``$TAPERED_MEGATRON_INJECT_NAN`` ("3", "3,5", "4-9"): test hook."""
-    out: set[int] = set()
-    for part in os.environ.get("TAPERED_MEGATRON_INJECT_NAN", "").replace(" ", "").split(","):
-        if part:
-            lo, _, hi = part.partition("-")
-            out.update(range(int(lo), int(hi or lo) + 1))
-    return frozenset(out)
-
-
 def loss_scale_to_apply(engine: Any) -> float:
     """The factor the trainer multiplies the loss by before ``engine.backward`` (and divides
     the reported gradient norm by): fp16's current dynamic loss scale without ZeRO, else 1.
@@ -695,61 +627,16 @@ def loss_scale_to_apply(engine: Any) -> float:
     return 1.0
 
 
-def computes_grad_norm(engine: Any) -> bool:
-    """Whether DeepSpeed computes the global gradient norm inside ``step()``: every ZeRO stage
-    and 16-bit optimizer does, except fp32 ZeRO-0 (which clips without keeping the norm)."""
-    fp32 = not (engine.fp16_enabled() or engine.bfloat16_enabled())
-    return not (fp32 and engine.zero_optimization_stage() == 0)
-
-
-def grad_norm(engine: Any) -> float | None:
-    """The global 2-norm of the current optimizer step's gradients, for every ZeRO stage.
-
-    Where :func:`computes_grad_norm`, DeepSpeed's own value (read it after ``step()``).
-    Otherwise (fp32 ZeRO-0) it is computed from the parameters' gradients, so read it after the
-    last backward and before ``step()`` clears them: tensor-parallel shards summed over the TP
-    group, replicated parameters counted once. ``None`` when there is nothing to read.
-    """
-    if computes_grad_norm(engine):
-        gn = engine.get_global_grad_norm()
-        return None if gn is None else float(gn)
-    grads = [p for p in engine.module.parameters() if p.grad is not None]
-    if not grads:
-        return None
-    sq = torch.zeros((), dtype=torch.float64, device=grads[0].grad.device)
-    tp_rank = parallel.get_tensor_model_parallel_rank()
-    for p in grads:
-        if tp_rank == 0 or is_model_parallel_parameter(p):
-            sq += p.grad.detach().double().pow(2).sum()
-    if parallel.get_tensor_model_parallel_world_size() > 1:
-        dist.all_reduce(sq, group=parallel.get_tensor_model_parallel_group())
-    return math.sqrt(sq.item())
-
-
-class _MetricsFile:
-    """Append-only JSON lines, one per iteration (rank 0; disabled when ``path`` is empty)."""
-
-    def __init__(self, path: str) -> None:
-        self.f = None
-        if path:
-            Path(path).parent.mkdir(parents=True, exist_ok=True)
-            self.f = open(path, "a")  # noqa: SIM115 - kept open for the whole run
-
-    def write(self, record: dict[str, Any]) -> None:
-        if self.f is not None:
-            self.f.write(json.dumps(record) + "\n")
-            self.f.flush()
-
-    def close(self) -> None:
-        if self.f is not None:
-            self.f.close()
-
-
 def _collate(samples: list[Any]) -> torch.Tensor:
     return torch.stack([torch.as_tensor(s, dtype=torch.int64) for s in samples])
 
 
 def run(cfg: Config, ds_config: dict[str, Any], layout: Layout, t0: float) -> list[float]:
-    """Train one run in an initialised process group (used by ``pretrain/main.py``)."""
+    """Train one run in an initialised process group (used by ``pretrain/main.py``), holding
+    ``train.save_dir`` for it (:func:`checkpoint.own_save_dir`)."""
     os.makedirs(cfg.train.save_dir, exist_ok=True)
-    return Trainer(cfg, ds_config, layout, t0).fit()
+    try:
+        with checkpoint.own_save_dir(cfg):
+            return Trainer(cfg, ds_config, layout, t0).fit()
+    except checkpoint.SaveDirTaken as e:
+        raise TrainingStopped(str(e)) from None

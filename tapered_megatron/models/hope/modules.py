@@ -1,6 +1,7 @@
 """Hope-attention's Continuum Memory System (CMS) as modules: :class:`CMSLevel` (one SwiGLU
 level with an update period), :class:`ContinuumMemory` (the chain, ``hope_attention``'s MLP
-slot), the teach signal's first pass, the ``model.hope`` options and the registration.
+slot) and the teach signal's first pass (options and record:
+:mod:`tapered_megatron.architectures.hope`).
 
 A ``hope_attention`` block is causal softmax attention followed by a chain of ``K`` SwiGLU
 levels, residual inside the chain; level ``i`` changes its weights inside the sequence only at
@@ -25,17 +26,15 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Any, Literal
+from dataclasses import replace
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from tapered_megatron.autocast import autocast_dtype, autocast_off
-from tapered_megatron.config_fields import ConfigError, at_least
-from tapered_megatron.models.attention import Attention
-from tapered_megatron.models.base import Architecture, Counts, MLPSlot, register_architecture
+from tapered_megatron.models.base import Counts, MLPSlot
 from tapered_megatron.models.hope.window import (
     NORM_EPS,
     _UpdatingWindow,
@@ -51,59 +50,7 @@ from tapered_megatron.parallel import (
     vocab_parallel_linear_cross_entropy_mean,
 )
 
-if TYPE_CHECKING:
-    from tapered_megatron.config import Config
-
 W2_GATE_GAIN = 10.0  # split: W_2's gate is sigmoid(gain (u w + b)), so it can open in few steps
-
-
-@dataclass(frozen=True)
-class HopeOptions:
-    """``model.hope``: hope_attention's Continuum Memory System."""
-
-    levels: int = at_least(1, 3)  # K MLP levels in the chain
-    periods: tuple[int, ...] = at_least(0, (0, 64, 16))  # update period per level; 0 = never
-    lr: float = at_least(0.0, 0.1)  # inner-loop rate scale (effective step on a repeated input)
-    rate: Literal["learned", "constant"] = "learned"  # learned: sigmoid of a map of the input
-    rate_init: float = 0.1  # learned rate: initial sigmoid value (gate bias logit(rate_init))
-    update: Literal["association", "teach"] = "association"  # next position | outer-loss signal
-    # W_2's step: over the level input's squared norm (input), over its own input's (own), or
-    # over its own input's with a gate of its own (split; hope.window's module doc)
-    step_norm: Literal["input", "own", "split"] = "split"
-    w2_rate_init: float = 1e-5  # split: initial value of W_2's gate (which can reach 1)
-    # split: the least init std over tokens of W_2's gate logit (gain x (u w' + b')); 0 keeps
-    # the weights' init_std (recall vs language modelling: docs/memory_architectures.md)
-    w2_gate_spread: float = at_least(0.0, 0.0)
-
-
-def _validate(cfg: Config) -> None:
-    """One period per level; the narrowest layer splits into that many rounding units; a
-    learned rate's initial value lies in (0, 1); ``w2_gate_spread`` needs ``W_2``'s gate;
-    ``teach`` needs the whole model (no pipeline)."""
-    h, plan = cfg.model.hope, cfg.taper_plan
-    if len(h.periods) != h.levels:
-        raise ConfigError(
-            f"model.hope.periods: give one period per level ({h.levels}), got {list(h.periods)}"
-        )
-    if min(plan.widths) < h.levels * plan.unit:
-        raise ConfigError(
-            f"model.hope.levels: the narrowest layer (d_ff={min(plan.widths)}) cannot be split "
-            f"into {h.levels} CMS levels of at least one rounding unit ({plan.unit}); use fewer "
-            "levels, a wider model.d_ff or a smaller taper.multiple"
-        )
-    for key in ("rate_init", "w2_rate_init"):
-        if not 0 < getattr(h, key) < 1:
-            raise ConfigError(f"model.hope.{key}: {getattr(h, key)} must lie in (0, 1)")
-    if h.w2_gate_spread and (h.step_norm != "split" or h.rate != "learned"):
-        raise ConfigError(
-            f"model.hope.w2_gate_spread: {h.w2_gate_spread} sets W_2's own gate, which exists "
-            "only with model.hope.step_norm split and model.hope.rate learned; drop it or use both"
-        )
-    if h.update == "teach" and cfg.parallel.pp != 1:
-        raise ConfigError(
-            "model.hope.update: teach needs a first pass of the whole model (parallel.pp = 1); "
-            "use association under pipeline parallelism"
-        )
 
 
 def level_widths(d_ff: int, levels: int, unit: int) -> list[int]:
@@ -388,30 +335,7 @@ def teach_pass(model: nn.Module, input_ids: torch.Tensor) -> None:
         c.teach_signal = signal
 
 
-def _first_pass(model: nn.Module, input_ids: torch.Tensor) -> None:
+def first_pass(model: nn.Module, input_ids: torch.Tensor) -> None:
     """The record's first pass: :func:`teach_pass` when ``hope.update = teach``."""
     if model.cfg.model.hope.update == "teach":
         teach_pass(model, input_ids)
-
-
-def _first_pass_config(cfg: Config) -> Config | None:
-    """What the teach signal's first pass costs: a forward of the same model with static CMS
-    levels (the config without in-context updates); None under ``association``."""
-    if cfg.model.hope.update != "teach":
-        return None
-    return cfg.with_overrides(["--model.hope.update", "association", "--model.hope.lr", "0"])
-
-
-register_architecture(
-    Architecture(
-        "hope_attention",
-        Attention,
-        ContinuumMemory,
-        HopeOptions,
-        "hope",
-        validate=_validate,
-        compiles=True,  # the CMS period loop stays eager (torch.compiler.disable)
-        first_pass=_first_pass,
-        first_pass_config=_first_pass_config,
-    )
-)

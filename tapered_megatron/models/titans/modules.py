@@ -1,6 +1,7 @@
 """The Titans token mixer as modules: :class:`NeuralMemory` (the memory branch: q/k/v, the short
 convolution, the gates and the memory rule of :mod:`.scan`) and :class:`TitansMixer` (the
-variants), with the ``model.titans`` options and the architecture's registration.
+variants); the ``model.titans`` options and the record are
+:mod:`tapered_megatron.architectures.titans`.
 
 Per head and token the gates are ``theta, eta, alpha = sigmoid(x W + b)`` (step size, momentum,
 forgetting; initial forgetting half-lives log-spaced over heads, :func:`alpha_half_lives`);
@@ -25,22 +26,14 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Literal
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tapered_megatron.config_fields import ConfigError, at_least
-from tapered_megatron.models.base import (
-    Architecture,
-    Counts,
-    Recomputed,
-    TokenMixer,
-    register_architecture,
-)
+from tapered_megatron.architectures.titans import GATE_INIT
+from tapered_megatron.models.base import Counts, Recomputed, TokenMixer
 from tapered_megatron.models.layers import RotaryEmbedding
-from tapered_megatron.models.mlp import SwiGLU
 from tapered_megatron.models.titans.attention import _attend, window_attention
 from tapered_megatron.models.titans.ops import _head_rms_norm, conv_silu_normalize, gated_head_norms
 from tapered_megatron.models.titans.scan import MemoryState, _state_dtype, memory_scan, mlp_read
@@ -53,69 +46,7 @@ from tapered_megatron.parallel import (
 )
 from tapered_megatron.parallel.layers import mark_split, row_layout
 
-if TYPE_CHECKING:
-    from tapered_megatron.config import Config
-
-GATE_BIAS_INIT = {"theta": -3.0, "eta": 2.0}  # alpha: per head, see alpha_half_lives
-# theta (~0.047) and eta (~0.881) at init, whatever their caps (max_step, max_momentum)
-GATE_INIT = {g: 1.0 / (1.0 + math.exp(-b)) for g, b in GATE_BIAS_INIT.items()}
 GATE_SPREAD_WIDTH = 512  # the gates' init std is held at its value for this width above it
-
-
-@dataclass(frozen=True)
-class TitansOptions:
-    """``model.titans``: the neural long-term memory of the ``titans`` architecture."""
-
-    variant: Literal["mag", "mal", "mac", "lmm"] = "mag"
-    memory_depth: int = at_least(2, 2)  # layers of the per-head memory MLP
-    memory_expansion: int = at_least(1, 2)  # memory MLP hidden width, as a multiple of head_dim
-    chunk_size: int = at_least(1, 16)  # tokens per chunk of the chunk-parallel update
-    conv_size: int = at_least(1, 4)  # short causal depthwise convolution on q, k, v
-    window: int = at_least(1, 64)  # attention window (MAG / MAL); MAC: segment length
-    persistent_tokens: int = at_least(0, 0)  # learned key/value pairs before every attention
-    # per-token clip of the memory gradient's Frobenius norm over all layers; 0: no clip
-    memory_clip: float = at_least(0.0, 1.0)
-    # each token's memory step normalised by the memory's curvature along its error (NLMS,
-    # scan._step_scales) instead of the plain gradient step
-    normalized_step: bool = False
-    # initial forgetting half-lives of the first and last head, in windows (log-spaced between)
-    forget_half_lives: tuple[float, float] = (0.25, 16.0)
-    # the largest step size and momentum: theta = max_step * sigmoid(x W + b), likewise eta
-    # with max_momentum, the biases set so that both start at GATE_INIT whatever the caps;
-    # 1: the plain sigmoid gate
-    max_step: float = 1.0
-    max_momentum: float = 1.0
-
-
-def _validate(cfg: Config) -> None:
-    """Persistent tokens need an attention (not lmm); MAC segments start at chunk starts;
-    forgetting half-lives positive, first <= last."""
-    t = cfg.model.titans
-    lo, hi = t.forget_half_lives
-    if not 0 < lo <= hi:
-        raise ConfigError(
-            f"model.titans.forget_half_lives: {list(t.forget_half_lives)} must be two positive "
-            "numbers of windows, the first no larger than the second (e.g. 0.25 16)"
-        )
-    for key, gate, cap in (
-        ("max_step", "theta", t.max_step),
-        ("max_momentum", "eta", t.max_momentum),
-    ):
-        if not GATE_INIT[gate] < cap <= 1.0:
-            raise ConfigError(
-                f"model.titans.{key}: {cap} must lie in ({GATE_INIT[gate]:.4f}, 1] ({gate} "
-                "starts at that lower bound); or 1 for the uncapped gate"
-            )
-    if t.variant == "lmm" and t.persistent_tokens:
-        raise ConfigError(
-            "model.titans.persistent_tokens: variant lmm has no attention to prepend them to; "
-            "use 0 or another variant"
-        )
-    if t.variant == "mac" and t.window % t.chunk_size:
-        raise ConfigError(
-            f"model.titans.window ({t.window}) must be a multiple of model.titans.chunk_size "
-            f"({t.chunk_size}) for variant mac (segments start at chunk starts)"
-        )
 
 
 def _per_head(shape: tuple[int, ...], std: float | None = None, fn=None) -> nn.Parameter:
@@ -544,16 +475,3 @@ class TitansMixer(TokenMixer):
         else:
             o = _head_rms_norm(mem, self.mem_norm, self.eps)
         return self.out(o.reshape(bsz, seq, -1))
-
-
-register_architecture(
-    Architecture(
-        "titans",
-        TitansMixer,
-        SwiGLU,
-        options=TitansOptions,
-        validate=_validate,
-        mixer_efficiency=0.6,  # chunked memory scan: small batched matmuls and a Python loop
-        compiles=True,  # the chunk step compiles on its own; the chunk loop stays eager
-    )
-)
