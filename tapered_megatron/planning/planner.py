@@ -109,15 +109,18 @@ class Candidate:
 
 
 LAYOUT = re.compile(
-    r"tp(?P<tp>\d+)(?P<sp> sp)? pp(?P<pp>\d+) dp(?P<dp>\d+) zero(?P<zero>[0-3]) "
+    r"tp(?P<tp>\d+)(?P<sp> sp)? pp(?P<pp>\d+)"
+    r"(?: (?P<schedule>interleaved|zbv|dualpipev|zero_bubble) v(?P<v>\d+))? "
+    r"dp(?P<dp>\d+) zero(?P<zero>[0-3]) "
     r"mbs(?P<mbs>\d+) gas(?P<gas>\d+) rc-(?P<rc>none|selective|full) (?P<unit>layer|sublayer)"
 )
 
 
 def parse_layout(text: str) -> Candidate:
     """The candidate a :attr:`Candidate.label` names (the planner's table column), e.g.
-    ``"tp2 sp pp1 dp32 zero3 mbs4 gas1 rc-none layer"``; ``ValueError`` naming the expected
-    form otherwise."""
+    ``"tp2 sp pp1 dp32 zero3 mbs4 gas1 rc-none layer"`` or, with a pipeline schedule,
+    ``"tp4 sp pp4 zero_bubble v2 dp32 zero1 mbs1 gas4 rc-none layer"``; ``ValueError`` naming
+    the expected form otherwise."""
     m = LAYOUT.fullmatch(" ".join(text.split()))
     if m is None:
         raise ValueError(
@@ -125,9 +128,10 @@ def parse_layout(text: str) -> Candidate:
             '"tp2 sp pp1 dp32 zero3 mbs4 gas1 rc-none layer"'
         )
     g = {k: int(v) for k, v in m.groupdict().items() if v and v.isdigit()}
-    return Candidate(
+    c = Candidate(
         g["tp"], g["pp"], g["dp"], g["zero"], g["mbs"], g["gas"], m["rc"], m["unit"], bool(m["sp"])
     )
+    return replace(c, schedule=m["schedule"], virtual_stages=g["v"]) if m["schedule"] else c
 
 
 def layout_problem(cfg: Config, c: Candidate, gpus: int, gpus_per_node: int) -> str | None:
@@ -587,7 +591,12 @@ def evaluate_layout(
     except ValueError as e:
         return str(e)
     problem = layout_problem(cfg, c, gpus, dev.gpus_per_node)
-    return f"layout {c.label}: {problem}" if problem else evaluate(cfg, c, dev, cap)
+    if problem:
+        return f"layout {c.label}: {problem}"
+    one = evaluate(cfg, replace(c, schedule="1f1b", virtual_stages=1), dev, cap)
+    if isinstance(one, str) or c.schedule == "1f1b":
+        return one
+    return with_schedule(cfg, one, dev, cap, c.schedule, c.virtual_stages)
 
 
 def _table(cands: list[Candidate]) -> list[str]:
