@@ -7,8 +7,8 @@ exist), then times, ``--rounds`` times each:
 
 * ``save``: the trainer's save (DeepSpeed's files, RNG, config, and the manifest: every file
   hashed before ``complete`` is written); ``hash``: the manifest's hashing alone
-  (``checkpoint_layout.digests`` on the files just written, so from the page cache);
-* ``verify``: the hash check resume makes (``checkpoint.hash_problem``: every file re-hashed
+  (``manifest.digests`` on the files just written, so from the page cache);
+* ``verify``: the hash check resume makes (``resume.hash_problem``: every file re-hashed
   against the manifest); ``load``: resume's load (``safe_load.verify_tag`` of every ``.pt`` as
   plain data, then the engine's ``load_checkpoint`` and the RNG states);
 * ``sha256_mem``: hashlib's sha256 over a 256 MiB buffer in memory (the CPU bound).
@@ -51,8 +51,8 @@ def _sha256_mem(size: int = 256 << 20) -> float:
 
 def _implied_7b(per_s: float, ranks: int = 64) -> dict:
     """Hashing time of the 7B preset's checkpoint at ``per_s`` bytes/s per core."""
+    from tapered_megatron.checkpoint.save import checkpoint_bytes
     from tapered_megatron.config import load_config
-    from tapered_megatron.training.checkpoint import checkpoint_bytes
 
     empty = tempfile.mkdtemp(prefix="bench_ckpt_7b_")  # no saved checkpoint: the estimate
     cfg = load_config("transformer_7b", ["--train.save_dir", empty])
@@ -74,11 +74,12 @@ def main() -> None:
 
     import torch
 
-    from tapered_megatron import safe_load
-    from tapered_megatron.checkpoint_layout import digests, tag_files, tag_of
+    from tapered_megatron.checkpoint import resume, safe_load
+    from tapered_megatron.checkpoint.layout import tag_of
+    from tapered_megatron.checkpoint.manifest import digests, tag_files
     from tapered_megatron.config import load_config
     from tapered_megatron.models import count_model
-    from tapered_megatron.training import checkpoint, launch
+    from tapered_megatron.training import launch
     from tapered_megatron.training.trainer import Trainer
 
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
@@ -107,7 +108,7 @@ def main() -> None:
             digests(tag_dir)
             times["hash"].append(time.perf_counter() - t0)
             t0 = time.perf_counter()
-            assert checkpoint.hash_problem(tag_dir) is None
+            assert resume.hash_problem(tag_dir) is None
             times["verify"].append(time.perf_counter() - t0)
             t0 = time.perf_counter()
             safe_load.verify_tag(tag_dir)

@@ -94,7 +94,7 @@ def measure(checkpoint: Path, out: Path, dtype: str, max_shard_size: str) -> dic
     import torch
     from safetensors import safe_open
 
-    from tapered_megatron.export.consolidate import resolve_checkpoint
+    from tapered_megatron.checkpoint.consolidate import resolve_checkpoint
     from tapered_megatron.models import build_model
 
     cmd = [sys.executable, __file__, "--child", str(checkpoint), str(out), dtype, max_shard_size]

@@ -11,6 +11,11 @@ of its split ``969,30,1`` of ``data/sample/corpus.jsonl.gz`` (public domain, see
   of other held-out speeches).
 * ``tm_shakespeare_lastword.jsonl`` (last-word cloze like LAMBADA, acc / perplexity): a speaker
   and up to four lines of verse, the final word held out (trailing punctuation dropped).
+* ``tm_shakespeare_wordorder.jsonl`` (two choices, acc): a speaker and up to three lines, then
+  the next line as written or its words shuffled. Chance is 50 %; a model that learned which
+  words follow which scores clearly above it even at the reproduction's small scale, so
+  differences between its models can show (the task definition lives in ``tasks/reproduction/``
+  and is not one of the default local tasks).
 """
 
 from __future__ import annotations
@@ -84,6 +89,39 @@ def lastword_items(sp: list[tuple[str, list[str]]], n: int, rng: random.Random) 
     return items
 
 
+def wordswap_items(sp: list[tuple[str, list[str]]], n: int, rng: random.Random) -> list[dict]:
+    """Two choices: a line of a speech as written, or with two neighbouring words swapped."""
+    items = []
+    for i in rng.sample(range(len(sp)), len(sp)):
+        head, lines = sp[i]
+        k = rng.randint(1, len(lines) - 1)
+        words = lines[k].split()
+        j = rng.randrange(max(1, len(words) - 1))
+        if len(words) < 6 or words[j].lower() == words[j + 1].lower():
+            continue
+        swapped = [*words[:j], words[j + 1], words[j], *words[j + 2 :]]
+        label = rng.randrange(2)
+        choices = [" ".join(swapped), lines[k]] if label else [lines[k], " ".join(swapped)]
+        context = "\n".join([head, *lines[max(0, k - 3) : k]])
+        items.append({"context": context, "choices": choices, "label": label})
+        if len(items) == n:
+            break
+    return items
+
+
+def lastchoice_items(cloze: list[dict], rng: random.Random) -> list[dict]:
+    """Four choices: the held-out last word of each cloze item, or one of three other items'
+    (so every choice is a word that ends a line of the play)."""
+    targets = sorted({x["target"] for x in cloze})
+    items = []
+    for x in cloze:
+        wrong = rng.sample([t for t in targets if t.lower() != x["target"].lower()], 3)
+        label = rng.randrange(4)
+        choices = [*wrong[:label], x["target"], *wrong[label:]]
+        items.append({"context": x["context"], "choices": choices, "label": label})
+    return items
+
+
 def main(argv: list[str] | None = None) -> int:
     """Write both task files (see the module docstring)."""
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -96,9 +134,12 @@ def main(argv: list[str] | None = None) -> int:
     sp = speeches(docs[start:])
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
+    cloze = lastword_items(sp, a.items, random.Random(a.seed + 1))
     for name, items in (
         ("tm_shakespeare_nextline", nextline_items(sp, a.items, random.Random(a.seed))),
-        ("tm_shakespeare_lastword", lastword_items(sp, a.items, random.Random(a.seed + 1))),
+        ("tm_shakespeare_lastword", cloze),
+        ("tm_shakespeare_wordswap", wordswap_items(sp, a.items, random.Random(a.seed + 2))),
+        ("tm_shakespeare_lastchoice", lastchoice_items(cloze, random.Random(a.seed + 3))),
     ):
         text = "".join(json.dumps(item, ensure_ascii=False) + "\n" for item in items)
         (out / f"{name}.jsonl").write_text(text, encoding="utf-8")

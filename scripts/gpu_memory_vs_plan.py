@@ -28,6 +28,7 @@ from bench_common import emit, stamp
 from deepspeed.accelerator import get_accelerator
 
 from tapered_megatron import parallel
+from tapered_megatron.checkpoint.layout import ParallelLayout
 from tapered_megatron.planning import cost
 from tapered_megatron.planning.balance import analyse
 from tapered_megatron.training import launch, optim
@@ -35,7 +36,7 @@ from tapered_megatron.training.logger import device_product_name, memory_gb
 from tapered_megatron.training.trainer import build_partitioned
 
 
-def predicted(cfg, ds: dict, layout: launch.Layout) -> dict[str, float]:
+def predicted(cfg, ds: dict, layout: ParallelLayout) -> dict[str, float]:
     """The planner's bytes for this layout: the whole stage, its fixed overhead, model state."""
     acc = get_accelerator()
     dev = cost.get_device("cpu") if acc.device_name() == "cpu" else cost.resolve_device("auto")

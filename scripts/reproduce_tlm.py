@@ -1,6 +1,6 @@
 """Reproduce the Tapered Language Models paper's experiments in one resumable command.
 
-    python scripts/reproduce_tlm.py                        # cpu scale, 3 seeds, all experiments
+    python scripts/reproduce_tlm.py                        # cpu scale, 5 seeds, all experiments
     python scripts/reproduce_tlm.py --smoke --out /tmp/tlm # every path in a few minutes
     python scripts/reproduce_tlm.py --scale 440m --launcher "deepspeed --num_gpus 8" \\
         --data-path /data/pile_text_document --tokenizer-model /data/tok.model
@@ -9,14 +9,19 @@ Experiments (the paper's, arXiv 2606.23670): (a) ``controlled`` uniform vs
 wider-early/middle/late thirds, (b) ``sweep`` cosine/linear/sigmoid x five ratio pairs,
 (c) ``archs`` four architectures x {uniform, cosine 1.5/0.5, reverse}, with (d) validation
 curves of all of them, (e) ``alignment`` (rho_block / rho_mlp of the uniform and tapered
-Transformer) and (f) zero-shot scores of the (c) models; and (g) ``scale``: the (c) comparisons
-of the Transformer and Titans again at a second, larger size (cpu scale). ``--headline-seeds``
-gives (c) and (g) more seeds than the rest; ``--archs`` trains and evaluates a subset of the
+Transformer) and (f) zero-shot scores of the (c) models, each item's outcome kept; (g)
+``scale``: the (c) comparisons of the Transformer and Hope-attention again at a second, larger
+size; and (h) ``corpus``: the Transformer's uniform / cosine 1.5/0.5 / reverse on a second corpus
+of another domain, the Python documentation CPython ships ((g) and (h): cpu scale). Every
+configuration gets ``--seeds`` seeds (default 5); ``--headline-seeds`` gives (c) and (g) more;
+each invocation that trains also checks, once, that a short run trained twice on its machine
+gives bitwise-equal losses (``<out>/rerun.json``). ``--archs`` trains and evaluates a subset of the
 architectures (RESULTS.md still shows every planned row, the others as they were saved). Each run
 is an ordinary ``pretrain/main.py`` job under ``--launcher``; finished runs and evaluations are
 skipped, so the command can be killed and rerun. A configuration's runs are trained by one code
 version (``--allow-mixed-commits`` lets them mix). At the end it copies each run's metrics to
-``docs/results/runs/<run>/metrics.json`` and writes ``docs/RESULTS.md`` and the plots under
+``docs/results/runs/<run>/metrics.json`` (and ``driver_wall.json``, ``rerun.json`` beside them)
+and writes ``docs/RESULTS.md`` and the plots under
 ``docs/results/`` from those files alone.
 
 On a machine without a GPU, scales ``440m`` and up print the launch plan and its cost (GPU-hours
@@ -28,6 +33,7 @@ from __future__ import annotations
 import argparse
 import fcntl
 import importlib.util
+import json
 import os
 import shlex
 import signal
@@ -47,7 +53,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--data-path", default="", help="token-file prefix (default: sample corpus)")
     ap.add_argument("--tokenizer-model", default="", help="tokenizer of --data-path")
     ap.add_argument("--scale", default="cpu", choices=sorted(grid.SCALES))
-    ap.add_argument("--seeds", type=int, default=3, help="seeds per configuration (default 3)")
+    ap.add_argument("--seeds", type=int, default=5, help="seeds per configuration (default 5)")
     ap.add_argument(
         "--headline-seeds",
         type=int,
@@ -214,12 +220,18 @@ def main(argv: list[str] | None = None) -> int:
     with driver.invocation_wall(out) as walls:
         failed = driver.train_all(settings, runs, jobs, log)
         missing = driver.evaluate_all(settings, runs, only, log, jobs)
+        if runs and not (out / "rerun.json").exists():
+            driver.rerun_check(settings, runs[0], log)
     if failed:
         log(f"{failed} run(s) failed; rerun the same command to retry them")
     if not a.no_report:
         records.sync_records(settings, planned, results / "results" / "runs")
+        records.keep_driver_files(out, results / "results")
         meta.update(
-            wall_s=round(sum(walls), 1), invocations=len(walls), missing_tools=sorted(missing)
+            wall_s=round(sum(walls), 1),
+            invocations=len(walls),
+            missing_tools=sorted(missing),
+            rerun=records.driver_file(out, results / "results", "rerun.json"),
         )
         log(f"wrote {report.write_results(results, meta)}")
     log(f"finished in {time.time() - t0:.0f} s")
@@ -229,8 +241,18 @@ def main(argv: list[str] | None = None) -> int:
 def _report_only(settings: driver.Settings, runs: list, results: Path, meta: dict) -> int:
     """RESULTS.md from the finished runs, without training or evaluating anything."""
     n = records.sync_records(settings, runs, results / "results" / "runs")
-    walls = driver.invocation_walls(settings.out) if n == len(runs) else []
-    meta.update(wall_s=round(sum(walls), 1), invocations=len(walls))  # 0: "in progress"
+    records.keep_driver_files(settings.out, results / "results")
+    walls = records.driver_file(settings.out, results / "results", "driver_wall.json") or []
+    meta.update(wall_s=round(sum(walls), 1), invocations=len(walls), finished=n == len(runs))
+    earlier = results / "results" / "meta.json"
+    if not walls and earlier.is_file():  # no wall file anywhere: the last report's figure
+        last = json.loads(earlier.read_text())
+        if last.get("wall_s"):
+            meta.update(wall_s=last["wall_s"], invocations=last["invocations"])
+            meta["wall_source"] = last.get("wall_source") or (
+                f"the report of {last['date']} (its per-invocation file was not kept then)"
+            )
+    meta["rerun"] = records.driver_file(settings.out, results / "results", "rerun.json")
     meta["missing_tools"] = sorted(
         phase
         for phase in grid.evaluation_phases(meta["only"])

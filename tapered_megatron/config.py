@@ -635,8 +635,9 @@ def _refuse_base(data: dict[str, Any], where: str) -> None:
 
 def _received_layer(path: Path) -> dict[str, Any]:
     """A checkpoint's ``config.yaml`` as one layer: parsed within the bounds of
-    :mod:`tapered_megatron.received` (size, nesting depth, alias expansion), no ``base``."""
-    from tapered_megatron.received import ReceivedFileError, load_yaml
+    :mod:`tapered_megatron.checkpoint.received` (size, nesting depth, alias expansion), no
+    ``base``."""
+    from tapered_megatron.checkpoint.received import ReceivedFileError, load_yaml
 
     try:
         data = load_yaml(path)

@@ -137,7 +137,8 @@ def assert_close(a: list[float], b: list[float], rtol: float = RTOL) -> None:
 def reseal(tag_dir: Path) -> None:
     """Rewrite the manifest in a checkpoint's ``complete`` for its files as they are now (a
     checkpoint whose sender or saver wrote these files consistently)."""
-    from tapered_megatron.checkpoint_layout import COMPLETE, digests
+    from tapered_megatron.checkpoint.layout import COMPLETE
+    from tapered_megatron.checkpoint.manifest import digests
 
     marker = json.loads((tag_dir / COMPLETE).read_text())
     marker["files"] = digests(tag_dir)
@@ -147,7 +148,7 @@ def reseal(tag_dir: Path) -> None:
 _HOLD = """
 import sys, time
 from pathlib import Path
-from tapered_megatron.checkpoint_layout import lock_save_dir
+from tapered_megatron.checkpoint.layout import lock_save_dir
 held = lock_save_dir(Path(sys.argv[1]))
 print("held" if held else "busy", flush=True)
 time.sleep(600)

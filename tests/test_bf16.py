@@ -252,8 +252,8 @@ def test_export_of_a_bf16_run_holds_the_fp32_masters_and_hf_logits_match(corpus,
     import transformers
     from safetensors.torch import load_file
 
+    from tapered_megatron.checkpoint.consolidate import resolve_checkpoint
     from tapered_megatron.export.__main__ import main as export_main
-    from tapered_megatron.export.consolidate import resolve_checkpoint
     from tapered_megatron.models import build_model
 
     run = _run(tmp_path, "run")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import json
+from dataclasses import replace
 
 import pytest
 
@@ -147,3 +148,26 @@ def test_local_search_against_exhaustive_search() -> None:
         )
         gaps.append(got / best - 1)
     assert sum(g > 1e-9 for g in gaps) <= 4 and max(gaps) < 0.03, gaps
+
+
+@pytest.mark.slow
+def test_planner_replays_schedules_on_a_pipeline_layout() -> None:
+    from tapered_megatron.config import load_config
+    from tapered_megatron.planning.planner import Candidate, evaluate, overrides, with_schedule
+
+    cfg = load_config("transformer_1.3b")
+    dev = costlib.get_device("h100")
+    cap = 72 * costlib.GiB
+    c = evaluate(cfg, Candidate(1, 2, 1, 1, 1, 8, "none", "layer"), dev, cap)
+    assert not isinstance(c, str)
+    one = with_schedule(cfg, c, dev, cap, "1f1b", 1)  # the trainer's stages, replayed
+    inter = with_schedule(cfg, c, dev, cap, "interleaved", 2)
+    assert not isinstance(one, str) and not isinstance(inter, str)
+    assert one.parts == c.parts and one.step_s == pytest.approx(c.step_s, rel=0.02)
+    assert inter.step_s < one.step_s and len(inter.parts) == 5  # 2 ranks x 2 chunks
+    assert overrides(cfg, inter)[-4:] == [
+        "--parallel.schedule", "interleaved", "--parallel.virtual_stages", "2",
+    ]  # fmt: skip
+    assert "--parallel.schedule" not in overrides(cfg, one)
+    recomputed = with_schedule(cfg, replace(c, recompute="full"), dev, cap, "zbv", 2)
+    assert isinstance(recomputed, str) and "not supported" in recomputed

@@ -24,8 +24,8 @@ from arch_args import for_arch
 from launch_helpers import ROOT, assert_close, launch_ranks, metrics
 from safetensors.torch import load_file
 
+from tapered_megatron.checkpoint.consolidate import resolve_checkpoint
 from tapered_megatron.export.__main__ import main as export_main
-from tapered_megatron.export.consolidate import resolve_checkpoint
 
 ARCHS = ("transformer", "gated_attention", "titans", "hope_attention")
 # d_ff 128: cosine widths [192, 64] are multiples of the taper unit at TP 1 (16) and TP 2 (32),

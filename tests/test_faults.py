@@ -297,8 +297,8 @@ def test_a_full_disk_inside_a_real_save_ends_in_one_line_and_keeps_latest(
     naming the directory, the free bytes and those a checkpoint needs (global_step5's size on
     disk), the partial global_step10 removed, ``latest`` still global_step5, nothing else left
     behind; a resume with room continues from global_step5."""
-    from tapered_megatron.checkpoint_layout import saved_bytes
-    from tapered_megatron.training.checkpoint import size_text
+    from tapered_megatron.checkpoint.manifest import saved_bytes
+    from tapered_megatron.checkpoint.save import size_text
 
     shutil.copytree(saved_at_5, tmp_path, dirs_exist_ok=True)
     ckpt = tmp_path / "ckpt"
@@ -332,8 +332,8 @@ def test_a_full_disk_on_one_rank_ends_every_rank_promptly_in_one_line(
     the collective timeout) with exit code 1 and one line naming the directory, the failing
     rank and the bytes a checkpoint needs; global_step4 is gone and ``latest`` still names
     global_step2."""
-    from tapered_megatron.checkpoint_layout import saved_bytes
-    from tapered_megatron.training.checkpoint import size_text
+    from tapered_megatron.checkpoint.manifest import saved_bytes
+    from tapered_megatron.checkpoint.save import size_text
 
     ckpt = tmp_path / "ckpt"
     env = {"LD_PRELOAD": str(disk_full_library), "DISK_FULL_DIR": str(ckpt / "global_step4")}

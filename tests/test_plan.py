@@ -357,6 +357,35 @@ def test_layout_flag_predicts_the_printed_pick(capsys) -> None:
     assert f"   1 {label}" in capsys.readouterr().out
 
 
+def test_layout_flag_takes_a_scheduled_pick() -> None:
+    """A label with a pipeline schedule (what ``--schedules`` prints) reads back: the 1F1B
+    candidate replayed under that schedule, as the search's :func:`with_schedule` gives it."""
+    from tapered_megatron.planning.planner import evaluate_layout, parse_layout, with_schedule
+
+    label = "tp1 pp2 zbv v2 dp8 zero1 mbs4 gas4 rc-none layer"
+    c = parse_layout(label)
+    assert (c.schedule, c.virtual_stages, c.label) == ("zbv", 2, label)
+    cfg = load_config("transformer_1.3b")
+    dev = costlib.get_device("h100", mem_bytes=80 * costlib.GiB, gpus_per_node=8)
+    cap = 0.9 * 80 * costlib.GiB
+    one = evaluate_layout(cfg, label, 16, dev, cap)
+    want = with_schedule(
+        cfg,
+        evaluate(cfg, replace(c, schedule="1f1b", virtual_stages=1), dev, cap),
+        dev,
+        cap,
+        "zbv",
+        2,
+    )
+    assert one.label == label and one.step_s == pytest.approx(want.step_s, rel=1e-12)
+    assert (
+        one.breakdown["pipeline_s"]
+        != evaluate(cfg, replace(c, schedule="1f1b", virtual_stages=1), dev, cap).breakdown[
+            "pipeline_s"
+        ]
+    )
+
+
 @pytest.mark.parametrize(
     ("layout", "why"),
     [

@@ -22,7 +22,7 @@ import torch.distributed as dist
 import yaml
 from launch_helpers import reseal
 
-from tapered_megatron.checkpoint_layout import digests
+from tapered_megatron.checkpoint.manifest import digests
 from tapered_megatron.config import ConfigError, load_config
 from tapered_megatron.data import write_indexed_dataset
 
@@ -282,7 +282,8 @@ def test_bad_input_in_a_real_process(tmp_path):
 def test_layout_change_needs_the_universal_copy(corpus, tmp_path):
     """Pre-flight lets a checkpoint of another layout through when it holds universal/; one
     written before layout.json is judged by the TP / PP of its config."""
-    from tapered_megatron.training import launch, preflight
+    from tapered_megatron.checkpoint import preflight
+    from tapered_megatron.training import launch
 
     save = _saved_checkpoint(tmp_path, ["--data.path", corpus], D32, TP2_LAYOUT)
     base = [*TINY[2:], "--data.path", corpus]
@@ -304,8 +305,8 @@ def test_layout_change_needs_the_universal_copy(corpus, tmp_path):
 def test_resume_may_change_dropout_only(corpus, tmp_path):
     """``model.dropout`` changes no weight: a resume with another value passes the check; any
     other model key still fails it."""
+    from tapered_megatron.checkpoint.preflight import check_resume
     from tapered_megatron.config import ConfigError
-    from tapered_megatron.training.preflight import check_resume
 
     save = _saved_checkpoint(tmp_path, ["--data.path", corpus], ("--model.dropout", "0.1"))
     args = [x for k, v in zip(TINY[::2], TINY[1::2]) if k != "--ds_config" for x in (k, v)]

@@ -21,7 +21,8 @@ import torch
 import yaml
 from launch_helpers import MAIN, ROOT, common_args, hold_save_dir, job_env, popen_job, reseal
 
-from tapered_megatron.checkpoint_layout import complete_tags, file_digest, write_manifest
+from tapered_megatron.checkpoint.layout import complete_tags
+from tapered_megatron.checkpoint.manifest import file_digest, write_manifest
 from tapered_megatron.export.__main__ import main as export_main
 
 pytestmark = pytest.mark.distributed
@@ -131,7 +132,7 @@ def test_overwritten_bytes_fall_back_on_resume_and_stop_export(
 
 def finite_weights(tag_dir: Path) -> bool:
     """Whether every tensor of a checkpoint's model states is finite."""
-    from tapered_megatron import safe_load
+    from tapered_megatron.checkpoint import safe_load
 
     module = safe_load.load(tag_dir / "mp_rank_00_model_states.pt")["module"]
     return all(bool(torch.isfinite(t).all()) for t in module.values())
@@ -144,7 +145,7 @@ def test_nan_weights_from_a_saved_file_never_replace_the_good_checkpoints(
     """global_step4's weights are NaN yet its manifest matches (a sender wrote them so): every
     resumed step is skipped, the saves due meanwhile are withheld, the run stops after
     ``train.max_skipped_steps``; global_step2 is not pruned and no NaN checkpoint is added."""
-    from tapered_megatron import safe_load
+    from tapered_megatron.checkpoint import safe_load
 
     run_dir = copy_run(trained, tmp_path / "run", ("global_step2", "global_step4"))
     tag = run_dir / "ckpt" / "global_step4"
@@ -250,8 +251,8 @@ def test_a_checkpoint_manifest_naming_a_file_outside_is_passed_over(
     of the tag (each with the outside file's true digest): the tag is not complete, so
     ``--resume auto`` falls back to global_step2 with a note (a real run for the symlink,
     :func:`find_resume` for each) and export refuses it in one line."""
+    from tapered_megatron.checkpoint.resume import find_resume
     from tapered_megatron.config import load_config
-    from tapered_megatron.training.checkpoint import find_resume
 
     for kind in OUTSIDE:
         run_dir = copy_run(trained, tmp_path / kind, ("global_step2", "global_step4"))
@@ -360,7 +361,7 @@ def test_an_rng_file_holding_numpy_arrays_still_loads(tmp_path):
     import numpy as np
     import torch
 
-    from tapered_megatron import safe_load
+    from tapered_megatron.checkpoint import safe_load
     from tapered_megatron.parallel.random import get_rng_state, set_rng_state
 
     state = get_rng_state()
@@ -375,7 +376,7 @@ def test_an_unreadable_pt_names_the_file_and_quotes_the_cause(tmp_path):
     """A zip whose tensor data is missing: one line, the file and torch's own first line."""
     import zipfile
 
-    from tapered_megatron import safe_load
+    from tapered_megatron.checkpoint import safe_load
     from tapered_megatron.config_fields import first_line
 
     good, bad = tmp_path / "good.pt", tmp_path / "bad.pt"

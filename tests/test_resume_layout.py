@@ -125,3 +125,85 @@ def test_kept_global_batch_unmet_is_one_line_and_an_explicit_one_wins(
     _, _, _, layout = launch.setup([*argv, "--train.global_batch_size", "16"])
     assert layout.global_batch_size == 16 and layout.grad_accum == 2
     assert "global batch 16 (train.global_batch_size, set explicitly)" in capsys.readouterr().out
+
+
+INTERLEAVED = ["--parallel.pp", "2", "--parallel.schedule", "interleaved"]
+
+
+@pytest.mark.slow
+def test_interleaved_run_matches_one_process_and_resumes_under_1f1b_and_one_process(
+    corpus, tmp_path
+):
+    """A PP2 x v2 interleaved run through pretrain/main.py logs the one-process losses,
+    gradient norms (clipped at 1.0 from iteration 7 on) and validation loss; its checkpoint at
+    iteration 10 continues under DeepSpeed's 1F1B engine, in one process and under the same
+    schedule, each equal to the uninterrupted run; it exports as any checkpoint does."""
+    ref_dir = tmp_path / "ref"
+    ref_dir.mkdir()
+    launch_ranks(1, corpus, ref_dir, "zero0.json", [], T)
+    ref = metrics(ref_dir)
+    inter = [*INTERLEAVED, "--parallel.virtual_stages", "2", "--train.exit_interval", "10"]
+    for name, (n1, ds1, x1) in {
+        "1f1b": (2, "pipeline.json", ["--parallel.pp", "2"]),
+        "one": ONE_Z0,
+        "same": (2, "pipeline.json", [*INTERLEAVED, "--parallel.virtual_stages", "2"]),
+    }.items():
+        run = tmp_path / name
+        run.mkdir()
+        launch_ranks(2, corpus, run, "pipeline.json", inter, T)
+        first = metrics(run)
+        assert_close([r["loss"] for r in first], [r["loss"] for r in ref[:10]], rtol=RTOL)
+        assert_close([r["grad_norm"] for r in first], [r["grad_norm"] for r in ref[:10]], 1e-4)
+        assert "val_loss" in first[-1]  # evaluation at iteration 10 ran through the schedule
+        assert first[-1]["val_loss"] == pytest.approx(ref[9]["val_loss"], rel=RTOL)
+        if name == "one":
+            _exports_the_universal_masters(run / "ckpt", tmp_path / "export")
+        launch_ranks(n1, corpus, run, ds1, [*x1, "--resume", "auto"], T)
+        got = metrics(run)
+        assert [r["iteration"] for r in got] == list(range(1, 21))
+        assert_close([r["loss"] for r in got[10:]], [r["loss"] for r in ref[10:]], rtol=RTOL)
+        log = (run / "log.txt").read_text()
+        assert "schedule interleaved v2" in log or "from its universal/ copy" in log
+
+
+def _exports_the_universal_masters(ckpt, out) -> None:
+    """``python -m tapered_megatron.export`` of ``ckpt``: every parameter of the model, equal to
+    the universal copy's fp32 master."""
+    import torch
+    from safetensors.torch import load_file
+
+    from tapered_megatron.checkpoint.consolidate import resolve_checkpoint
+    from tapered_megatron.export.__main__ import main as export_main
+    from tapered_megatron.models import build_model
+
+    assert export_main(["--checkpoint", str(ckpt), "--out", str(out)]) == 0
+    got = load_file(str(out / "model.safetensors"))
+    names = dict(build_model(resolve_checkpoint(ckpt).cfg).named_parameters())
+    assert sorted(got) == sorted(names)
+    universal = ckpt / "global_step10" / "universal"
+    for name in got:
+        assert torch.equal(got[name], torch.load(universal / f"{name}.pt")["fp32"]), name
+
+
+VIRTUAL_CASES = {
+    "tp2-sp-interleaved": (4, ["--parallel.tp", "2", "--parallel.sequence_parallel", "true"]),
+    "interleaved-recompute-full": (2, ["--train.recompute", "full"]),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", list(VIRTUAL_CASES))
+def test_virtual_schedule_with_tp_sp_or_recompute_matches_one_process(case, corpus, tmp_path):
+    """TP2 with sequence parallelism inside interleaved chunks (TP2 x PP2 x v2), and full
+    recompute inside them, log the one-process losses and gradient norms."""
+    ranks, extra = VIRTUAL_CASES[case]
+    ref_dir = tmp_path / "ref"
+    ref_dir.mkdir()
+    launch_ranks(1, corpus, ref_dir, "zero0.json", ["--train.iters", "10"], T)
+    run = tmp_path / "run"
+    run.mkdir()
+    args = [*INTERLEAVED, "--parallel.virtual_stages", "2", *extra, "--train.iters", "10"]
+    launch_ranks(ranks, corpus, run, "pipeline.json", args, T)
+    got, ref = metrics(run), metrics(ref_dir)
+    assert_close([r["loss"] for r in got], [r["loss"] for r in ref], rtol=RTOL)
+    assert_close([r["grad_norm"] for r in got], [r["grad_norm"] for r in ref], 1e-4)

@@ -17,8 +17,13 @@ from launch_helpers import reseal
 from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
+from tapered_megatron.checkpoint import save
+from tapered_megatron.checkpoint.layout import ParallelLayout, complete_tags, is_complete
+from tapered_megatron.checkpoint.manifest import saved_bytes
+from tapered_megatron.checkpoint.resume import find_resume, hash_problem, load
+from tapered_megatron.checkpoint.save_dir import SaveDirTaken, own_save_dir
 from tapered_megatron.config import ConfigError, load_config
-from tapered_megatron.training import checkpoint, launch, optim
+from tapered_megatron.training import launch, optim
 
 ROOT = Path(__file__).resolve().parents[1]
 DS = ROOT / "ds_configs"
@@ -42,6 +47,24 @@ def test_auto_keys_are_filled_from_train_config():
     assert ds["gradient_accumulation_steps"] == 2
     assert ds["gradient_clipping"] == 1.0
     assert ds["bf16"]["enabled"] is False  # CPU: fp32
+
+
+def test_the_layout_record_keeps_the_layout_json_format():
+    """What a run writes into layout.json, reads back and names in messages."""
+    zero1 = json.loads((DS / "zero1.json").read_text())
+    _, lay = _resolve(["--parallel.tp", "2"], zero1, world=2)
+    record = {"tp": 2, "pp": 1, "dp": 1, "zero_stage": 1, "pipeline_unit": "none"}
+    assert lay.to_record() == record
+    assert ParallelLayout.from_record(record) == ParallelLayout(2, 1, 1, 1)
+    assert lay.describe() == "TP2 PP1 DP1 ZeRO-1 unit none"
+    pipe = json.loads((DS / "pipeline.json").read_text())
+    over = ["--parallel.pp", "2", "--parallel.schedule", "interleaved"]
+    _, lay = _resolve([*over, "--parallel.virtual_stages", "2"], pipe, world=2)
+    record = {"tp": 1, "pp": 2, "dp": 1, "zero_stage": 1, "pipeline_unit": "layer"}
+    record.update(schedule="interleaved", virtual_stages=2)
+    assert lay.to_record() == record
+    assert ParallelLayout.from_record(record).to_record() == record
+    assert lay.describe(("pp",)) == "PP2 unit layer schedule interleaved v2"
 
 
 @pytest.mark.parametrize("half", ["bf16", "fp16"])
@@ -272,44 +295,44 @@ def _cfg(tmp_path, *extra):
 
 def test_latest_only_points_at_complete_checkpoints(tmp_path):
     cfg = _cfg(tmp_path)
-    checkpoint.save(FakeEngine(), cfg, 10, 80)
+    save.save(FakeEngine(), cfg, 10, 80)
     assert (tmp_path / "latest").read_text() == "global_step10"
-    assert checkpoint.is_complete(tmp_path / "global_step10")
+    assert is_complete(tmp_path / "global_step10")
     saved = yaml_load(tmp_path / "global_step10" / "config.yaml")
     assert saved["train"]["save_dir"] == str(tmp_path)
     assert json.loads((tmp_path / "global_step10" / "taper_plan.json").read_text())["widths"]
     with pytest.raises(RuntimeError):
-        checkpoint.save(FakeEngine(fail_at=20), cfg, 20, 160)
+        save.save(FakeEngine(fail_at=20), cfg, 20, 160)
     assert (tmp_path / "global_step20").exists()  # half-written ...
     assert (tmp_path / "latest").read_text() == "global_step10"  # ... and never latest
     resume = _cfg(tmp_path, "--train.resume", "auto")
-    assert checkpoint.find_resume(resume) == (tmp_path, "global_step10")
+    assert find_resume(resume) == (tmp_path, "global_step10")
     # even with a stale/corrupt `latest`, auto picks the newest complete checkpoint
     (tmp_path / "latest").write_text("global_step20")
-    assert checkpoint.find_resume(resume) == (tmp_path, "global_step10")
+    assert find_resume(resume) == (tmp_path, "global_step10")
     eng = FakeEngine()
-    client = checkpoint.load(eng, tmp_path, "global_step10")
+    client = load(eng, tmp_path, "global_step10")
     assert client == {"iteration": 10, "consumed_samples": 80}
 
 
 def test_keep_last_and_explicit_paths(tmp_path):
     cfg = _cfg(tmp_path)
     for it in (5, 10, 15, 20):
-        checkpoint.save(FakeEngine(), cfg, it, it * 8)
-    assert [t for _, t in checkpoint.complete_tags(tmp_path)] == ["global_step15", "global_step20"]
+        save.save(FakeEngine(), cfg, it, it * 8)
+    assert [t for _, t in complete_tags(tmp_path)] == ["global_step15", "global_step20"]
     assert not (tmp_path / "global_step5").exists()
-    assert checkpoint.find_resume(_cfg(tmp_path, "--train.resume", str(tmp_path))) == (
+    assert find_resume(_cfg(tmp_path, "--train.resume", str(tmp_path))) == (
         tmp_path,
         "global_step20",
     )
     one = tmp_path / "global_step15"
-    assert checkpoint.find_resume(_cfg(tmp_path, "--train.resume", str(one))) == (
+    assert find_resume(_cfg(tmp_path, "--train.resume", str(one))) == (
         tmp_path,
         "global_step15",
     )
-    assert checkpoint.find_resume(_cfg(tmp_path / "empty", "--train.resume", "auto")) is None
+    assert find_resume(_cfg(tmp_path / "empty", "--train.resume", "auto")) is None
     with pytest.raises(FileNotFoundError):
-        checkpoint.find_resume(_cfg(tmp_path, "--train.resume", str(tmp_path / "nothing")))
+        find_resume(_cfg(tmp_path, "--train.resume", str(tmp_path / "nothing")))
 
 
 def yaml_load(path: Path) -> dict:
@@ -321,23 +344,23 @@ def yaml_load(path: Path) -> dict:
 def test_resume_passes_over_an_unusable_checkpoint_with_a_note(tmp_path):
     cfg = _cfg(tmp_path)
     for it in (10, 20):
-        checkpoint.save(FakeEngine(), cfg, it, it * 8)
+        save.save(FakeEngine(), cfg, it, it * 8)
     resume = _cfg(tmp_path, "--train.resume", "auto")
     (tmp_path / "global_step20" / "layout.json").write_text("{not json")
     reseal(tmp_path / "global_step20")  # listed in the manifest: only its content is wrong
     notes: list[str] = []
-    assert checkpoint.find_resume(resume, note=notes.append) == (tmp_path, "global_step10")
+    assert find_resume(resume, note=notes.append) == (tmp_path, "global_step10")
     assert len(notes) == 1 and "global_step20/layout.json: unreadable" in notes[0], notes
     # a `latest` outside the directory is not followed, and says so
     (tmp_path / "latest").write_text("../elsewhere/global_step30")
     notes.clear()
-    assert checkpoint.find_resume(resume, note=notes.append) == (tmp_path, "global_step10")
+    assert find_resume(resume, note=notes.append) == (tmp_path, "global_step10")
     assert "not a plain global_stepN tag" in notes[0] and "ignored" in notes[0], notes
     # nothing usable left: one line naming the newest's problem
     f = tmp_path / "global_step10" / "mp_rank_00_model_states.pt"
     f.write_bytes(f.read_bytes()[:64])
     with pytest.raises(ConfigError, match=r"no usable checkpoint .*global_step20/layout\.json"):
-        checkpoint.find_resume(resume)
+        find_resume(resume)
 
 
 def _tamper(f: Path) -> None:
@@ -353,37 +376,37 @@ def test_pruning_counts_only_usable_checkpoints_and_spares_the_resumed_one(tmp_p
     one with keep_last 1: its saves never prune the checkpoint it resumed from nor the newest
     one it saved, and ``latest`` always names a tag that exists."""
     for it in (2, 4):
-        checkpoint.save(FakeEngine(), _cfg(tmp_path), it, it * 8)
+        save.save(FakeEngine(), _cfg(tmp_path), it, it * 8)
     _tamper(tmp_path / "global_step4" / "mp_rank_00_model_states.pt")  # found by the sha256
     over = ["--train.save_dir", str(tmp_path), "--train.keep_last", "1", "--train.resume", "auto"]
     cfg = load_config("quickstart", over)
-    lineage = checkpoint.Lineage(resumed="global_step2")  # what the trainer resumed from
-    checkpoint.save(FakeEngine(), cfg, 3, 24, lineage=lineage)
-    assert [t for _, t in checkpoint.complete_tags(tmp_path)] == [
+    lineage = save.Lineage(resumed="global_step2")  # what the trainer resumed from
+    save.save(FakeEngine(), cfg, 3, 24, lineage=lineage)
+    assert [t for _, t in complete_tags(tmp_path)] == [
         "global_step2",
         "global_step3",
         "global_step4",
     ]
-    assert checkpoint.find_resume(cfg, known={"global_step4": "changed"}) == (
+    assert find_resume(cfg, known={"global_step4": "changed"}) == (
         tmp_path,
         "global_step3",
     )
-    checkpoint.save(FakeEngine(), cfg, 4, 32, lineage=lineage)  # replaces the unusable one
-    assert [t for _, t in checkpoint.complete_tags(tmp_path)] == ["global_step2", "global_step4"]
+    save.save(FakeEngine(), cfg, 4, 32, lineage=lineage)  # replaces the unusable one
+    assert [t for _, t in complete_tags(tmp_path)] == ["global_step2", "global_step4"]
     assert (tmp_path / "latest").read_text() == "global_step4"
-    assert checkpoint.hash_problem(tmp_path / "global_step4") is None
+    assert hash_problem(tmp_path / "global_step4") is None
 
 
 def _checkpoints_of_another_run(save_dir: Path) -> list[str]:
     for it in (2, 4):
-        checkpoint.save(FakeEngine(), _cfg(save_dir), it, it * 8)
+        save.save(FakeEngine(), _cfg(save_dir), it, it * 8)
     (save_dir / "notes").mkdir()
     (save_dir / "notes" / "mine.txt").write_text("keep")
     return sorted(p.name for p in save_dir.iterdir())
 
 
 def test_a_fresh_run_into_another_runs_save_dir_stops_in_one_line(tmp_path):
-    from tapered_megatron.training.preflight import check_owner
+    from tapered_megatron.checkpoint.preflight import check_owner
 
     before = _checkpoints_of_another_run(tmp_path)
     with pytest.raises(ConfigError) as e:
@@ -399,7 +422,7 @@ def test_a_fresh_run_into_another_runs_save_dir_stops_in_one_line(tmp_path):
     with pytest.raises(ConfigError, match="one of the two"):
         check_owner(_cfg(tmp_path, "--train.resume", "auto", "--train.start_over", "true"))
     assert sorted(p.name for p in tmp_path.iterdir()) == before
-    with pytest.raises(checkpoint.SaveDirTaken), checkpoint.own_save_dir(_cfg(tmp_path)):
+    with pytest.raises(SaveDirTaken), own_save_dir(_cfg(tmp_path)):
         pass  # checked again once the lock is held
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted([*before, "job.lock"])
 
@@ -407,11 +430,11 @@ def test_a_fresh_run_into_another_runs_save_dir_stops_in_one_line(tmp_path):
 def test_start_over_moves_the_earlier_checkpoints_aside(tmp_path, capsys):
     _checkpoints_of_another_run(tmp_path)
     cfg = _cfg(tmp_path, "--train.start_over", "true")
-    with checkpoint.own_save_dir(cfg):
-        checkpoint.save(FakeEngine(), cfg, 1, 8, lineage=checkpoint.Lineage())
+    with own_save_dir(cfg):
+        save.save(FakeEngine(), cfg, 1, 8, lineage=save.Lineage())
     (aside,) = tmp_path.glob("earlier-run-*")
     assert sorted(p.name for p in aside.iterdir()) == ["global_step2", "global_step4", "latest"]
-    assert checkpoint.hash_problem(aside / "global_step4") is None  # moved, intact
+    assert hash_problem(aside / "global_step4") is None  # moved, intact
     assert (tmp_path / "notes" / "mine.txt").read_text() == "keep"
     assert (tmp_path / "latest").read_text() == "global_step1"
     assert "moved to" in capsys.readouterr().out
@@ -425,7 +448,7 @@ def test_a_save_dir_in_use_is_refused_and_freed_when_its_holder_is_killed(tmp_pa
     holder = hold_save_dir(tmp_path)
     try:
         cfg = _cfg(tmp_path)
-        with pytest.raises(checkpoint.SaveDirTaken) as e, checkpoint.own_save_dir(cfg):
+        with pytest.raises(SaveDirTaken) as e, own_save_dir(cfg):
             pass
         line = str(e.value)
         assert "\n" not in line and "in use by another job" in line
@@ -433,8 +456,8 @@ def test_a_save_dir_in_use_is_refused_and_freed_when_its_holder_is_killed(tmp_pa
     finally:
         holder.kill()  # SIGKILL: no clean-up of its own
         holder.wait()
-    with checkpoint.own_save_dir(cfg):
-        checkpoint.save(FakeEngine(), cfg, 1, 8, lineage=checkpoint.Lineage())
+    with own_save_dir(cfg):
+        save.save(FakeEngine(), cfg, 1, 8, lineage=save.Lineage())
     assert (tmp_path / "latest").read_text() == "global_step1"
 
 
@@ -488,25 +511,25 @@ def test_a_manifest_that_does_not_cover_every_file_makes_the_checkpoint_unusable
     its plain files (or a field is of the wrong type or absurd): resume falls back to the older
     checkpoint with a one-line note naming the problem, export refuses in one line, the
     free-space estimate uses the older checkpoint's size, and pruning never counts it."""
-    from tapered_megatron.export.consolidate import resolve_checkpoint
+    from tapered_megatron.checkpoint.consolidate import resolve_checkpoint
     from tapered_megatron.export.load import ExportError
 
     change, why = MANIFEST_FAULTS[fault]
     for it in (2, 4):
-        checkpoint.save(FakeEngine(), _cfg(tmp_path), it, it * 8)
-    size2 = checkpoint.saved_bytes(tmp_path)
+        save.save(FakeEngine(), _cfg(tmp_path), it, it * 8)
+    size2 = saved_bytes(tmp_path)
     tag4 = tmp_path / "global_step4"
     marker = json.loads((tag4 / "complete").read_text())
     change(marker, tag4)
     (tag4 / "complete").write_text(json.dumps(marker))
     notes: list[str] = []
     resume = _cfg(tmp_path, "--train.resume", "auto")
-    assert checkpoint.find_resume(resume, note=notes.append) == (tmp_path, "global_step2")
+    assert find_resume(resume, note=notes.append) == (tmp_path, "global_step2")
     assert len(notes) == 1 and why in notes[0] and "\n" not in notes[0], notes
     with pytest.raises(ExportError, match=re.escape(why)):
         resolve_checkpoint(tmp_path, "global_step4")
-    assert checkpoint.checkpoint_bytes(resume, half=False) == size2
-    assert [t for _, t in checkpoint.usable_tags(tmp_path)] == ["global_step2"]
+    assert save.checkpoint_bytes(resume, half=False) == size2
+    assert [t for _, t in save.usable_tags(tmp_path)] == ["global_step2"]
 
 
 def _plugin(tmp_path: Path) -> tuple[Path, Path]:
@@ -523,28 +546,28 @@ def test_a_saved_config_including_a_base_is_never_followed(tmp_path):
     never runs."""
     import yaml
 
+    from tapered_megatron.checkpoint.consolidate import resolve_checkpoint
     from tapered_megatron.config import load_saved_config
-    from tapered_megatron.export.consolidate import resolve_checkpoint
     from tapered_megatron.export.load import ExportError
 
     plugin, marker = _plugin(tmp_path)
-    save = tmp_path / "ckpt"
+    save_dir = tmp_path / "ckpt"
     for it in (2, 4):
-        checkpoint.save(FakeEngine(), _cfg(save), it, it * 8)
-    tag4 = save / "global_step4"
+        save.save(FakeEngine(), _cfg(save_dir), it, it * 8)
+    tag4 = save_dir / "global_step4"
     base = {"model": {"arch": "received_arch", "plugins": [str(plugin)]}}
     (tag4 / "defaults.yaml").write_text(yaml.safe_dump(base))
     saved = yaml.safe_load((tag4 / "config.yaml").read_text())
     (tag4 / "config.yaml").write_text(yaml.safe_dump({"base": "defaults.yaml", **saved}))
     reseal(tag4)
     notes: list[str] = []
-    resume = _cfg(save, "--train.resume", "auto")
-    assert checkpoint.find_resume(resume, note=notes.append) == (save, "global_step2")
+    resume = _cfg(save_dir, "--train.resume", "auto")
+    assert find_resume(resume, note=notes.append) == (save_dir, "global_step2")
     assert len(notes) == 1 and "without 'base'" in notes[0], notes
     with pytest.raises(ConfigError, match=re.escape("'base: 'defaults.yaml'' is not followed")):
         load_saved_config(tag4 / "config.yaml")
     with pytest.raises(ExportError, match="is not followed"):
-        resolve_checkpoint(save, "global_step4")
+        resolve_checkpoint(save_dir, "global_step4")
     assert not marker.exists()
 
 
@@ -564,7 +587,7 @@ def test_a_saved_config_is_parsed_within_bounds(case, tmp_path):
     from tapered_megatron.config import load_saved_config
 
     for it in (2, 4):
-        checkpoint.save(FakeEngine(), _cfg(tmp_path), it, it * 8)
+        save.save(FakeEngine(), _cfg(tmp_path), it, it * 8)
     f = tmp_path / "global_step4" / "config.yaml"
     f.write_text(BOUNDLESS[case])
     reseal(f.parent)
@@ -574,6 +597,6 @@ def test_a_saved_config_is_parsed_within_bounds(case, tmp_path):
     assert "\n" not in str(e.value) and str(f) in str(e.value)
     notes: list[str] = []
     resume = _cfg(tmp_path, "--train.resume", "auto")
-    assert checkpoint.find_resume(resume, note=notes.append) == (tmp_path, "global_step2")
+    assert find_resume(resume, note=notes.append) == (tmp_path, "global_step2")
     assert len(notes) == 1 and "config.yaml: unreadable" in notes[0], notes
     assert time.perf_counter() - t < 5

@@ -14,7 +14,7 @@ Each run lives in ``<out>/runs/<run>/``::
     alignment.json  / zeroshot/zeroshot.json / memory_probe.json (titans, hope_attention: loss
                     with the in-context memory on and off, tapered_megatron.eval.memory_probe):
                     evaluation results, skipped when present (a zero-shot result of another item
-                    limit is redone)
+                    limit or task list, or without per-item outputs, is redone)
 
 A killed run restarts with ``--resume auto`` (newest complete checkpoint, else a fresh start).
 """
@@ -25,6 +25,7 @@ import json
 import os
 import re
 import shlex
+import shutil
 import subprocess
 import sys
 import threading
@@ -37,7 +38,7 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
-from experiments.tlm import provenance
+from experiments.tlm import corpus, provenance
 from experiments.tlm.grid import SMOKE_OVERRIDES, Run, Scale, evaluation_phases, shape_overrides
 
 REPO = Path(__file__).resolve().parents[2]
@@ -65,11 +66,20 @@ class Settings:
         if self.data_path:
             return self.tokenizer_model, self.data_path
         from tapered_megatron import data
+
+        return data.prepare_sample_corpus(self.out / "cache", self.scale_vocab())
+
+    def scale_vocab(self) -> int:
+        """The vocabulary size of the scale's presets (the smoke shapes included)."""
         from tapered_megatron.config import load_config
 
         over = [*self.scale.overrides, *(SMOKE_OVERRIDES if self.smoke else ())]
-        vocab = load_config(self.scale.presets["transformer"], over).model.vocab_size
-        return data.prepare_sample_corpus(self.out / "cache", vocab)
+        return load_config(self.scale.presets["transformer"], over).model.vocab_size
+
+    def second_corpus(self) -> tuple[str, str]:
+        """``(tokenizer_model, token-file prefix)`` of the (h) second corpus, prepared under
+        ``<out>/cache`` with the scale's vocabulary on first use."""
+        return corpus.prepare_python_docs(self.out / "cache", self.scale_vocab())
 
     def job_env(self) -> dict[str, str]:
         """Environment of a job: this checkout first on PYTHONPATH, the thread count pinned."""
@@ -104,9 +114,12 @@ class Settings:
             "--data.cache_dir",
             str(self.out / "cache"),
         ]
-        if self.data_path:
+        if run.variant.corpus:
+            tok, prefix = self.second_corpus()
+            args += ["--data.path", prefix, "--data.tokenizer_model", tok]
+        elif self.data_path:
             args += ["--data.path", self.data_path, "--data.tokenizer_model", self.tokenizer_model]
-        if self.vocab_size:
+        if self.vocab_size and not run.variant.corpus:
             args += ["--model.vocab_size", str(self.vocab_size)]
         return [*self.launcher, *args, "--resume", "auto"]
 
@@ -246,6 +259,69 @@ def invocation_wall(out: Path) -> Iterator[list[float]]:
         save()
 
 
+# The same-machine rerun check: how many iterations its short run trains (one evaluation at
+# the end), twice from scratch.
+RERUN_ITERS = 40
+
+
+def _with(cmd: list[str], key: str, value: str) -> list[str]:
+    """``cmd`` with ``key``'s value set to ``value`` (replaced where given, else appended)."""
+    if key in cmd:
+        i = cmd.index(key)
+        return [*cmd[: i + 1], value, *cmd[i + 2 :]]
+    return [*cmd, key, value]
+
+
+def rerun_check(settings: Settings, run: Run, log: Callable[[str], None]) -> dict[str, Any] | None:
+    """Train ``run`` for :data:`RERUN_ITERS` iterations twice from scratch on this machine
+    (``<out>/rerun/{a,b}``) and compare every logged loss bit for bit; the result (also saved as
+    ``<out>/rerun.json``) names the run, the machine and CPU, whether all losses are equal and the
+    largest difference. None (logged, nothing saved: the next invocation tries again) when a
+    training fails."""
+    losses = []
+    for part in ("a", "b"):
+        d = settings.out / "rerun" / part
+        if d.exists():
+            shutil.rmtree(d)
+        d.mkdir(parents=True)
+        cmd = settings.command(run)
+        for key, value in (
+            ("--train.save_dir", str(d / "checkpoints")),
+            ("--logging.metrics_file", str(d / "metrics.jsonl")),
+            ("--train.iters", str(RERUN_ITERS)),
+            ("--eval.interval", str(RERUN_ITERS)),
+            ("--train.save_interval", str(RERUN_ITERS)),
+        ):
+            cmd = _with(cmd, key, value)
+        log(f"rerun check {run.name} ({part}): {RERUN_ITERS} iterations")
+        with open(d / "train.log", "w") as f:
+            rc = subprocess.run(
+                cmd, stdout=f, stderr=subprocess.STDOUT, env=settings.job_env()
+            ).returncode
+        if rc != 0:
+            log(f"FAILED rerun check {run.name} ({part}, exit {rc}); see {d / 'train.log'}")
+            return None
+        recs = read_metrics(d / "metrics.jsonl")
+        losses.append([r.get(k) for r in recs for k in ("loss", "val_loss") if k in r])
+    a, b = losses
+    diff = max((abs(x - y) for x, y in zip(a, b, strict=True)), default=0.0)
+    env = settings.env or {}
+    result = {
+        "run": run.name,
+        "iterations": RERUN_ITERS,
+        "losses_compared": len(a),
+        "bitwise_equal": a == b,
+        "max_abs_loss_diff": diff,
+        "machine": provenance.versions_label(env) if env else provenance.machine(),
+        "cpu": provenance.cpu_label(env)
+        if env
+        else provenance.cpu_label({"cpu": provenance.cpu()}),
+        "code": provenance.code_label(env) if env else "not recorded",
+    }
+    _replace(settings.out / "rerun.json", json.dumps(result, indent=1) + "\n")
+    return result
+
+
 def _recorded_code(run_dir: Path) -> list[dict[str, Any] | None]:
     """Code versions a run directory's training used (None: trained, but nothing recorded)."""
     seen = provenance.read(run_dir)
@@ -303,6 +379,28 @@ def _tool_missing(output: str) -> bool:
     return "No module named" in output or "ImportError" in output
 
 
+# The zero-shot tasks of (f): the two default local tasks, and two built for the reproduction
+# on which its small models score clearly above chance (tasks/reproduction/).
+ZEROSHOT_TASKS = (
+    "tm_shakespeare_lastword",
+    "tm_shakespeare_nextline",
+    "tm_shakespeare_lastchoice",
+    "tm_shakespeare_wordswap",
+)
+
+
+def zeroshot_stale(result: Path, smoke: bool) -> bool:
+    """Whether a saved zero-shot result must be redone: evaluated on another item limit, on
+    other tasks, or without the per-item outputs the item-level tests need."""
+    saved = json.loads(result.read_text())
+    items = saved.get("items") or {}
+    return (
+        saved.get("limit") != (8 if smoke else None)
+        or set(saved["tasks"]) != set(ZEROSHOT_TASKS)
+        or set(items) != set(ZEROSHOT_TASKS)
+    )
+
+
 def evaluate_run(settings: Settings, run: Run, phase: str, log: Callable[[str], None]) -> str:
     """Run one evaluation ``phase`` (``alignment`` | ``zeroshot`` | ``memory_probe``) on a
     trained run.
@@ -325,14 +423,12 @@ def evaluate_run(settings: Settings, run: Run, phase: str, log: Callable[[str], 
     elif phase == "zeroshot":
         target = d / "zeroshot" / "zeroshot.json"
         args = ["-m", "tapered_megatron.eval.zeroshot", "--checkpoint", ckpt]
-        args += ["--tokenizer-model", settings.eval_data()[0]]
+        args += ["--tokenizer-model", settings.eval_data()[0], "--tasks", ",".join(ZEROSHOT_TASKS)]
         args += (["--limit", "8"] if settings.smoke else []) + ["--output", str(d / "zeroshot")]
     else:
         raise ValueError(f"unknown evaluation phase {phase!r}")
-    if phase == "zeroshot" and target.exists():
-        limit = json.loads(target.read_text()).get("limit")
-        if limit != (8 if settings.smoke else None):  # evaluated on other items: again
-            target.unlink()
+    if phase == "zeroshot" and target.exists() and zeroshot_stale(target, settings.smoke):
+        target.unlink()
     if target.exists():
         return "skipped"
     env = settings.job_env()

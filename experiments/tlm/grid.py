@@ -14,7 +14,18 @@ from tapered_megatron.architectures import ARCHITECTURES, BUILT_IN
 ARCHS = BUILT_IN  # the paper's architectures, in its order
 
 
-EXPERIMENTS = ("controlled", "sweep", "archs", "alignment", "scale")
+EXPERIMENTS = ("controlled", "sweep", "archs", "alignment", "scale", "corpus")
+
+
+# Each experiment's letter in RESULTS.md.
+TAGS = {
+    "controlled": "(a)",
+    "sweep": "(b)",
+    "archs": "(c)",
+    "alignment": "(e)",
+    "scale": "(g)",
+    "corpus": "(h)",
+}
 
 
 # The experiments whose seed count is ``--headline-seeds``: (c) and the (g) second scale.
@@ -30,6 +41,10 @@ SCALE_ARCHS = ("transformer", "hope_attention")
 
 # The name of the (g) second size (its overrides: ``Scale.second_size``).
 SECOND = "d256"
+
+
+# The (h) second corpus (experiments.tlm.corpus): its name in run names.
+SECOND_CORPUS = "pydocs"
 
 
 SWEEP_SCHEDULES = ("cosine", "linear", "sigmoid")
@@ -58,15 +73,16 @@ class Variant:
     ratio: tuple[float, ...] = ()
     reverse: bool = False
     size: str = ""  # "": the scale's own size; SECOND: the (g) second size
+    corpus: str = ""  # "": the scale's corpus; SECOND_CORPUS: the (h) second corpus
 
     @property
     def key(self) -> str:
         """Stable, file-name-safe identifier, e.g. ``transformer-cosine-1.5-0.5-rev``
-        (``...-d256`` at the second size)."""
+        (``...-d256`` at the second size, ``...-pydocs`` on the second corpus)."""
         parts = [self.arch, self.schedule, *(f"{r:g}" for r in self.ratio)]
         if self.reverse:
             parts.append("rev")
-        return "-".join([*parts, *([self.size] if self.size else [])])
+        return "-".join([*parts, *(x for x in (self.size, self.corpus) if x)])
 
     @property
     def label(self) -> str:
@@ -115,6 +131,13 @@ def experiment_variants(name: str) -> list[Variant]:
         return [UNIFORM, Variant("transformer", sched, ratio)]
     if name == "scale":
         return [v for size in ("", SECOND) for v in scale_variants(size)]
+    if name == "corpus":
+        sched, ratio = DEFAULT_TAPER
+        return [
+            Variant(corpus=SECOND_CORPUS),
+            Variant("transformer", sched, ratio, corpus=SECOND_CORPUS),
+            Variant("transformer", sched, ratio, True, corpus=SECOND_CORPUS),
+        ]
     raise ValueError(f"unknown experiment {name!r}; choose from {', '.join(EXPERIMENTS)}")
 
 
@@ -138,10 +161,16 @@ class Scale:
     alignment_tokens: int = 16384
     gpu: bool = False  # needs an accelerator (the plan is printed instead where none is)
     second_size: tuple[str, ...] = ()  # overrides of the (g) second size; (): no (g) here
+    second_corpus: bool = False  # whether (h) runs (the second corpus is small: cpu scale only)
 
     def experiments(self) -> tuple[str, ...]:
-        """The experiments this scale can run ((g) needs a second size)."""
-        return tuple(e for e in EXPERIMENTS if e != "scale" or self.second_size)
+        """The experiments this scale can run ((g) needs a second size, (h) the second
+        corpus)."""
+        return tuple(
+            e
+            for e in EXPERIMENTS
+            if (e != "scale" or self.second_size) and (e != "corpus" or self.second_corpus)
+        )
 
 
 def _preset_scale(name: str, tag: str) -> Scale:
@@ -182,6 +211,7 @@ SCALES = {
         {a: f"{a}_cpu" for a in ARCHS},
         alignment_tokens=16384,
         second_size=CPU_SECOND_SIZE,
+        second_corpus=True,
     ),
     "440m": _preset_scale("440m", "440m"),
     "760m": _preset_scale("760m", "760m"),

@@ -1,5 +1,6 @@
 """What trained a run: the code version (commit, clean or modified tree), the machine and the
-versions of Python, torch and DeepSpeed. The driver records it in each run directory
+versions of Python, torch and DeepSpeed, and the CPU (model, instruction-set flags, the kernels
+torch dispatches). The driver records it in each run directory
 (``provenance.json``, one entry per distinct environment the run was trained in) and refuses to
 mix code versions within one configuration unless told to."""
 
@@ -58,15 +59,52 @@ def machine() -> str:
     return f"{os.cpu_count()}-core {platform.machine()} {platform.system()}{gpu}"
 
 
+# The instruction-set extensions that decide which CPU kernels torch and oneDNN run (x86 flags
+# and aarch64 features as /proc/cpuinfo names them); the rest of the flags are left out.
+ISA_PREFIXES = ("sse4", "avx", "fma", "f16c", "amx", "asimd", "sve", "bf16", "i8mm")
+
+
+def cpu() -> dict[str, Any]:
+    """The CPU: ``model`` (``/proc/cpuinfo``'s model name, else the platform's processor),
+    ``isa`` (its SIMD instruction-set flags, sorted) and ``torch_kernels`` (the capability torch
+    dispatches its CPU kernels for, e.g. ``AVX512``)."""
+    import torch
+
+    info: dict[str, str] = {}
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            key, _, value = line.partition(":")
+            info.setdefault(key.strip(), value.strip())
+    except OSError:
+        pass
+    flags = (info.get("flags") or info.get("Features") or "").split()
+    return {
+        "model": info.get("model name") or platform.processor() or "unknown",
+        "isa": sorted(f for f in set(flags) if f.startswith(ISA_PREFIXES)),
+        "torch_kernels": torch.backends.cpu.get_cpu_capability(),
+    }
+
+
 def environment(repo: Path) -> dict[str, Any]:
-    """The code version of ``repo``, the machine and the package versions runs are trained with."""
+    """The code version of ``repo``, the machine, its CPU and the package versions runs are
+    trained with."""
     return {
         **code_version(repo),
         "machine": machine(),
+        "cpu": cpu(),
         "python": platform.python_version(),
         "torch": metadata.version("torch"),
         "deepspeed": metadata.version("deepspeed"),
     }
+
+
+def cpu_label(entry: dict[str, Any] | None) -> str:
+    """The CPU of an environment in words: model, torch's kernel capability and the SIMD flags
+    (``CPU not recorded`` for entries made before the CPU was)."""
+    c = (entry or {}).get("cpu")
+    if not c:
+        return "CPU not recorded"
+    return f"{c['model']}, torch kernels {c['torch_kernels']} (flags: {' '.join(c['isa'])})"
 
 
 def code_label(entry: dict[str, Any] | None) -> str:

@@ -77,6 +77,7 @@ def run_record(settings: driver.Settings, run: grid.Run) -> dict[str, Any]:
         "final_val_loss": curve[-1][2],
         "wall_s": round(done["wall_s"], 1),
         "size": run.variant.size,
+        "corpus": run.variant.corpus,
         "provenance": provenance.read(d) or None,
     }
     clip = _series(recs, "memory_clip")  # titans: the share of memory steps the clip scaled
@@ -136,6 +137,29 @@ def collect(settings: driver.Settings, runs: Iterable[grid.Run], dest: Path) -> 
         rec = run_record(settings, run)
         (dest / run.name).mkdir(parents=True, exist_ok=True)
         (dest / run.name / "metrics.json").write_text(json.dumps(rec, indent=1) + "\n")
+
+
+# The driver's own files kept with the records: each invocation's wall seconds, and the
+# same-machine rerun check.
+DRIVER_FILES = ("driver_wall.json", "rerun.json")
+
+
+def keep_driver_files(out: Path, dest: Path) -> None:
+    """Copy :data:`DRIVER_FILES` from the driver's ``out`` to ``dest`` (beside ``runs/``), where
+    they are committed with the records; a file ``out`` lacks is left as it was."""
+    dest.mkdir(parents=True, exist_ok=True)
+    for name in DRIVER_FILES:
+        if (out / name).is_file():
+            shutil.copyfile(out / name, dest / name)
+
+
+def driver_file(out: Path, dest: Path, name: str) -> Any:
+    """The content of driver file ``name``: the driver's copy in ``out``, else the one kept in
+    ``dest`` with the records (None where neither exists)."""
+    for f in (out / name, dest / name):
+        if f.is_file():
+            return json.loads(f.read_text())
+    return None
 
 
 def load_records(runs_dir: Path) -> list[dict[str, Any]]:

@@ -15,26 +15,37 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
-from experiments.tlm import grid, provenance
+from experiments.tlm import corpus, driver, grid, provenance
 from experiments.tlm.plots import PLOTS, plot_all, plot_keys
 from experiments.tlm.prose import reading
 from experiments.tlm.records import load_records
-from experiments.tlm.stats import by_variant, late_drop_ratio, rho_stats, t_quantile_975
+from experiments.tlm.stats import (
+    BOOTSTRAP_REPS,
+    by_variant,
+    late_drop_ratio,
+    ppl_stat,
+    rho_stats,
+    t_quantile_975,
+)
 from experiments.tlm.tables import (
     ARCH_NOTES,
+    have_items,
     items_used,
     scale_size_names,
     table_alignment,
     table_archs,
     table_budget_and_memory,
     table_controlled,
+    table_corpus,
     table_pooled,
     table_scale,
     table_scale_relative,
     table_sweep,
     table_zeroshot,
+    table_zeroshot_items,
     zeroshot_tasks,
 )
+from experiments.tlm.verdicts import verdict_section
 
 
 def _counted(labels: list[str]) -> str:
@@ -42,22 +53,101 @@ def _counted(labels: list[str]) -> str:
     return "; ".join(f"{k} ({n} runs)" for k, n in Counter(labels).most_common())
 
 
+def wall_text(meta: dict[str, Any]) -> str:
+    """The driver's wall time in words: the sum over its invocations (the driver's
+    ``driver_wall.json``, kept with the records), "so far" while runs are missing."""
+    if meta.get("plan"):
+        return "none (plan only)"
+    if not meta["wall_s"]:
+        return "in progress (not recorded yet)"
+    text = (
+        f"{meta['wall_s'] / 60:.1f} min over {meta['invocations']} invocation(s) of the driver "
+        "(one killed outright, e.g. with its machine, counts up to its last save)"
+    )
+    if meta.get("wall_source"):
+        text += f", from {meta['wall_source']}"
+    return text + ("" if meta.get("finished", True) else ", so far: runs are still missing")
+
+
+# A run whose recorded wall time is under this share of its configuration's median counts as
+# undercounted (a resume whose earlier invocations the record lacks).
+UNDERCOUNT = 0.5
+
+
+def undercounted(records: list[dict[str, Any]]) -> list[str]:
+    """Runs whose wall time is under :data:`UNDERCOUNT` of their configuration's median."""
+    walls: dict[str, list[float]] = {}
+    for r in records:
+        walls.setdefault(r["variant"], []).append(r["wall_s"])
+    return [
+        r["run"]
+        for r in records
+        if len(walls[r["variant"]]) > 2
+        and r["wall_s"] < UNDERCOUNT * statistics.median(walls[r["variant"]])
+    ]
+
+
+def mean_wall(records: list[dict[str, Any]]) -> float:
+    """Mean wall seconds per run, the :func:`undercounted` runs left out."""
+    short = set(undercounted(records))
+    kept = [r["wall_s"] for r in records if r["run"] not in short]
+    return sum(kept) / len(kept)
+
+
+def rerun_text(meta: dict[str, Any], by: dict) -> str:
+    """The rerun gap beside the seed spread: the same-machine bitwise check (the driver's
+    ``rerun.json``) and what was measured before on another machine."""
+    uni = ppl_stat(by.get(grid.UNIFORM.key))
+    spread = (
+        f" (the uniform Transformer's seed-to-seed std: {uni.std:.2f} ppl)" if uni.n > 1 else ""
+    )
+    r = meta.get("rerun")
+    if r:
+        same = (
+            f"Rerun gap{spread}: on one machine ({r['cpu']}), {r['run']} trained twice from "
+            f"scratch for {r['iterations']} iterations gave "
+            + (
+                f"bitwise-equal losses ({r['losses_compared']} compared)"
+                if r["bitwise_equal"]
+                else f"losses up to {r['max_abs_loss_diff']:.3g} apart"
+            )
+            + "."
+        )
+    else:
+        same = (
+            f"Rerun gap{spread}: the same-machine check (the driver's rerun.json) is not in "
+            "these records yet."
+        )
+    return same + " " + OTHER_MACHINE
+
+
+# Measured before these records were regenerated, by hand, not recomputed from these files.
+OTHER_MACHINE = (
+    "On another 2-core machine (measured before, by hand, not from these files), retraining two "
+    "recorded runs at their recorded commits matched the first iterations to about 1e-7 and then "
+    "drifted: final perplexities 0.8 apart, about half the uniform seed-to-seed spread; that "
+    "retrain at a later main was bitwise equal to the one at the recorded commit."
+)
+
+
 def provenance_lines(records: list[dict[str, Any]]) -> list[str]:
-    """The code versions, machines and package versions the runs were trained with, and the
-    configurations whose runs mix code versions."""
-    code, env = [], []
+    """The code versions, machines, package versions and CPUs the runs were trained with, and
+    the configurations whose runs mix code versions."""
+    code, env, cpus = [], [], []
     mixed: dict[str, set[str]] = {}
     for r in records:
         entries = r.get("provenance") or [None]
         labels = sorted({provenance.code_label(e) for e in entries})
         code.append(" + ".join(labels))
         env.append(" + ".join(sorted({provenance.versions_label(e) for e in entries})))
+        cpus.append(" + ".join(sorted({provenance.cpu_label(e) for e in entries})))
         mixed.setdefault(r["variant"], set()).update(labels)
     mixing = sorted(k for k, v in mixed.items() if len(v) > 1)
     return [
         f"- Code (commit the runs were trained at): {_counted(code)}; configurations mixing "
         f"code versions: {', '.join(mixing) if mixing else 'none'}.",
         f"- Trained on: {_counted(env)}.",
+        f"- CPU: {_counted(cpus)}.",
     ]
 
 
@@ -80,13 +170,19 @@ def arch_setup(base: list[dict[str, Any]], ref: dict[str, Any]) -> str:
     return "; " + "; ".join(parts) + (" (the same tokens per iteration)" if same else "")
 
 
-def seed_counts(meta: dict[str, Any]) -> list[tuple[int, str]]:
-    """``(seeds, "")`` and, where (c) and (g) have more, ``(headline seeds, " ((c), (g))")``;
-    counts of one seed (no interval) left out."""
-    out = [(meta["seeds"], "")]
-    if meta.get("headline_seeds", meta["seeds"]) != meta["seeds"]:
-        out.append((meta["headline_seeds"], " ((c), (g))"))
-    return [(n, w) for n, w in out if n > 1]
+def seed_counts(by: dict) -> list[tuple[int, str]]:
+    """The seed counts the finished runs have: per experiment the fewest seeds of its
+    configurations with runs, as ``(seeds, " ((a), (b))")`` naming the experiments where the
+    counts differ (``""`` where all have one count); counts of one seed (no interval) left out."""
+    groups: dict[int, list[str]] = {}
+    for e in grid.EXPERIMENTS:
+        ns = [len(by[v.key]) for v in grid.experiment_variants(e) if by.get(v.key)]
+        if ns:
+            groups.setdefault(min(ns), []).append(grid.TAGS[e])
+    one = len(groups) == 1
+    return [
+        (n, "" if one else f" ({', '.join(tags)})") for n, tags in sorted(groups.items()) if n > 1
+    ]
 
 
 def render(records: list[dict[str, Any]], meta: dict[str, Any]) -> str:
@@ -94,7 +190,7 @@ def render(records: list[dict[str, Any]], meta: dict[str, Any]) -> str:
     only = meta["only"]
     scale = meta["scale"] + (" smoke" if meta["smoke"] else "")
     by = by_variant(records)
-    base = [r for r in records if not r.get("size")]
+    base = [r for r in records if not r.get("size") and not r.get("corpus")]
     lines = [
         "# Reproducing Tapered Language Models",
         "",
@@ -104,17 +200,16 @@ def render(records: list[dict[str, Any]], meta: dict[str, Any]) -> str:
         "at the paper's "
         f"scale (440M / 760M); ours are at the `{scale}` scale.",
         "",
+        *verdict_section(by, only),
         f"- Command: `{meta['command']}`",
-        "- Wall time: "
+        "- Wall time: " + wall_text(meta) + f"; machine: {meta['machine']}; date: {meta['date']}",
+        f"- Runs: {len(records)} finished of {meta['runs_planned']} planned ("
         + (
-            f"{meta['wall_s'] / 60:.1f} min over {meta['invocations']} invocation(s) of the "
-            "driver (one killed outright, e.g. with its machine, counts up to its last save)"
-            if meta["wall_s"]
-            else ("none (plan only)" if meta.get("plan") else "in progress")
+            "; ".join(f"{n} seeds{where}" for n, where in seed_counts(by)) + " finished, "
+            if seed_counts(by)
+            else ""
         )
-        + f"; machine: {meta['machine']}; date: {meta['date']}",
-        f"- Runs: {len(records)} finished of {meta['runs_planned']} planned "
-        f"({meta['seeds']} seed(s) per configuration"
+        + f"{meta['seeds']} planned per configuration"
         + (
             f", {meta['headline_seeds']} for (c) and (g)"
             if meta.get("headline_seeds", meta["seeds"]) != meta["seeds"]
@@ -122,8 +217,15 @@ def render(records: list[dict[str, Any]], meta: dict[str, Any]) -> str:
         )
         + ")"
         + (
-            f"; {sum(r['wall_s'] for r in records) / len(records):.0f} s wall per training run "
-            f"on average ({meta.get('jobs', 1)} at a time)"
+            f"; {mean_wall(records):.0f} s wall per training run on average "
+            f"({meta.get('jobs', 1)} at a time)"
+            + (
+                f", leaving out {', '.join(short)}: under half their configuration's median "
+                "wall time, resumed runs whose earlier invocations were not counted (trained "
+                "before the driver summed a run's invocations)"
+                if (short := undercounted(records))
+                else ""
+            )
             if records
             else ""
         )
@@ -164,7 +266,7 @@ def render(records: list[dict[str, Any]], meta: dict[str, Any]) -> str:
         + (
             " (the uniform runs shared with (c) have more seeds than the (a) and (b) "
             "configurations, so Δ is not the difference of the two means shown)"
-            if len(seed_counts(meta)) > 1
+            if len(seed_counts(by)) > 1
             else ""
         )
         + "; its 95 % CI is the Student t interval of the paired differences and p the "
@@ -175,8 +277,10 @@ def render(records: list[dict[str, Any]], meta: dict[str, Any]) -> str:
             f" With {n} seeds{where} t({n - 1}) = {t_quantile_975(n - 1):.2f}: the interval "
             f"reaches {t_quantile_975(n - 1) / math.sqrt(n):.2f} times the std of the "
             "differences on each side of Δ."
-            for n, where in seed_counts(meta)
-        ),
+            for n, where in seed_counts(by)
+        )
+        + " "
+        + rerun_text(meta, by),
         "",
     ]
     keys = plot_keys(by, records, only)
@@ -262,6 +366,7 @@ def render(records: list[dict[str, Any]], meta: dict[str, Any]) -> str:
                 "",
                 *table_zeroshot(by, records, info, scale),
                 "",
+                *zeroshot_items_text(by, records),
                 f"![zeroshot](results/{PLOTS['zeroshot']})",
                 "",
             ]
@@ -271,6 +376,8 @@ def render(records: list[dict[str, Any]], meta: dict[str, Any]) -> str:
         lines += scale_section(by, records, meta)
         if "scale" in keys:
             lines += [f"![scale](results/{PLOTS['scale']})", ""]
+    if "corpus" in only:
+        lines += corpus_section(by, scale)
     if {"sweep", "archs", "scale"} & set(only) and records:
         lines += [
             "## Pooled over configurations",
@@ -288,6 +395,32 @@ def render(records: list[dict[str, Any]], meta: dict[str, Any]) -> str:
     info = meta.get("zeroshot_tasks", {})
     lines += ["## Reading", "", *reading(by, records, only, info), ""]
     return "\n".join(lines)
+
+
+def zeroshot_items_text(by: dict, records: list[dict[str, Any]]) -> list[str]:
+    """(f)'s item-level paired tests where the runs saved per-item outputs, else what is
+    missing and which run produces it."""
+    tasks = ", ".join(driver.ZEROSHOT_TASKS)
+    if not have_items(records):
+        return [
+            "Item-level tests: these runs were evaluated before the evaluation kept per-item "
+            "outputs, so (f) is tested over seeds only, although all seeds answer the same "
+            "items. The next full run of the command above re-evaluates every (c) model on "
+            f"{tasks} (the last two built so that models of this size score clearly above "
+            "chance) and keeps each item's outcome; this section then gives the paired "
+            "bootstrap over items and seeds and the per-seed McNemar tests.",
+            "",
+        ]
+    return [
+        "Item-level paired tests over every item of the tasks with saved outputs (the "
+        "configuration and its uniform model answer the same items): Δ accuracy in points, its "
+        "95 % percentile interval and p from a paired bootstrap that resamples seeds and items "
+        f"({BOOTSTRAP_REPS} replicates, fixed generator), and per seed the exact McNemar test "
+        "on the items only one of the two answers right.",
+        "",
+        *table_zeroshot_items(by),
+        "",
+    ]
 
 
 def late_drop_text(records: list[dict[str, Any]]) -> str:
@@ -339,6 +472,27 @@ def scale_section(by: dict, records: list[dict[str, Any]], meta: dict[str, Any])
         relative,
         "",
         *table_scale_relative(by, names),
+        "",
+    ]
+
+
+def corpus_section(by: dict, scale: str) -> list[str]:
+    """(h): the Transformer's uniform / cosine 1.5/0.5 / reverse on the second corpus."""
+    return [
+        "## (h) A second corpus",
+        "",
+        f"The Transformer's (c) comparisons on a corpus of another domain: the {corpus.LABEL} "
+        "(its topic pages and the standard library's docstrings, with its own tokenizer of the "
+        "same vocabulary size; the same model, budget and recipe as the first corpus). The "
+        "verdict table's first row includes this comparison, so that claim does not rest on "
+        "one corpus."
+        + (
+            ""
+            if any(by.get(v.key) for v in grid.experiment_variants("corpus"))
+            else " Not run yet: its rows fill in when the command above runs them."
+        ),
+        "",
+        *table_corpus(by, scale),
         "",
     ]
 

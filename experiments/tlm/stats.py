@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Any
 
 from experiments.tlm import grid
@@ -172,18 +173,18 @@ class Unpaired(_TInterval):
         return math.sqrt(self.a.std**2 / self.a.n + self.b.std**2 / self.b.n)
 
 
-def excludes_zero(d: Stat | Unpaired) -> bool:
+def excludes_zero(d: Stat | Unpaired | ItemPaired) -> bool:
     """Whether the 95 % interval of the mean of ``d`` lies on one side of 0."""
     ci = d.interval
     return ci is not None and (ci[0] > 0 or ci[1] < 0)
 
 
-def direction(d: Stat | Unpaired) -> str:
+def direction(d: Stat | Unpaired | ItemPaired) -> str:
     """What the paired differences say, in words that follow the 95 % interval."""
     if d.n == 0:
         return "not measured"
     side = "lower" if d.mean < 0 else "higher" if d.mean > 0 else "equal"
-    if d.n == 1:
+    if d.interval is None:
         return f"{side} (one seed, no interval)"
     if excludes_zero(d):
         return f"{side}, interval excludes 0"
@@ -204,7 +205,7 @@ def signed(x: float, digits: int = 2) -> str:
     return f"{x:+.{digits}f}"
 
 
-def ci_text(s: Stat | Unpaired, digits: int = 2) -> str:
+def ci_text(s: Stat | Unpaired | ItemPaired, digits: int = 2) -> str:
     """``[lo, hi]`` of the 95 % t interval of the mean (an em dash below two values)."""
     ci = s.interval
     return "—" if ci is None else f"[{signed(ci[0], digits)}, {signed(ci[1], digits)}]"
@@ -261,9 +262,130 @@ def zs_stat(runs: dict[int, dict[str, Any]] | None, task: str | None = None) -> 
     return Stat(vals)
 
 
+def item_outcomes(runs: dict[int, dict[str, Any]] | None) -> dict[int, str]:
+    """Per seed, the per-item outcomes of every task with saved items, tasks in name order
+    (``"0110..."``; seeds without saved items left out)."""
+    out = {}
+    for s, r in (runs or {}).items():
+        items = (r.get("zeroshot") or {}).get("items")
+        if items:
+            out[s] = "".join(items[t] for t in sorted(items))
+    return out
+
+
 def probe_stat(runs: dict[int, dict[str, Any]] | None, i: int) -> Stat:
     """The memory probe's gap (memory off minus on, nats) over seeds: ``i`` 0 at the training
     length, 1 at 4x it."""
     return Stat(
         {s: r["memory_probe"][i]["gap"] for s, r in (runs or {}).items() if r.get("memory_probe")}
     )
+
+
+def holm(ps: list[float | None]) -> list[float | None]:
+    """Holm's step-down adjusted p values of one family of tests, in the input order (None:
+    not tested, left out of the family). Adjusted ``p_(i) = max_{j <= i} min(1, (m - j + 1)
+    p_(j))`` over the tested p values sorted ascending (``m`` of them)."""
+    tested = sorted((p, i) for i, p in enumerate(ps) if p is not None)
+    out: list[float | None] = [None] * len(ps)
+    running = 0.0
+    for rank, (p, i) in enumerate(tested):
+        running = max(running, min(1.0, (len(tested) - rank) * p))
+        out[i] = running
+    return out
+
+
+def mcnemar_p(b: int, c: int) -> float:
+    """Exact two-sided McNemar test of one paired set of right/wrong outcomes: ``b`` items right
+    only under one model, ``c`` right only under the other (the sign test on the discordant
+    pairs; 1 when there are none)."""
+    return sign_test_p(b, b + c) if b + c else 1.0
+
+
+# Replicates and generator seed of the paired bootstrap over items and seeds (fixed: a rerun of
+# the report gives the same interval).
+BOOTSTRAP_REPS = 2000
+BOOTSTRAP_SEED = 0
+
+
+@dataclass(frozen=True)
+class ItemPaired:
+    """Per-item outcomes (1 right, 0 wrong) of a configuration and its baseline on the same
+    items, seed by seed: the accuracy difference ``config - base`` in percentage points, with a
+    95 % percentile interval and a two-sided p value from a paired bootstrap that resamples the
+    seeds and the items (both with replacement; the generator draws every replicate's seeds,
+    then every replicate's items), so that the items all seeds share count as a source of
+    variance."""
+
+    config: dict[int, str]
+    base: dict[int, str]
+
+    @property
+    def seeds(self) -> list[int]:
+        """The seeds both sides have, with outcomes on the same number of items."""
+        common = sorted(set(self.config) & set(self.base))
+        return [s for s in common if len(self.config[s]) == len(self.base[s])]
+
+    @property
+    def n(self) -> int:
+        """Number of paired seeds."""
+        return len(self.seeds)
+
+    @cached_property
+    def _diffs(self) -> Any:
+        import numpy as np
+
+        def bits(x: str) -> Any:
+            return np.frombuffer(x.encode(), dtype=np.uint8) - ord("0")
+
+        return np.array(
+            [bits(self.config[s]).astype(float) - bits(self.base[s]) for s in self.seeds]
+        )
+
+    @property
+    def mean(self) -> float:
+        """Mean accuracy difference over seeds and items, in percentage points."""
+        return 100.0 * float(self._diffs.mean())
+
+    @cached_property
+    def _replicates(self) -> Any:
+        import numpy as np
+
+        d = self._diffs
+        n_seeds, n_items = d.shape
+        rng = np.random.default_rng(BOOTSTRAP_SEED)
+        seeds = rng.integers(0, n_seeds, (BOOTSTRAP_REPS, n_seeds))
+        items = rng.integers(0, n_items, (BOOTSTRAP_REPS, n_items))
+
+        def counts(draws: Any, n: int) -> Any:  # per replicate, how often each index is drawn
+            flat = draws + n * np.arange(BOOTSTRAP_REPS)[:, None]
+            return np.bincount(flat.ravel(), minlength=BOOTSTRAP_REPS * n).reshape(-1, n)
+
+        # a replicate's mean over its drawn seeds x drawn items
+        weighted = (counts(seeds, n_seeds) @ d) * counts(items, n_items)
+        return 100.0 * weighted.sum(axis=1) / (n_seeds * n_items)
+
+    @property
+    def interval(self) -> tuple[float, float] | None:
+        """95 % percentile interval of the bootstrap replicates (None without items)."""
+        if not self.n:
+            return None
+        import numpy as np
+
+        lo, hi = np.percentile(self._replicates, [2.5, 97.5])
+        return float(lo), float(hi)
+
+    @property
+    def p(self) -> float | None:
+        """Two-sided bootstrap p value of "no difference": twice the smaller share of
+        replicates on either side of 0 (at least one replicate's worth), capped at 1."""
+        if not self.n:
+            return None
+        r = self._replicates
+        tail = min((r <= 0).sum(), (r >= 0).sum())
+        return min(1.0, 2 * max(int(tail), 1) / BOOTSTRAP_REPS)
+
+    def discordant(self, seed: int) -> tuple[int, int]:
+        """``(b, c)`` of one seed: items right only under the configuration, only under the
+        baseline (McNemar's discordant pairs)."""
+        pairs = list(zip(self.config[seed], self.base[seed], strict=True))
+        return pairs.count(("1", "0")), pairs.count(("0", "1"))

@@ -8,12 +8,15 @@ from typing import Any
 
 from experiments.tlm import grid
 from experiments.tlm.stats import (
+    ItemPaired,
     Paired,
     Stat,
     Unpaired,
     ci_text,
     direction,
     excludes_zero,
+    item_outcomes,
+    mcnemar_p,
     p_text,
     pm,
     ppl_stat,
@@ -120,6 +123,13 @@ def table_archs(by: dict, scale: str) -> list[str]:
     return _table(["architecture", "configuration", *compare_header(scale)], rows)
 
 
+def table_corpus(by: dict, scale: str) -> list[str]:
+    """(h): the second corpus's uniform, cosine 1.5/0.5 and reverse Transformer."""
+    vs = grid.experiment_variants("corpus")
+    rows = [[v.arch, v.label, *_compare_cells(v, by, vs[0].key)] for v in vs]
+    return _table(["architecture", "configuration", *compare_header(scale)], rows)
+
+
 def table_alignment(by: dict) -> list[str]:
     """(e): per-layer rho_block and rho_mlp of the uniform and tapered Transformer."""
     uni, tap = grid.experiment_variants("alignment")
@@ -183,6 +193,46 @@ def table_zeroshot(
         rows.append([v.arch, v.label, ref, pm(st), *delta, *per_task])
     head = ["architecture", "configuration", "paper 760M avg acc", f"ours ({scale}) avg acc"]
     return _table([*head, *DELTA_HEADER, *(f"{t} [95 % CI]" for t in tasks)], rows)
+
+
+def table_zeroshot_items(by: dict) -> list[str]:
+    """(f) on the per-item outputs: tapered and reverse against uniform, per architecture, over
+    every item of the tasks with saved items and the seeds both have (paired bootstrap over
+    items and seeds), and per seed the exact McNemar test on the discordant items."""
+    rows = []
+    for v in grid.experiment_variants("archs"):
+        if v.schedule == "uniform":
+            continue
+        d = ItemPaired(
+            item_outcomes(by.get(v.key)), item_outcomes(by.get(grid.Variant(v.arch).key))
+        )
+        if not d.n:
+            rows.append([v.arch, v.label, "—", "—", "—", "—", "—", "—"])
+            continue
+        tests = [(d.discordant(s), s) for s in d.seeds]
+        better = sum(b > c and mcnemar_p(b, c) < 0.05 for (b, c), _ in tests)
+        worse = sum(c > b and mcnemar_p(b, c) < 0.05 for (b, c), _ in tests)
+        items = len(d.config[d.seeds[0]])
+        rows.append(
+            [
+                v.arch,
+                v.label,
+                f"{d.n} × {items}",
+                signed(d.mean),
+                ci_text(d),
+                p_text(d.p),
+                direction(d),
+                f"{better} / {worse} of {d.n}",
+            ]
+        )
+    head = ["architecture", "configuration", "seeds × items", "Δ acc vs uniform (points)"]
+    head += ["95 % CI (bootstrap)", "p (bootstrap)", "reading"]
+    return _table([*head, "seeds with McNemar p < 0.05: better / worse"], rows)
+
+
+def have_items(records: list[dict[str, Any]]) -> bool:
+    """Whether any run saved per-item zero-shot outputs."""
+    return any((r.get("zeroshot") or {}).get("items") for r in records)
 
 
 # (c)'s architectures as implemented here: what each adds to or changes from its paper, one line.
@@ -292,7 +342,13 @@ def scale_size_names(records: list[dict[str, Any]]) -> tuple[str, str]:
     names = []
     for big, fallback in ((False, "first size"), (True, "second size")):
         rec = next(
-            (r for r in records if bool(r.get("size")) == big and r["arch"] in grid.SCALE_ARCHS),
+            (
+                r
+                for r in records
+                if bool(r.get("size")) == big
+                and r["arch"] in grid.SCALE_ARCHS
+                and not r.get("corpus")
+            ),
             None,
         )
         m = rec["model"] if rec else None

@@ -9,7 +9,10 @@ is exported to a temporary directory first, with ``--tokenizer-model`` or the ru
 and writes ``DIR/zeroshot.json``::
 
     {"tasks": {"<task>": {"acc": float, "acc_norm": float | null, "n": int}},
-     "average_acc": float, "model": "...", "limit": N | null}
+     "average_acc": float, "items": {"<task>": "0110..."}, "model": "...", "limit": N | null}
+
+(``items``: each item right (1) or wrong (0) by ``acc``, in document order, for item-level
+paired tests.)
 
 and the same as a Markdown table in ``DIR/zeroshot.md``. The default tasks are the local ones
 shipped in ``tasks/`` (``tm_shakespeare_nextline``, multiple choice; ``tm_shakespeare_lastword``,
@@ -88,6 +91,19 @@ def summarise(results: dict[str, Any]) -> dict[str, Any]:
     return {"tasks": out, "average_acc": average}
 
 
+def item_outcomes(results: dict[str, Any], tasks: dict[str, Any]) -> dict[str, str]:
+    """Per task of ``tasks`` (a :func:`summarise` result's), whether each item was answered
+    right: ``"0110..."`` in document order, from the harness's logged samples (item-level
+    paired tests need them; a task without logged samples is left out)."""
+    out = {}
+    for task in tasks:
+        samples = results.get("samples", {}).get(task)
+        if samples:
+            by_doc = {int(x["doc_id"]): x["acc"] for x in samples}
+            out[task] = "".join("1" if by_doc[i] else "0" for i in sorted(by_doc))
+    return out
+
+
 def markdown(summary: dict[str, Any], model: str) -> str:
     """A Markdown table of a :func:`summarise` result."""
 
@@ -162,6 +178,7 @@ def main(argv: list[str] | None = None) -> int:
                     )
             results = run_harness(model_dir, tasks, a.limit, batch, a.device, include, a.dtype)
         summary = summarise(results)
+        summary["items"] = item_outcomes(results, summary["tasks"])
     except (ExportError, ArchitectureError, OSError) as e:
         return fail(e)
     source = a.model or a.checkpoint

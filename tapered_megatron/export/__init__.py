@@ -20,7 +20,7 @@ __all__ = ["ExportError", "LoadedModel", "consolidate", "export_checkpoint", "lo
 def __getattr__(name: str):
     """Import the heavier pieces on first use (deepspeed, transformers)."""
     if name == "consolidate":
-        from tapered_megatron.export.consolidate import consolidate
+        from tapered_megatron.checkpoint.consolidate import consolidate
 
         return consolidate
     if name == "export_checkpoint":

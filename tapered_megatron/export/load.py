@@ -18,9 +18,9 @@ from typing import Any
 
 import torch
 
-from tapered_megatron.checkpoint_layout import EXPORT_MANIFEST, manifest_problem
+from tapered_megatron.checkpoint.errors import ExportError
+from tapered_megatron.checkpoint.manifest import EXPORT_MANIFEST, manifest_problem
 from tapered_megatron.config import Config, ConfigError, config_from_dict
-from tapered_megatron.export.errors import ExportError
 from tapered_megatron.models import LanguageModel, build_model
 
 WEIGHTS = "model.safetensors"
@@ -80,8 +80,9 @@ def weight_files(model_dir: str | Path) -> list[Path]:
 
 
 def _received_json(path: Path) -> Any:
-    """A JSON file of an export, parsed within :mod:`tapered_megatron.received`'s bounds."""
-    from tapered_megatron.received import ReceivedFileError, load_json
+    """A JSON file of an export, parsed within the bounds of
+    :mod:`tapered_megatron.checkpoint.received`."""
+    from tapered_megatron.checkpoint.received import ReceivedFileError, load_json
 
     try:
         return load_json(path)
@@ -175,7 +176,7 @@ def load_model(
     check_dtype(dtype)
     if model is not None:
         return load_export(model, plugins, dtype)
-    from tapered_megatron.export.consolidate import consolidate, resolve_checkpoint
+    from tapered_megatron.checkpoint.consolidate import consolidate, resolve_checkpoint
 
     ref = resolve_checkpoint(checkpoint, tag, plugins)
     module = module_from_state(ref.cfg, consolidate(ref)).to(DTYPES[dtype])

@@ -3,7 +3,7 @@
 ``OUT/`` after :func:`export_checkpoint`:
 
 * ``model.safetensors``: full weights (fp32, or bf16 with ``--dtype bfloat16``) under the
-  single-process names (see :mod:`tapered_megatron.export.consolidate`); embedding and LM-head
+  single-process names (see :mod:`tapered_megatron.checkpoint.consolidate`); embedding and LM-head
   keep the padded vocabulary rows of training (``config.json``: ``padded_vocab_size``), logits
   are returned over ``vocab_size`` only. A model larger than ``--max_shard_size`` is split as
   Hugging Face's ``save_pretrained`` splits it (``huggingface_hub``'s planner): shards
@@ -19,7 +19,7 @@
   sentencepiece) and ``tokenizer.model`` (the sentencepiece model), when the run's tokenizer is
   known; ``generation_config.json``; ``README.md``, the model card;
 * ``manifest.json``: the size and sha256 of every other file (the format of a checkpoint's
-  ``complete``, :func:`~tapered_megatron.checkpoint_layout.write_manifest`), checked by our
+  ``complete``, :func:`~tapered_megatron.checkpoint.manifest.write_manifest`), checked by our
   loaders before they read anything else.
 
 Everything is written into a temporary directory beside ``OUT`` and renamed into place at the
@@ -42,9 +42,9 @@ from pathlib import Path
 import torch
 
 from tapered_megatron.architectures import resolve_architecture
-from tapered_megatron.checkpoint_layout import EXPORT_MANIFEST, manifest, write_manifest
+from tapered_megatron.checkpoint.consolidate import CheckpointRef, resolve_checkpoint, weights
+from tapered_megatron.checkpoint.manifest import EXPORT_MANIFEST, manifest, write_manifest
 from tapered_megatron.config import Config
-from tapered_megatron.export.consolidate import CheckpointRef, resolve_checkpoint, weights
 from tapered_megatron.export.load import (
     DTYPES,
     WEIGHTS_INDEX,
@@ -130,7 +130,7 @@ def write_weights(
     ``save_pretrained`` lays them out: ``model.safetensors``, or shards of at most
     ``max_shard_size`` (a tensor larger than that alone in its shard) and the index
     ``model.safetensors.index.json``. ``state`` is read one tensor at a time (a lazy mapping
-    such as :func:`~tapered_megatron.export.consolidate.weights` is never held whole). Returns
+    such as :func:`~tapered_megatron.checkpoint.consolidate.weights` is never held whole). Returns
     the number of parameters."""
     from huggingface_hub import split_torch_state_dict_into_shards
 
@@ -416,9 +416,9 @@ def export_checkpoint(
 ) -> Path:
     """Consolidate ``checkpoint`` (any layout) into the export directory ``out``. Input is
     checked (checkpoint, tag, tokenizer, ``out``) before anything is read or written; ``plugins``
-    as for :func:`~tapered_megatron.export.consolidate.resolve_checkpoint`, ``dtype`` and
+    as for :func:`~tapered_megatron.checkpoint.consolidate.resolve_checkpoint`, ``dtype`` and
     ``max_shard_size`` as for :func:`write_weights`. Tensors stream from the checkpoint's
-    universal copy when it has one (:func:`~tapered_megatron.export.consolidate.weights`)."""
+    universal copy when it has one (:func:`~tapered_megatron.checkpoint.consolidate.weights`)."""
     ref = resolve_checkpoint(checkpoint, tag, plugins)
     tok = tokenizer_model or run_tokenizer(ref.cfg)
     if tok is not None:

@@ -27,7 +27,7 @@ from transformers.cache_utils import DynamicCache
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from tapered_megatron.architectures import resolve_architecture
-from tapered_megatron.checkpoint_layout import EXPORT_MANIFEST, manifest_problem
+from tapered_megatron.checkpoint.manifest import EXPORT_MANIFEST, manifest_problem
 from tapered_megatron.hf.configuration import TaperedConfig
 from tapered_megatron.models import LanguageModel, blocks, build_model
 from tapered_megatron.models.attention import Attention

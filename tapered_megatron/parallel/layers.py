@@ -125,7 +125,7 @@ def unshard(pieces: Sequence[torch.Tensor], layout: TPLayout) -> torch.Tensor:
 
 def mark_split(param: nn.Parameter, layout: TPLayout) -> nn.Parameter:
     """Attach the split layout; ``tensor_model_parallel`` / ``partition_dim`` are the Megatron
-    attribute names DeepSpeed and :func:`~tapered_megatron.training.trainer.grad_norm` read (so
+    attribute names DeepSpeed and :func:`~tapered_megatron.parallel.norms.grad_norm` read (so
     grad norms count every shard and each replica once: a replicated tensor is not
     model-parallel). Every parameter split over TP goes through here."""
     param.tp_layout = layout

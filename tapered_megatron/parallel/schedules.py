@@ -16,7 +16,6 @@ DeepSpeed's PipelineEngine (:mod:`tapered_megatron.parallel.pipeline`).
 
 from __future__ import annotations
 
-import math
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
@@ -25,13 +24,18 @@ import torch
 import torch.distributed as dist
 from deepspeed.runtime.bf16_optimizer import BF16_Optimizer
 from deepspeed.runtime.pipe.topology import PipelineParallelGrid
-from deepspeed.runtime.utils import is_model_parallel_parameter
 from torch import nn
 from torch.distributed.pipelining import PipelineStage
 
 from tapered_megatron import parallel
+from tapered_megatron.parallel.norms import grad_norm
 from tapered_megatron.parallel.pipeline import agree_on_parts
-from tapered_megatron.planning.schedule import TORCH_SCHEDULES, stage_ranks
+from tapered_megatron.planning.schedule import (
+    SPLIT_BACKWARD,
+    TORCH_SCHEDULES,
+    schedule_problem,
+    stage_ranks,
+)
 
 if TYPE_CHECKING:
     from tapered_megatron.config import Config
@@ -109,6 +113,32 @@ class _Stage(PipelineStage):
         return out
 
 
+def run_problem(cfg: Config, micro_batches: int, precision: str) -> str | None:
+    """Why a training run cannot use ``cfg.parallel.schedule`` (one line naming the fix), or
+    None: the layout (:func:`~tapered_megatron.planning.schedule.schedule_problem`) and what
+    the runtime does not do."""
+    p, tr = cfg.parallel, cfg.train
+    name = f"parallel.schedule {p.schedule}"
+    if problem := schedule_problem(p.schedule, p.pp, p.virtual_stages, micro_batches):
+        return problem
+    if not tr.universal_checkpoint:
+        return (
+            f"{name}: its checkpoints resume and export through the universal copy; drop "
+            "--train.universal_checkpoint false"
+        )
+    if tr.compile:
+        return f"{name}: train.compile is not supported here; drop --train.compile"
+    if precision == "fp16":
+        return f"{name}: fp16 (loss scaling) is not supported; use bf16 or fp32"
+    if tr.recompute != "none" and p.schedule in SPLIT_BACKWARD:
+        return (
+            f"{name} runs weight gradients in a separate pass, which torch's activation "
+            "recomputation cannot replay; use --parallel.schedule interleaved or "
+            "--train.recompute none"
+        )
+    return None
+
+
 def chunk_parts(cfg: Config, micro_batches: int, dp: int, zero_stage: int) -> tuple[list[int], str]:
     """The balancer's ``P x v`` cut of ``cfg`` (rank 0's, on every rank) and its table."""
     from tapered_megatron.planning.balance import analyse_chunks
@@ -149,6 +179,7 @@ class VirtualPipeline:
         topo = parallel.get_topology()
         self.grid = PipelineParallelGrid(topology=topo, process_group=dist.group.WORLD)
         self.pp, self.v, self.micro_batches = p.pp, p.virtual_stages, micro_batches
+        self.schedule_name = p.schedule
         self.pipe_rank = parallel.get_pipeline_model_parallel_rank()
         zero = int(ds_config.get("zero_optimization", {}).get("stage", 0))
         if zero > 1:
@@ -234,13 +265,40 @@ class VirtualPipeline:
         self, batches: Iterator[tuple[torch.Tensor, torch.Tensor]], num_micro_batches: int
     ) -> float:
         """Mean loss of the next ``num_micro_batches`` (the schedule's own count) micro-batches,
-        forward only (the pipeline engine's ``eval_batch``, for the validation loss)."""
+        forward only (the pipeline engine's ``eval_batch``, for the validation loss): chunk by
+        chunk in stage order (torch's ``eval`` fails for the V schedules, whose two local
+        chunks hand over a backward that evaluation does not run)."""
         if num_micro_batches != self.micro_batches:
             raise ValueError(
                 f"the schedule runs {self.micro_batches} micro-batches, not {num_micro_batches}"
             )
         with torch.no_grad():
-            return self._run(batches, self.schedule.eval)
+            return self._run(batches, self._forward_only)
+
+    def _forward_only(
+        self,
+        *args: torch.Tensor,
+        target: torch.Tensor | None = None,
+        losses: list[torch.Tensor] | None = None,
+    ) -> None:
+        """Every micro-batch through the chunks in stage order; a chunk's output goes to the
+        next chunk's rank (shape first, then the tensor); the last chunk appends the losses."""
+        pipe = parallel.get_pipeline_model_parallel_group()
+        ranks = stage_ranks(self.schedule_name, self.pp, self.v)
+        n = self.pp * self.v
+        xs = args[0].chunk(self.micro_batches) if args else [None] * self.micro_batches
+        ys = target.chunk(self.micro_batches) if target is not None else []
+        dtype = next(self.module.parameters()).dtype
+        for m in range(self.micro_batches):
+            h = xs[m]
+            for s in self.stage_ids:
+                if s > 0 and ranks[s - 1] != self.pipe_rank:
+                    h = _recv(dist.get_global_rank(pipe, ranks[s - 1]), dtype, pipe)
+                h = self.module.chunks[s](h)
+                if s == n - 1:
+                    losses.append(self._loss(h, ys[m]))
+                elif ranks[s + 1] != self.pipe_rank:
+                    _send(h, dist.get_global_rank(pipe, ranks[s + 1]), pipe)
 
     def eval(self) -> None:
         """Evaluation mode (dropout off)."""
@@ -273,17 +331,10 @@ class VirtualPipeline:
         if isinstance(self.engine.optimizer, BF16_Optimizer):
             _take_bf16_grads(self.engine.optimizer)
 
-    def _grad_norm(self) -> float:
+    def _grad_norm(self) -> float | None:
         """The global gradient 2-norm from the parameters' gradients (fp32 ZeRO-0, where
-        DeepSpeed keeps none): each stage's replicated parameters once, TP shards summed, over
-        every stage (the grid's model-parallel group)."""
-        sq = torch.zeros((), dtype=torch.float64)
-        tp_rank = self.grid.get_slice_parallel_rank()
-        for p in self.module.parameters():
-            if p.grad is not None and (tp_rank == 0 or is_model_parallel_parameter(p)):
-                sq += p.grad.detach().double().pow(2).sum()
-        dist.all_reduce(sq, group=self.grid.get_model_parallel_group())
-        return math.sqrt(float(sq))
+        DeepSpeed keeps none), summed over every stage (the grid's model-parallel group)."""
+        return grad_norm(self.engine, self.grid.get_model_parallel_group())
 
     def _clip(self, coef: float) -> None:
         """Scale the gradients by ``coef`` when it is below 1 (DeepSpeed's clipping rule)."""
@@ -308,6 +359,27 @@ class VirtualPipeline:
             opt.reduce_gradients(pipeline_parallel=True)
         elif parallel.get_data_parallel_world_size() > 1:
             eng.allreduce_gradients()
+
+
+def _send(t: torch.Tensor, dst: int, group: Any) -> None:
+    """Send ``t``: a header (its number of dimensions and its shape, int64), then its data."""
+    head = torch.zeros(_HEADER, dtype=torch.int64)
+    head[0] = t.dim()
+    head[1 : 1 + t.dim()] = torch.tensor(t.shape)
+    dist.send(head, dst, group=group)
+    dist.send(t.contiguous(), dst, group=group)
+
+
+def _recv(src: int, dtype: torch.dtype, group: Any) -> torch.Tensor:
+    """Receive what :func:`_send` sent."""
+    head = torch.zeros(_HEADER, dtype=torch.int64)
+    dist.recv(head, src, group=group)
+    out = torch.empty([int(x) for x in head[1 : 1 + int(head[0])]], dtype=dtype)
+    dist.recv(out, src, group=group)
+    return out
+
+
+_HEADER = 8  # a header's entries: the number of dimensions, then up to 7 sizes
 
 
 #: Elements per all-reduce of the bf16 optimizer's fp32 gradients (DeepSpeed's pipeline

@@ -224,7 +224,7 @@ def analyse(
     return balance_costs(costs, pp, m, cap, fixed, methods)
 
 
-def analyse_chunks(
+def chunk_setup(
     cfg: Config,
     pp: int,
     v: int,
@@ -233,16 +233,24 @@ def analyse_chunks(
     *,
     p2p: float = 0.0,
     **kwargs: Any,
-) -> tuple[ChunkSetup, dict[str, ChunkPlan]]:
-    """Unit costs of ``cfg`` cut into ``pp x v`` chunks for ``schedule`` by every method of
-    :data:`~tapered_megatron.planning.chunks.CHUNK_METHODS`; keyword arguments are
-    :func:`unit_setup`'s. Raises ``ValueError`` for a schedule that cannot run the layout."""
+) -> ChunkSetup:
+    """The unit costs of ``cfg`` and what a ``pp x v`` cut for ``schedule`` is scored against;
+    keyword arguments are :func:`unit_setup`'s. Raises ``ValueError`` for a schedule that
+    cannot run the layout."""
     costs, m, cap, fixed = unit_setup(cfg, pp, micro_batches, **kwargs)
     problem = schedule_problem(schedule, pp, v, m)
     if problem:
         raise ValueError(problem)
     full = (kwargs.get("recompute") or cfg.train.recompute) == "full"
-    setup = ChunkSetup(tuple(costs), schedule, pp, v, m, cap, fixed, 4 if full else 3, p2p)
+    return ChunkSetup(tuple(costs), schedule, pp, v, m, cap, fixed, 4 if full else 3, p2p)
+
+
+def analyse_chunks(
+    cfg: Config, pp: int, v: int, schedule: str, micro_batches: int | None = None, **kwargs: Any
+) -> tuple[ChunkSetup, dict[str, ChunkPlan]]:
+    """:func:`chunk_setup` and the cut of every method of
+    :data:`~tapered_megatron.planning.chunks.CHUNK_METHODS`."""
+    setup = chunk_setup(cfg, pp, v, schedule, micro_batches, **kwargs)
     return setup, balance_chunks(setup)
 
 

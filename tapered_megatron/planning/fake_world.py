@@ -44,6 +44,8 @@ from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_map_only
 
+from tapered_megatron import parallel
+
 if TYPE_CHECKING:
     from tapered_megatron.planning.cost import Device
 
@@ -187,6 +189,7 @@ def fake_world(
         "MASTER_PORT": "0",
     }
     saved = {k: os.environ.get(k) for k in env}
+    streams = dict(parallel.get_rng_tracker().states)  # real tensors; the world's are fake
     os.environ.update(env)
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
     deepspeed.init_distributed("fake")  # DeepSpeed's communication on the fake group
@@ -200,6 +203,8 @@ def fake_world(
             yield counter
     finally:
         dist.destroy_process_group()
+        parallel.destroy_model_parallel()  # the fake world's groups and RNG streams end with it
+        parallel.get_rng_tracker().states = streams
         for k, v in saved.items():
             if v is None:
                 os.environ.pop(k, None)

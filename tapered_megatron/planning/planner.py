@@ -94,27 +94,33 @@ class Candidate:
     breakdown: dict[str, float] = field(default_factory=dict)
     dp_comm: str = ""  # how the DP communication runs (cost.DPComm.how)
     reduce_bucket: int = 0  # ZeRO-1/2 reduce_bucket_size written to the DeepSpeed config
+    schedule: str = "1f1b"  # parallel.schedule (search_schedules)
+    virtual_stages: int = 1  # parallel.virtual_stages
 
     @property
     def label(self) -> str:
         """Short human-readable label."""
         sp = " sp" if self.sequence_parallel else ""
+        sched = f" {self.schedule} v{self.virtual_stages}" if self.schedule != "1f1b" else ""
         return (
-            f"tp{self.tp}{sp} pp{self.pp} dp{self.dp} zero{self.zero} "
+            f"tp{self.tp}{sp} pp{self.pp}{sched} dp{self.dp} zero{self.zero} "
             f"mbs{self.micro_batch_size} gas{self.grad_accum} rc-{self.recompute} {self.unit}"
         )
 
 
 LAYOUT = re.compile(
-    r"tp(?P<tp>\d+)(?P<sp> sp)? pp(?P<pp>\d+) dp(?P<dp>\d+) zero(?P<zero>[0-3]) "
+    r"tp(?P<tp>\d+)(?P<sp> sp)? pp(?P<pp>\d+)"
+    r"(?: (?P<schedule>interleaved|zbv|dualpipev|zero_bubble) v(?P<v>\d+))? "
+    r"dp(?P<dp>\d+) zero(?P<zero>[0-3]) "
     r"mbs(?P<mbs>\d+) gas(?P<gas>\d+) rc-(?P<rc>none|selective|full) (?P<unit>layer|sublayer)"
 )
 
 
 def parse_layout(text: str) -> Candidate:
     """The candidate a :attr:`Candidate.label` names (the planner's table column), e.g.
-    ``"tp2 sp pp1 dp32 zero3 mbs4 gas1 rc-none layer"``; ``ValueError`` naming the expected
-    form otherwise."""
+    ``"tp2 sp pp1 dp32 zero3 mbs4 gas1 rc-none layer"`` or, with a pipeline schedule,
+    ``"tp4 sp pp4 zero_bubble v2 dp32 zero1 mbs1 gas4 rc-none layer"``; ``ValueError`` naming
+    the expected form otherwise."""
     m = LAYOUT.fullmatch(" ".join(text.split()))
     if m is None:
         raise ValueError(
@@ -122,9 +128,10 @@ def parse_layout(text: str) -> Candidate:
             '"tp2 sp pp1 dp32 zero3 mbs4 gas1 rc-none layer"'
         )
     g = {k: int(v) for k, v in m.groupdict().items() if v and v.isdigit()}
-    return Candidate(
+    c = Candidate(
         g["tp"], g["pp"], g["dp"], g["zero"], g["mbs"], g["gas"], m["rc"], m["unit"], bool(m["sp"])
     )
+    return replace(c, schedule=m["schedule"], virtual_stages=g["v"]) if m["schedule"] else c
 
 
 def layout_problem(cfg: Config, c: Candidate, gpus: int, gpus_per_node: int) -> str | None:
@@ -286,6 +293,83 @@ def plan(
             ok.append(r)
     ok.sort(key=lambda c: (c.step_s, c.mem_gib))
     return ok, rejected
+
+
+# ------------------------------------------------------------------ pipeline schedules
+#: (schedule, virtual stages) the planner tries on its best pipeline layouts, beside 1F1B.
+SCHEDULE_OPTIONS = (
+    ("1f1b", 1),
+    ("interleaved", 2),
+    ("interleaved", 4),
+    ("zbv", 2),
+    ("dualpipev", 2),
+    ("zero_bubble", 2),
+)
+
+
+def with_schedule(
+    cfg: Config, c: Candidate, dev: costlib.Device, cap: float, schedule: str, v: int
+) -> Candidate | str:
+    """The evaluated 1F1B candidate ``c`` under ``schedule`` with ``v`` chunks per rank, or why
+    it cannot run or fit. Its pipeline time is the replayed makespan of the schedule's own
+    order with pipeline sends (``1f1b``: ``c``'s stages; otherwise the virtual-stage
+    balancer's cut), its memory the worst rank's with the schedule's activations in flight;
+    the rest of ``c``'s step (DP communication, optimizer) stays."""
+    from tapered_megatron.planning.balance import chunk_setup
+    from tapered_megatron.planning.chunks import balance_chunks, evaluate_chunks
+    from tapered_megatron.planning.schedule import SPLIT_BACKWARD
+
+    if c.recompute != "none" and schedule in SPLIT_BACKWARD:
+        return f"{schedule} with recompute {c.recompute}: not supported"
+    try:
+        setup = chunk_setup(
+            cfg, c.pp, v, schedule, c.grad_accum, p2p=c.breakdown["p2p_s"] / (2 * c.grad_accum),
+            unit=c.unit, device=dev, gpu_mem=cap / costlib.GiB, dp=c.dp, zero_stage=c.zero,
+            recompute=c.recompute, tp=c.tp, sequence_parallel=c.sequence_parallel,
+            micro_batch_size=c.micro_batch_size,
+        )  # fmt: skip
+        best = (
+            evaluate_chunks(setup, c.parts, "1f1b")
+            if schedule == "1f1b"
+            else balance_chunks(setup)["balancer"]
+        )
+    except (ValueError, InfeasibleError) as e:
+        return str(e)
+    if not best.fits:
+        return f"out of memory: needs {max(best.rank_mem) / costlib.GiB:.1f} GiB on its worst rank"
+    pipe_s = best.sim.makespan
+    step = c.step_s - c.breakdown["pipeline_s"] + pipe_s
+    return replace(
+        c,
+        schedule=schedule,
+        virtual_stages=v,
+        parts=best.parts,
+        mem_gib=max(best.rank_mem) / costlib.GiB,
+        step_s=step,
+        mfu=c.mfu * c.step_s / step,
+        tokens_per_s=c.tokens_per_s * c.step_s / step,
+        breakdown={
+            **c.breakdown,
+            "pipeline_s": pipe_s,
+            "bubble_and_imbalance_s": pipe_s - c.breakdown["compute_ideal_s"],
+        },
+    )
+
+
+def search_schedules(
+    cfg: Config, ranked: list[Candidate], dev: costlib.Device, cap: float, top: int = 3
+) -> list[Candidate]:
+    """``ranked`` with its ``top`` best pipeline layouts replaced by their replays under every
+    schedule of :data:`SCHEDULE_OPTIONS` that runs and fits, ranked best first."""
+    base = [c for c in ranked if c.pp > 1][:top]
+    replays = []
+    for c in base:
+        for schedule, v in SCHEDULE_OPTIONS:
+            r = with_schedule(cfg, c, dev, cap, schedule, v)
+            if not isinstance(r, str):
+                replays.append(r)
+    rest = [c for c in ranked if not any(c is b for b in base)]
+    return sorted([*replays, *rest], key=lambda c: (c.step_s, c.mem_gib))
 
 
 def cluster_lines(
@@ -456,7 +540,20 @@ def overrides(cfg: Config, best: Candidate) -> list[str]:
         "--train.recompute", best.recompute,
         "--train.micro_batch_size", str(best.micro_batch_size),
         "--train.global_batch_size", str(best.micro_batch_size * best.grad_accum * best.dp),
+        *schedule_overrides(best),
     ]  # fmt: skip
+
+
+def schedule_overrides(best: Candidate) -> list[str]:
+    """``--parallel.schedule`` / ``--parallel.virtual_stages`` of a schedule other than 1F1B."""
+    if best.schedule == "1f1b":
+        return []
+    return [
+        "--parallel.schedule",
+        best.schedule,
+        "--parallel.virtual_stages",
+        str(best.virtual_stages),
+    ]
 
 
 def fill_slurm(
@@ -494,7 +591,12 @@ def evaluate_layout(
     except ValueError as e:
         return str(e)
     problem = layout_problem(cfg, c, gpus, dev.gpus_per_node)
-    return f"layout {c.label}: {problem}" if problem else evaluate(cfg, c, dev, cap)
+    if problem:
+        return f"layout {c.label}: {problem}"
+    one = evaluate(cfg, replace(c, schedule="1f1b", virtual_stages=1), dev, cap)
+    if isinstance(one, str) or c.schedule == "1f1b":
+        return one
+    return with_schedule(cfg, one, dev, cap, c.schedule, c.virtual_stages)
 
 
 def _table(cands: list[Candidate]) -> list[str]:
@@ -552,6 +654,11 @@ def arguments() -> argparse.ArgumentParser:
         help="with --calibrate: fit the cost model's constants on the fitting runs, print them",
     )
     ap.add_argument("--top", type=int, default=10, help="candidates to list")
+    ap.add_argument(
+        "--schedules", action="store_true",
+        help="also try the pipeline schedules (interleaved, zbv, dualpipev, zero_bubble) on the "
+        "best pipeline layouts and pick among them (replayed schedules, slower)",
+    )  # fmt: skip
     ap.add_argument("--json", action="store_true", help="one JSON object")
     ap.add_argument("--write-ds-config", default=None, help="write the best DeepSpeed JSON here")
     ap.add_argument("--write-slurm", default=None, help="write the filled SLURM script here")
@@ -606,6 +713,8 @@ def main(argv: list[str] | None = None) -> int:
         ranked, rejected, why = [one], [], [*head, *pick_lines(one, "layout")]
     else:
         ranked, rejected = plan(cfg, a.gpus, dev, cap)
+        if a.schedules:
+            ranked = search_schedules(cfg, ranked, dev, cap)
         why = head + reasoning(ranked, rejected)
     if ranked and a.write_ds_config:
         Path(a.write_ds_config).write_text(
@@ -621,6 +730,7 @@ def main(argv: list[str] | None = None) -> int:
                 a.write_ds_config or "ds_configs/zero1.json",
             )
         )
+    picks = [c for c in ranked if c.pp > 1][: a.top]
     if a.json:
         print(
             json.dumps(
@@ -633,6 +743,7 @@ def main(argv: list[str] | None = None) -> int:
                     "candidates": [asdict(c) for c in ranked[: a.top]],
                     "rejected": len(rejected),
                     "reasoning": why,
+                    "pipeline": [asdict(c) for c in picks],
                 }
             )
         )
@@ -640,6 +751,10 @@ def main(argv: list[str] | None = None) -> int:
     print("\n".join(why))
     print()
     print("\n".join(_table(ranked[: a.top])))
+    if a.schedules:
+        print("\nbest pipeline layouts and schedules (predicted, schedules replayed):")
+        for c in picks:
+            print(f"     {c.label:<58} step {c.step_s:>8.3f} s  {c.mem_gib:>6.1f} GiB")
     return 0 if ranked else 1
 
 

@@ -41,6 +41,8 @@ TORCH_SCHEDULES: dict[str, str] = {
 SCHEDULES: tuple[str, ...] = get_args(PipelineSchedule)
 #: Schedules that place a rank's two chunks in a V (rank r: stages r and 2P - 1 - r).
 V_SCHEDULES = ("zbv", "dualpipev")
+#: Schedules that run a backward as an input pass and a later weight pass (``I``, ``W``).
+SPLIT_BACKWARD = ("zbv", "dualpipev", "zero_bubble")
 
 
 def schedule_problem(schedule: str, pp: int, v: int, micro_batches: int) -> str | None:

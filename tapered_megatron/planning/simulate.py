@@ -25,11 +25,12 @@ import weakref
 from dataclasses import dataclass, field
 from typing import Any
 
+from tapered_megatron.checkpoint.layout import ParallelLayout
 from tapered_megatron.config import Config
 from tapered_megatron.planning import cost as costlib
 from tapered_megatron.planning.fake_world import LiveBytes, fake_world
 from tapered_megatron.planning.planner import Candidate, ds_config, evaluate, overrides
-from tapered_megatron.training.launch import Layout, resolve
+from tapered_megatron.training.launch import resolve
 
 #: Training steps simulated: the first builds the optimizer state, the peak is taken after it.
 STEPS = 2
@@ -144,7 +145,7 @@ def simulate(
 
 
 def _build(
-    cfg: Config, ds: dict[str, Any], layout: Layout, c: Candidate
+    cfg: Config, ds: dict[str, Any], layout: ParallelLayout, c: Candidate
 ) -> tuple[Any, int, list[int]]:
     """The trainer's engine for this rank, its pipeline stage and the stage boundaries."""
     from tapered_megatron import parallel
@@ -160,7 +161,7 @@ def _build(
     return engine, stage, list(parts)
 
 
-def _train_step(engine: Any, cfg: Config, layout: Layout) -> None:
+def _train_step(engine: Any, cfg: Config, layout: ParallelLayout) -> None:
     """One optimizer step of random token batches, made and fed as the trainer's ``batches`` and
     ``train_step`` make and feed them."""
     import torch

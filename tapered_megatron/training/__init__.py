@@ -1,3 +1,3 @@
 """The training job: launch/validation (``launch``), optimiser and LR schedule (``optim``),
-checkpoints (``checkpoint``), logs (``logger``) and the loop (``trainer``). Entry point:
-``pretrain/main.py``."""
+logs (``logger``) and the loop (``trainer``); checkpoints are :mod:`tapered_megatron.checkpoint`.
+Entry point: ``pretrain/main.py``."""

@@ -20,11 +20,11 @@ import copy
 import dataclasses
 import json
 import os
-from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
+from tapered_megatron.checkpoint.layout import ParallelLayout
 from tapered_megatron.config import Config, ConfigError, load_config
 from tapered_megatron.parallel.host import free_port, shm_workspace_path
 from tapered_megatron.resources import resource
@@ -36,20 +36,6 @@ DEFAULT_DS_CONFIG = resource("ds_configs") / "default.json"
 # Environment variables that carry the world size / rank under the launchers we support.
 _WORLD_ENV = ("WORLD_SIZE", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE")
 _RANK_ENV = ("RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK")
-
-
-@dataclass(frozen=True)
-class Layout:
-    """How the world is split and how a global batch is made of micro-batches."""
-
-    world_size: int
-    tp: int
-    pp: int
-    dp: int
-    micro_batch_size: int
-    global_batch_size: int
-    grad_accum: int
-    zero_stage: int = 0  # the ds_config's zero_optimization.stage
 
 
 def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[str]]:
@@ -128,7 +114,7 @@ def _agree(ds: dict, key: str, want: Any, fix: str) -> None:
         raise ConfigError(f"ds_config {key}={have!r} disagrees with {fix}")
 
 
-def resolve(cfg: Config, ds_config: dict[str, Any], world_size: int) -> tuple[dict, Layout]:
+def resolve(cfg: Config, ds_config: dict[str, Any], world_size: int) -> tuple[dict, ParallelLayout]:
     """Check ``cfg`` against ``ds_config`` and the world size; return the filled ds_config.
 
     Raises :class:`ConfigError` on any inconsistency. Never touches torch.distributed.
@@ -217,8 +203,25 @@ def resolve(cfg: Config, ds_config: dict[str, Any], world_size: int) -> tuple[di
             f"ds_config enables {half} but this accelerator does not support it; set "
             f'"{half}": {{"enabled": false}} (or "auto"), or enable {other} instead'
         )
+    if pp > 1 and cfg.parallel.schedule != "1f1b":
+        from tapered_megatron.parallel.schedules import run_problem
+
+        if problem := run_problem(cfg, gas, half):
+            raise ConfigError(problem)
     ds.setdefault("steps_per_print", 10**9)
-    layout = Layout(world_size, tp, pp, dp, mbs, gbs, gas, stage)
+    layout = ParallelLayout(
+        tp=tp,
+        pp=pp,
+        dp=dp,
+        zero_stage=stage,
+        pipeline_unit=cfg.parallel.pipeline_unit if pp > 1 else "none",
+        schedule=cfg.parallel.schedule if pp > 1 else "1f1b",
+        virtual_stages=cfg.parallel.virtual_stages if pp > 1 else 1,
+        world_size=world_size,
+        micro_batch_size=mbs,
+        global_batch_size=gbs,
+        grad_accum=gas,
+    )
     return ds, layout
 
 
@@ -304,7 +307,7 @@ def _bf16_available() -> bool:
     return not _on_cpu() and _supports("bf16")
 
 
-def setup(argv: list[str] | None = None) -> tuple[argparse.Namespace, Config, dict, Layout]:
+def setup(argv: list[str] | None = None) -> tuple[argparse.Namespace, Config, dict, ParallelLayout]:
     """Parse, load and validate everything, input files included (:mod:`.preflight`); no
     process group is started here."""
     args, overrides = parse_args(argv)
@@ -335,16 +338,16 @@ def resumed_global_batch(cfg: Config, world_size: int) -> tuple[int | None, str]
     goes on with ("" when nothing differs). An explicit ``train.global_batch_size`` wins, and
     the note says so. :func:`resolve` rejects a kept batch the new layout cannot divide.
     """
-    from tapered_megatron.training import checkpoint
+    from tapered_megatron.checkpoint import resume
 
     tp_pp = cfg.parallel.tp * cfg.parallel.pp
     if not cfg.train.resume or world_size % tp_pp:
         return None, ""
     try:
-        where = checkpoint.find_resume(cfg)
+        where = resume.find_resume(cfg)
     except (FileNotFoundError, ConfigError):
         return None, ""  # pre-flight names the problem
-    saved = checkpoint.saved_global_batch(where[0] / where[1], cfg.model.plugins) if where else None
+    saved = resume.saved_global_batch(where[0] / where[1], cfg.model.plugins) if where else None
     implied = cfg.train.micro_batch_size * world_size // tp_pp
     now = cfg.train.global_batch_size or implied
     if saved is None or saved == now:

@@ -14,33 +14,28 @@ tokenizer (missing, unreadable, larger than ``model.vocab_size``), ``train.save_
 other run's checkpoints in it unless resumed or moved aside), ``train.resume`` (exists,
 complete, same model and taper as this run; saved under this run's parallel layout unless it
 holds the layout-free ``universal/`` copy) and ``logging.wandb_project`` (the ``wandb`` package
-present).
+present). The checks of ``train.save_dir`` and ``train.resume`` are
+:mod:`tapered_megatron.checkpoint.preflight`.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import shutil
-from pathlib import Path
 from typing import Any
 
-import yaml
-
-from tapered_megatron import checkpoint_layout as layout_files
-from tapered_megatron.config import Config, ConfigError, load_saved_config
+from tapered_megatron.checkpoint.layout import ParallelLayout
+from tapered_megatron.checkpoint.preflight import check_owner, check_resume, check_save_dir
+from tapered_megatron.config import Config, ConfigError
 from tapered_megatron.config_fields import first_line
 
-# Sections whose values fix the parameter shapes: a checkpoint of another shape cannot load.
-_SHAPE_SECTIONS = ("model", "taper")
-# Keys of those sections a resumed run may change (training-time only: no weight depends on them).
-_FREE_ON_RESUME = ("model.dropout",)
 
-
-def check_inputs(cfg: Config, ds_config: dict[str, Any], layout: Any = None) -> None:
+def check_inputs(
+    cfg: Config, ds_config: dict[str, Any], layout: ParallelLayout | None = None
+) -> None:
     """Raise :class:`ConfigError` for the first bad input of ``cfg``; touch nothing.
 
-    ``layout`` (:class:`~tapered_megatron.training.launch.Layout`) is the run's parallel layout;
+    ``layout`` (:class:`~tapered_megatron.checkpoint.layout.ParallelLayout`) is the run's layout;
     with it, resuming under another layout needs a checkpoint holding ``universal/``."""
     check_ds_params(ds_config)
     check_data(cfg)
@@ -49,16 +44,6 @@ def check_inputs(cfg: Config, ds_config: dict[str, Any], layout: Any = None) -> 
     check_resume(cfg, layout)
     check_owner(cfg)
     check_logging(cfg)
-
-
-def check_owner(cfg: Config) -> None:
-    """``train.save_dir`` holds no other run's checkpoints, unless the run continues them
-    (``--resume auto``) or moves them aside (``train.start_over``)."""
-    from tapered_megatron.training.checkpoint import owner_problem
-
-    why = owner_problem(cfg)
-    if why is not None:
-        raise ConfigError(why)
 
 
 #: DeepSpeed optimizer and scheduler parameters that take numbers (``betas``: a list of them).
@@ -210,116 +195,4 @@ def check_tokenizer(cfg: Config) -> None:
         raise ConfigError(
             f"model.vocab_size ({cfg.model.vocab_size}) is smaller than the tokenizer's "
             f"vocabulary ({vocab}); set --model.vocab_size {vocab}"
-        )
-
-
-def _existing_ancestor(path: Path) -> Path:
-    p = path.absolute()
-    while not p.exists() and p != p.parent:
-        p = p.parent
-    return p
-
-
-def half_precision(ds_config: dict[str, Any]) -> bool:
-    """Whether the DeepSpeed config trains in fp16 or bf16."""
-    return any(ds_config.get(h, {}).get("enabled") is True for h in ("fp16", "bf16"))
-
-
-def check_save_dir(cfg: Config, ds_config: dict[str, Any]) -> None:
-    """``train.save_dir`` is (or can be made) a writable directory with room for a checkpoint."""
-    from tapered_megatron.training.checkpoint import checkpoint_bytes, size_text
-
-    save = Path(cfg.train.save_dir)
-    base = _existing_ancestor(save)
-    if not base.is_dir():
-        raise ConfigError(
-            f"train.save_dir: {base} exists and is not a directory, so {save} cannot be created; "
-            "pass another --train.save_dir"
-        )
-    if not os.access(base, os.W_OK | os.X_OK):
-        raise ConfigError(
-            f"train.save_dir: {base} is not writable; pass a writable --train.save_dir "
-            "or fix its permissions"
-        )
-    need = checkpoint_bytes(cfg, half_precision(ds_config))
-    free = shutil.disk_usage(base).free
-    if free < need:
-        raise ConfigError(
-            f"train.save_dir: {size_text(free)} free on {base}, the next checkpoint needs about "
-            f"{size_text(need)}; free disk space or pass a --train.save_dir on a larger disk"
-        )
-
-
-def _differences(a: Any, b: Any, prefix: str) -> list[str]:
-    if isinstance(a, dict) and isinstance(b, dict):
-        out = []
-        for k in sorted(set(a) | set(b), key=str):
-            out += _differences(a.get(k), b.get(k), f"{prefix}.{k}")
-        return out
-    return [] if a == b else [f"{prefix} {b!r} in the checkpoint, {a!r} here"]
-
-
-def check_resume(cfg: Config, layout: Any = None) -> None:
-    """``train.resume`` names a complete checkpoint whose model and taper match ``cfg``
-    (``model.dropout`` may change); one saved under another parallel layout than ``layout``
-    holds the layout-free copy."""
-    from tapered_megatron.training import checkpoint
-
-    if not cfg.train.resume:
-        return
-    if cfg.train.resume != "auto" and not Path(cfg.train.resume).exists():
-        raise ConfigError(
-            f"train.resume: {cfg.train.resume} does not exist; pass a save directory or a "
-            "global_stepN directory, or --resume auto"
-        )
-    try:
-        where = checkpoint.find_resume(cfg)
-    except FileNotFoundError as e:
-        raise ConfigError(
-            f"{e}; pass a directory holding a complete checkpoint, or --resume auto"
-        ) from None
-    if where is None:
-        return
-    saved_file = where[0] / where[1] / "config.yaml"
-    try:
-        saved = load_saved_config(saved_file, cfg.model.plugins).to_dict()
-    except (OSError, yaml.YAMLError, ConfigError) as e:
-        raise ConfigError(
-            f"train.resume: cannot read {saved_file} ({e}); resume from another checkpoint"
-        ) from None
-    here = cfg.to_dict()
-    diff = [
-        d
-        for s in _SHAPE_SECTIONS
-        for d in _differences(here.get(s), (saved or {}).get(s), s)
-        if d.split(" ", 1)[0] not in _FREE_ON_RESUME
-    ]
-    if diff:
-        raise ConfigError(
-            f"train.resume: {where[0] / where[1]} was saved with another model ("
-            + "; ".join(diff[:4])
-            + (f"; {len(diff) - 4} more" if len(diff) > 4 else "")
-            + f"); use the checkpoint's settings (see {saved_file}) or another --train.save_dir"
-        )
-    if layout is not None:
-        _check_layout_change(where[0] / where[1], saved, checkpoint.layout_record(cfg, layout))
-
-
-def _check_layout_change(tag_dir: Path, saved_cfg: dict[str, Any], now: dict[str, Any]) -> None:
-    """A checkpoint without ``universal/`` loads only under the layout it was saved under (its
-    ``layout.json``; for one written before that file, the TP / PP / unit of its config)."""
-    if layout_files.has_universal(tag_dir):
-        return
-    then = layout_files.saved_layout(tag_dir)
-    if then is None:
-        par = (saved_cfg or {}).get("parallel", {})
-        then = {"tp": par.get("tp", 1), "pp": par.get("pp", 1)}
-        then["pipeline_unit"] = par.get("pipeline_unit", "none") if then["pp"] > 1 else "none"
-    keys = set(then) | ({"schedule", "virtual_stages"} & set(now))
-    if any(then.get(k) != now.get(k) for k in keys):
-        raise ConfigError(
-            f"train.resume: {tag_dir} was saved under {layout_files.describe_layout(then)} "
-            "without a universal/ copy (train.universal_checkpoint false, or an older "
-            f"checkpoint), so it cannot resume under {layout_files.describe_layout(now)}; launch "
-            "with the saved layout"
         )

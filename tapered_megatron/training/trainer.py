@@ -25,11 +25,12 @@ import torch
 import torch.distributed as dist
 from deepspeed.accelerator import get_accelerator
 from deepspeed.runtime.base_optimizer import ZeROOptimizer
-from deepspeed.runtime.utils import is_model_parallel_parameter
 from torch import nn
 
-from tapered_megatron import checkpoint_layout as layout_files
 from tapered_megatron import parallel
+from tapered_megatron.checkpoint import layout as layout_files
+from tapered_megatron.checkpoint import resume, save, save_dir, universal
+from tapered_megatron.checkpoint.layout import ParallelLayout, saved_layout
 from tapered_megatron.config import Config, ConfigError
 from tapered_megatron.models import (
     allow_layer_recompiles,
@@ -38,11 +39,12 @@ from tapered_megatron.models import (
     lm_loss,
     take_diagnostics,
 )
+from tapered_megatron.parallel.norms import computes_grad_norm, grad_norm
 from tapered_megatron.planning.clock import StageClock
-from tapered_megatron.training import checkpoint, optim, reshard
+from tapered_megatron.training import optim
 from tapered_megatron.training.alignment import AlignmentProbe
 from tapered_megatron.training.faults import injected_nan_iterations
-from tapered_megatron.training.launch import Layout, precision_note
+from tapered_megatron.training.launch import precision_note
 from tapered_megatron.training.logger import TrainLogger
 from tapered_megatron.training.monitor import Cadence, ExitSignal, Health, MetricsFile, Window
 from tapered_megatron.training.validation import validation_loss
@@ -51,7 +53,9 @@ from tapered_megatron.training.validation import validation_loss
 class Trainer:
     """Builds everything for one run; :meth:`fit` trains. All ranks construct it together."""
 
-    def __init__(self, cfg: Config, ds_config: dict[str, Any], layout: Layout, t0: float) -> None:
+    def __init__(
+        self, cfg: Config, ds_config: dict[str, Any], layout: ParallelLayout, t0: float
+    ) -> None:
         self.cfg, self.ds_config, self.layout, self.t0 = cfg, ds_config, layout, t0
         self.rank = dist.get_rank()
         self.device = get_accelerator().current_device_name()
@@ -60,16 +64,22 @@ class Trainer:
         self.dp_rank = parallel.get_data_parallel_rank()
         self.dp_group = parallel.get_data_parallel_group()
         self.pipeline = layout.pp > 1
-        self.clock = StageClock() if self.pipeline else None  # per-stage compute time
+        # parallel.schedule other than 1f1b: torch.distributed.pipelining over this rank's chunks
+        self.virtual: Any = None
+        one_f_one_b = self.pipeline and cfg.parallel.schedule == "1f1b"
+        self.clock = StageClock() if one_f_one_b else None  # per-stage compute time
 
         self.train_ds, self.valid_ds = self._build_data()
         self.extra_ds = self._build_extra_data()
-        self.engine = build_engine(cfg, ds_config, layout, self.clock)
+        if self.pipeline and not one_f_one_b:
+            self.engine = self._virtual_engine()
+        else:
+            self.engine = build_engine(cfg, ds_config, layout, self.clock)
         self.nan_iters = injected_nan_iterations()
         self.exit_signal = ExitSignal(cfg.train.exit_signal, self.device)
         self.iteration, self.consumed = 0, 0
         where = self._verified_resume()
-        self.lineage = checkpoint.Lineage(resumed=where[1] if where else None)
+        self.lineage = save.Lineage(resumed=where[1] if where else None)
         if where is not None:
             for tag in layout_files.partial_tags(where[0], layout_files.iteration_of(where[1])):
                 self.log(
@@ -93,15 +103,15 @@ class Trainer:
 
     # ----------------------------------------------------------------- set-up
     def _verified_resume(self) -> tuple[Path, str] | None:
-        """:func:`checkpoint.find_resume`, each candidate also checked against its manifest's
+        """:func:`resume.find_resume`, each candidate also checked against its manifest's
         sha256 (the ranks share the hashing); a checkpoint whose files changed after saving is
         passed over like any unusable one, with the one-line note."""
         known: dict[str, str] = {}
         try:
             while True:
                 notes: list[str] = []  # only the final choice's notes are printed
-                where = checkpoint.find_resume(self.cfg, note=notes.append, known=known)
-                why = checkpoint.hash_problem(where[0] / where[1]) if where else None
+                where = resume.find_resume(self.cfg, note=notes.append, known=known)
+                why = resume.hash_problem(where[0] / where[1]) if where else None
                 if why is None:
                     break
                 known[where[1]] = why
@@ -195,40 +205,59 @@ class Trainer:
         except data.IndexedDatasetError as e:  # an id beyond the vocabulary, caught at the batch
             raise self._stopped(f"{data.error_line(e)}; stopped without saving") from None
 
-    def load(self, load_dir: Path, tag: str) -> dict[str, Any]:
-        """DeepSpeed's own files when the layout is the one saved, else the layout-free copy."""
-        now = checkpoint.layout_record(self.cfg, self.layout)
-        saved = layout_files.saved_layout(load_dir / tag)
-        if saved is None or saved == now:
-            return checkpoint.load(self.engine, load_dir, tag)
-        self.log(
-            f"layout change: checkpoint {load_dir / tag} was saved under "
-            f"{layout_files.describe_layout(saved)}, resuming under "
-            f"{layout_files.describe_layout(now)} (resharded from its universal/ copy)"
+    def _virtual_engine(self) -> Any:
+        """``parallel.schedule`` interleaved / zbv / dualpipev / zero_bubble: this rank's chunks
+        (the virtual-stage balancer's cut) under torch's schedule; DeepSpeed's engine over
+        them (what it does not support was refused at launch: ``schedules.run_problem``)."""
+        from tapered_megatron.parallel.schedules import VirtualPipeline
+
+        cfg, ds = self.cfg, self.ds_config
+        self.virtual = VirtualPipeline(
+            cfg, ds, self.layout.grad_accum, lambda model: optimizer_kwargs(cfg, ds, model)
         )
-        return reshard.load(self.engine, self.cfg, load_dir / tag)
+        optim.undo_priming_step(self.virtual.engine)
+        optim.skip_nonfinite_steps(self.virtual.engine)
+        return self.virtual.engine
+
+    def load(self, load_dir: Path, tag: str) -> dict[str, Any]:
+        """DeepSpeed's own files when the layout is the one saved, else the layout-free copy
+        (always under a virtual-stage schedule: DeepSpeed's engine over a rank's chunks names
+        its ZeRO files by the tensor-parallel rank, so one stage's optimizer state is missing
+        there)."""
+        now = self.layout
+        saved = saved_layout(load_dir / tag)
+        same = saved is not None and saved.to_record() == now.to_record()
+        if self.virtual is None and (saved is None or same):
+            return resume.load(self.engine, load_dir, tag)
+        if same:
+            self.log(f"resuming {load_dir / tag} from its universal/ copy")
+            return universal.load(self.engine, self.cfg, load_dir / tag)
+        self.log(
+            f"layout change: checkpoint {load_dir / tag} was saved under {saved.describe()}, "
+            f"resuming under {now.describe()} (resharded from its universal/ copy)"
+        )
+        return universal.load(self.engine, self.cfg, load_dir / tag)
 
     def save(self, it: int) -> Path:
         """A checkpoint of iteration ``it``, with its layout and (if on) the universal copy."""
-        record = checkpoint.layout_record(self.cfg, self.layout)
 
-        def universal(
+        def with_universal(
             tag_dir: Path, client: dict[str, Any], torch_save: Callable[[Any, Path], None]
         ) -> None:
-            reshard.save(self.engine, self.cfg, record, tag_dir, client, torch_save)
+            universal.save(self.engine, self.cfg, self.layout, tag_dir, client, torch_save)
 
-        also = universal if self.cfg.train.universal_checkpoint else None
+        also = with_universal if self.cfg.train.universal_checkpoint else None
         try:
-            return checkpoint.save(
+            return save.save(
                 self.engine,
                 self.cfg,
                 it,
                 self.consumed,
                 also=also,
-                layout=record,
+                layout=self.layout,
                 lineage=self.lineage,
             )
-        except checkpoint.SaveFailed as e:
+        except save.SaveFailed as e:
             raise TrainingStopped(str(e)) from None
 
     # ------------------------------------------------------------------ loop
@@ -240,6 +269,9 @@ class Trainer:
         Iteration ``it`` listed in ``$TAPERED_MEGATRON_INJECT_NAN`` gets a NaN loss on rank 0
         (a fault-injection hook for tests; not supported under pipeline parallelism)."""
         eng = self.engine
+        if self.virtual is not None:
+            loss = self.virtual.train_batch(batches)
+            return loss, self.virtual.last_grad_norm if want_norm else None
         if self.pipeline:
             loss = float(eng.train_batch(batches))
             return loss, grad_norm(eng) if want_norm else None
@@ -277,7 +309,12 @@ class Trainer:
         def loss(dataset: Any, after: Callable[[], None] | None = None) -> float:
             batches = self.batches(dataset, n, 0)
             return validation_loss(
-                self.engine, batches, cfg.eval.iters, lay.grad_accum, self.dp_group, after
+                self.virtual or self.engine,
+                batches,
+                cfg.eval.iters,
+                lay.grad_accum,
+                self.dp_group,
+                after,
             )
 
         if self.valid_ds is not None and cfg.eval.alignment:
@@ -346,7 +383,7 @@ class Trainer:
                 metrics.close()
                 raise TrainingStopped(stop)
             if cadence.log(it):
-                stages = self._gather_stage_ms(window.iters) if self.pipeline else None
+                stages = self._gather_stage_ms(window.iters) if self.clock else None
                 scale = self.engine.optimizer.loss_scale if self.engine.fp16_enabled() else None
                 diag = take_diagnostics(self.engine.module)  # this rank's modules, since the last
                 record.update(diag)
@@ -454,7 +491,7 @@ class TrainingPreempted(RuntimeError):
 
 
 def build_engine(
-    cfg: Config, ds_config: dict[str, Any], layout: Layout, clock: StageClock | None = None
+    cfg: Config, ds_config: dict[str, Any], layout: ParallelLayout, clock: StageClock | None = None
 ) -> Any:
     """This rank's DeepSpeed engine as training runs it, from no data: the model (under
     ``parallel.pp > 1`` this rank's pipeline stage from our balancer, timed by ``clock``; else
@@ -470,14 +507,11 @@ def build_engine(
         model = build_partitioned(cfg, ds_config)
     if not is_zero3_partitioned(model):
         model.to(get_accelerator().current_device_name())
-    groups = optim.param_groups(model, cfg.train.weight_decay)
-    kwargs: dict[str, Any] = {"model": model, "config": ds_config}
-    if "optimizer" in ds_config:
-        kwargs["model_parameters"] = groups
-    else:
-        kwargs["optimizer"] = optim.build_optimizer(model, cfg.train, ds_config)
-    if "scheduler" not in ds_config:
-        kwargs["lr_scheduler"] = lambda opt: optim.build_scheduler(opt, cfg.train)
+    kwargs: dict[str, Any] = {
+        "model": model,
+        "config": ds_config,
+        **optimizer_kwargs(cfg, ds_config, model),
+    }
     if mpu is not None:
         kwargs["mpu"] = mpu  # DeepSpeed's mpu protocol (TP-aware ZeRO, norms)
     engine, *_ = deepspeed.initialize(**kwargs)
@@ -491,7 +525,20 @@ def build_engine(
     return engine
 
 
-def _pipeline_module(cfg: Config, layout: Layout, clock: StageClock | None) -> Any:
+def optimizer_kwargs(cfg: Config, ds_config: dict[str, Any], model: nn.Module) -> dict[str, Any]:
+    """``deepspeed.initialize``'s optimizer and LR-schedule arguments for ``model``: the
+    trainer's AdamW groups and warmup + cosine schedule unless the ds_config names its own."""
+    out: dict[str, Any] = {}
+    if "optimizer" in ds_config:
+        out["model_parameters"] = optim.param_groups(model, cfg.train.weight_decay)
+    else:
+        out["optimizer"] = optim.build_optimizer(model, cfg.train, ds_config)
+    if "scheduler" not in ds_config:
+        out["lr_scheduler"] = lambda opt: optim.build_scheduler(opt, cfg.train)
+    return out
+
+
+def _pipeline_module(cfg: Config, layout: ParallelLayout, clock: StageClock | None) -> Any:
     """Stages from our balancer (``parallel.partition``), never DeepSpeed's defaults."""
     from tapered_megatron.parallel.pipeline import BalancedPipelineModule
 
@@ -583,47 +630,16 @@ def loss_scale_to_apply(engine: Any) -> float:
     return 1.0
 
 
-def computes_grad_norm(engine: Any) -> bool:
-    """Whether DeepSpeed computes the global gradient norm inside ``step()``: every ZeRO stage
-    and 16-bit optimizer does, except fp32 ZeRO-0 (which clips without keeping the norm)."""
-    fp32 = not (engine.fp16_enabled() or engine.bfloat16_enabled())
-    return not (fp32 and engine.zero_optimization_stage() == 0)
-
-
-def grad_norm(engine: Any) -> float | None:
-    """The global 2-norm of the current optimizer step's gradients, for every ZeRO stage.
-
-    Where :func:`computes_grad_norm`, DeepSpeed's own value (read it after ``step()``).
-    Otherwise (fp32 ZeRO-0) it is computed from the parameters' gradients, so read it after the
-    last backward and before ``step()`` clears them: tensor-parallel shards summed over the TP
-    group, replicated parameters counted once. ``None`` when there is nothing to read.
-    """
-    if computes_grad_norm(engine):
-        gn = engine.get_global_grad_norm()
-        return None if gn is None else float(gn)
-    grads = [p for p in engine.module.parameters() if p.grad is not None]
-    if not grads:
-        return None
-    sq = torch.zeros((), dtype=torch.float64, device=grads[0].grad.device)
-    tp_rank = parallel.get_tensor_model_parallel_rank()
-    for p in grads:
-        if tp_rank == 0 or is_model_parallel_parameter(p):
-            sq += p.grad.detach().double().pow(2).sum()
-    if parallel.get_tensor_model_parallel_world_size() > 1:
-        dist.all_reduce(sq, group=parallel.get_tensor_model_parallel_group())
-    return math.sqrt(sq.item())
-
-
 def _collate(samples: list[Any]) -> torch.Tensor:
     return torch.stack([torch.as_tensor(s, dtype=torch.int64) for s in samples])
 
 
-def run(cfg: Config, ds_config: dict[str, Any], layout: Layout, t0: float) -> list[float]:
+def run(cfg: Config, ds_config: dict[str, Any], layout: ParallelLayout, t0: float) -> list[float]:
     """Train one run in an initialised process group (used by ``pretrain/main.py``), holding
-    ``train.save_dir`` for it (:func:`checkpoint.own_save_dir`)."""
+    ``train.save_dir`` for it (:func:`save_dir.own_save_dir`)."""
     os.makedirs(cfg.train.save_dir, exist_ok=True)
     try:
-        with checkpoint.own_save_dir(cfg):
+        with save_dir.own_save_dir(cfg):
             return Trainer(cfg, ds_config, layout, t0).fit()
-    except checkpoint.SaveDirTaken as e:
+    except save_dir.SaveDirTaken as e:
         raise TrainingStopped(str(e)) from None

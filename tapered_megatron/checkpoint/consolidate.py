@@ -1,7 +1,7 @@
 """Full, unsharded fp32 weights from a training checkpoint of any parallel layout.
 
 A checkpoint directory (``train.save_dir``) holds ``global_stepN/`` tags written by
-:mod:`tapered_megatron.training.checkpoint`: DeepSpeed's files, our ``config.yaml`` and
+:mod:`tapered_megatron.checkpoint.save`: DeepSpeed's files, our ``config.yaml`` and
 ``taper_plan.json``, and a ``complete`` marker; ``latest`` names the newest complete tag.
 When the tag holds the layout-free ``universal/`` copy (``train.universal_checkpoint``, on by
 default) its fp32 master weights are exported: full tensors keyed by single-process name, and
@@ -37,23 +37,22 @@ from typing import Any
 
 import torch
 
-from tapered_megatron import received, safe_load
-from tapered_megatron.checkpoint_layout import (
+from tapered_megatron.checkpoint import received, safe_load
+from tapered_megatron.checkpoint.errors import ExportError
+from tapered_megatron.checkpoint.layout import (
     COMPLETE,
     CONFIG,
     LATEST,
     TAPER_PLAN,
     UNIVERSAL,
     complete_tags,
-    entries_problem,
     has_universal,
     is_tag,
     iteration_of,
     latest_tag,
-    manifest_problem,
 )
+from tapered_megatron.checkpoint.manifest import entries_problem, manifest_problem
 from tapered_megatron.config import Config, ConfigError, load_saved_config
-from tapered_megatron.export.errors import ExportError
 from tapered_megatron.models import build_model, unit_prefixes
 from tapered_megatron.parallel.layers import unshard
 
@@ -155,7 +154,7 @@ def resolve_checkpoint(
 
 
 def _load(path: Path) -> dict[str, Any]:
-    """A checkpoint file as plain data (:mod:`tapered_megatron.safe_load`), memory-mapped
+    """A checkpoint file as plain data (:mod:`tapered_megatron.checkpoint.safe_load`), memory-mapped
     (optimizer tensors in it are never read)."""
     try:
         return safe_load.load(path, mmap=True)

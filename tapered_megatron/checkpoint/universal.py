@@ -38,8 +38,14 @@ from deepspeed.utils import (
     safe_set_full_optimizer_state,
 )
 
-from tapered_megatron import parallel, safe_load
-from tapered_megatron.checkpoint_layout import UNIVERSAL, UNIVERSAL_META, has_universal
+from tapered_megatron import parallel
+from tapered_megatron.checkpoint import safe_load
+from tapered_megatron.checkpoint.layout import (
+    UNIVERSAL,
+    UNIVERSAL_META,
+    ParallelLayout,
+    has_universal,
+)
 from tapered_megatron.config import Config
 from tapered_megatron.models import canonical_parameters
 from tapered_megatron.parallel.layers import param_shape, shard, unshard
@@ -140,14 +146,14 @@ def _step(opt: torch.optim.Optimizer) -> float:
 def save(
     engine: Any,
     cfg: Config,
-    layout: dict[str, Any],
+    layout: ParallelLayout,
     tag_dir: Path,
     client: dict[str, Any],
     torch_save: Callable[[Any, Path], None] = torch.save,
 ) -> None:
     """Write ``tag_dir/universal`` (collective: every rank calls it, before ``complete``), each
     file with ``torch_save(obj, path)`` (the save's own writes,
-    :func:`tapered_megatron.training.checkpoint.save`)."""
+    :func:`tapered_megatron.checkpoint.save.save`)."""
     out = tag_dir / UNIVERSAL
     out.mkdir(parents=True, exist_ok=True)
     opt = _link_optimizer_state(engine)
@@ -166,7 +172,7 @@ def save(
             torch_save(dict(zip(("fp32", *MOMENTS), full)), out / f"{name}.pt")
     if dist.get_rank() == 0:
         meta = {
-            "layout": layout,
+            "layout": layout.to_record(),
             "world_size": dist.get_world_size(),
             "step": _step(opt),
             "lr_scheduler": engine.lr_scheduler.state_dict() if engine.lr_scheduler else None,
