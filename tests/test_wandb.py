@@ -113,6 +113,7 @@ def test_offline_wandb_run_holds_the_tensorboard_scalars_config_layout_and_width
     assert config["layout"] == {
         "world_size": 1, "tp": 1, "pp": 1, "dp": 1, "micro_batch_size": 4,
         "global_batch_size": 8, "grad_accum": 2, "zero_stage": 0,
+        "pipeline_unit": "none", "schedule": "1f1b", "virtual_stages": 1,
     }  # fmt: skip
     args = common_args("", tmp_path, "zero0.json", RUN)
     plan = load_config(overrides=args[args.index("--model.d_model") :]).taper_plan
