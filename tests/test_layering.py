@@ -13,31 +13,32 @@ ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "tapered_megatron"
 
 
-def test_training_imports_neither_eval_nor_export() -> None:
-    code = (
-        "import json, sys; import tapered_megatron.training.trainer; "
-        "print(json.dumps(sorted(m for m in sys.modules if m.startswith('tapered_megatron'))))"
-    )
+def _modules_loaded_by(statement: str) -> list[str]:
+    """The modules a fresh interpreter has loaded after running ``statement``."""
+    code = f"import json, sys; {statement}; print(json.dumps(sorted(sys.modules)))"
     out = subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT
     ).stdout
-    loaded = json.loads(out.splitlines()[-1])
+    return json.loads(out.splitlines()[-1])
+
+
+def test_training_imports_neither_eval_nor_export() -> None:
+    loaded = _modules_loaded_by("import tapered_megatron.training.trainer")
     assert "tapered_megatron.training.trainer" in loaded  # the check itself sees the import
-    bad = [m for m in loaded if m.split(".")[1:2] in (["eval"], ["export"], ["hf"])]
+    bad = [
+        m
+        for m in loaded
+        if m.startswith("tapered_megatron.") and m.split(".")[1] in ("eval", "export", "hf")
+    ]
     assert not bad, f"importing the trainer imports {bad}"
 
 
 def test_configuration_is_a_leaf() -> None:
     """Loading and validating every preset imports neither torch nor the model or data code."""
-    code = (
-        "import json, sys; from tapered_megatron.config import load_config, preset_names, validate;"
-        " [validate(load_config(p)) for p in preset_names()]; "
-        "print(json.dumps(sorted(sys.modules)))"
+    loaded = _modules_loaded_by(
+        "from tapered_megatron.config import load_config, preset_names, validate; "
+        "[validate(load_config(p)) for p in preset_names()]"
     )
-    out = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT
-    ).stdout
-    loaded = json.loads(out.splitlines()[-1])
     assert "tapered_megatron.architectures.titans" in loaded  # the presets' records were read
     heavy = ("tapered_megatron.models", "tapered_megatron.data")
     bad = [m for m in loaded if m.split(".")[0] == "torch" or m.startswith(heavy)]

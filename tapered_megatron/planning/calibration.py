@@ -38,14 +38,18 @@ import yaml
 
 from tapered_megatron.config import Config
 from tapered_megatron.planning import cost as costlib
-from tapered_megatron.planning.planner import Candidate, evaluate, layout_problem, parse_layout
+from tapered_megatron.planning.planner import (
+    MICRO_BATCHES,
+    Candidate,
+    evaluate,
+    layout_problem,
+    parse_layout,
+)
 
 DATA = Path(__file__).with_name("calibration_runs.yaml")
 #: Two runs whose published throughputs differ by less than this fraction are a tie (the
 #: run-to-run spread of such benchmarks): they count for no ranking pair.
 RANK_MIN_GAP = 0.03
-#: Micro-batch sizes tried where a source does not state the micro-batch.
-MICRO_BATCHES = (1, 2, 4, 8)
 
 
 @dataclass(frozen=True)
@@ -193,8 +197,9 @@ def device(run: Run, k: Constants | None = None) -> costlib.Device:
 
 
 def _layouts(run: Run) -> list[Candidate]:
-    """The run's layout; where the source leaves the micro-batch open, each size of
-    :data:`MICRO_BATCHES` that divides the run's batch per replica."""
+    """The run's layout; where the source leaves the micro-batch open, each size of the
+    planner's :data:`~tapered_megatron.planning.planner.MICRO_BATCHES` that divides the run's
+    batch per replica."""
     if "mbs?" not in run.layout:
         return [parse_layout(run.layout)]
     base = parse_layout(run.layout.replace("mbs?", "mbs1").replace("gas?", "gas1"))
