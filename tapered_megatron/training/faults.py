@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 import signal
 
-import torch.distributed as dist
+from tapered_megatron.checkpoint.collective import rank
 
 
 def injected_nan_iterations() -> frozenset[int]:
@@ -28,6 +28,5 @@ def crash_point(name: str) -> None:
     """Rank 0 kills itself (SIGKILL) at save point ``name`` ("rank_files": DeepSpeed's files
     written, RNG files not; "complete": before the ``complete`` marker; "latest": before
     ``latest`` moves) when ``$TAPERED_MEGATRON_CRASH_IN_SAVE`` names it."""
-    rank = dist.get_rank() if dist.is_initialized() else 0
-    if os.environ.get("TAPERED_MEGATRON_CRASH_IN_SAVE") == name and rank == 0:
+    if os.environ.get("TAPERED_MEGATRON_CRASH_IN_SAVE") == name and rank() == 0:
         os.kill(os.getpid(), signal.SIGKILL)
