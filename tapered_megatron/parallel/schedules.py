@@ -10,8 +10,8 @@ fp32 gradient accumulation) and DeepSpeed's ``PipelineParallelGrid`` as ``mpu``.
 schedule's step the gradients are reduced over the data-parallel axis explicitly
 (:meth:`VirtualPipeline.reduce_gradients`: torch's weight-gradient pass bypasses the hooks
 through which DeepSpeed reduces otherwise), then ``engine.step()`` clips by the global norm
-and steps (fp32 ZeRO-0: the pipeline clips, see :class:`VirtualPipeline`). ``1f1b`` stays on
-DeepSpeed's PipelineEngine (:mod:`tapered_megatron.parallel.pipeline`).
+and steps (fp32 ZeRO-0: the pipeline clips, see :mod:`tapered_megatron.parallel.norms`).
+``1f1b`` stays on DeepSpeed's PipelineEngine (:mod:`tapered_megatron.parallel.pipeline`).
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from torch import nn
 from torch.distributed.pipelining import PipelineStage
 
 from tapered_megatron import parallel
-from tapered_megatron.parallel.norms import grad_norm
+from tapered_megatron.parallel.norms import clip_grads, grad_norm, own_clip
 from tapered_megatron.parallel.pipeline import agree_on_parts
 from tapered_megatron.planning.schedule import (
     SPLIT_BACKWARD,
@@ -201,19 +201,10 @@ class VirtualPipeline:
             if engine_kwargs is not None
             else {"model_parameters": self.module.parameters()}
         )
-        # DeepSpeed's fp32 ZeRO-0 clipping (runtime/utils.clip_grad_norm_) counts a parameter
-        # that is not a TP shard only where mpu.get_model_parallel_rank() == 0, a rank over pipe
-        # x model: every stage but the first would drop out of the norm. There DeepSpeed keeps
-        # no norm either: the pipeline computes it and clips with DeepSpeed's coefficient.
-        enabled = [ds_config.get(k, {}).get("enabled", False) for k in ("bf16", "fp16")]
-        if not all(isinstance(e, bool) for e in enabled):
-            raise ValueError(
-                f"VirtualPipeline: bf16/fp16 'enabled' must be true or false, got {enabled}; "
-                "resolve the DeepSpeed config first (training/launch.py does)"
-            )
-        half = any(enabled)
-        self.own_norm = zero == 0 and not half
-        self.clip = float(ds_config.get("gradient_clipping", 0.0)) if self.own_norm else 0.0
+        # fp32 ZeRO-0: the pipeline computes the norm and clips (parallel/norms.py says why)
+        clip = own_clip(ds_config)
+        self.own_norm = clip is not None
+        self.clip = clip or 0.0
         config = {**ds_config, "gradient_clipping": 0.0} if self.own_norm else ds_config
         self.engine, *_ = deepspeed.initialize(
             model=self.module, config=config, mpu=self.grid, **extra
@@ -254,8 +245,8 @@ class VirtualPipeline:
         self.engine.set_gradient_accumulation_boundary(True)  # ZeRO keeps reduced grads only then
         self.reduce_gradients()
         self.last_grad_norm = self._grad_norm() if self.own_norm else None
-        if self.clip > 0 and self.last_grad_norm is not None:
-            self._clip(self.clip / (self.last_grad_norm + 1e-6))
+        if self.last_grad_norm is not None:
+            clip_grads(self.module.parameters(), self.last_grad_norm, self.clip)
         self.engine.step()
         if not self.own_norm:
             self.last_grad_norm = float(self.engine.get_global_grad_norm())
@@ -335,13 +326,6 @@ class VirtualPipeline:
         """The global gradient 2-norm from the parameters' gradients (fp32 ZeRO-0, where
         DeepSpeed keeps none), summed over every stage (the grid's model-parallel group)."""
         return grad_norm(self.engine, self.grid.get_model_parallel_group())
-
-    def _clip(self, coef: float) -> None:
-        """Scale the gradients by ``coef`` when it is below 1 (DeepSpeed's clipping rule)."""
-        if coef < 1.0:
-            for p in self.module.parameters():
-                if p.grad is not None:
-                    p.grad.detach().mul_(coef)
 
     def reduce_gradients(self) -> None:
         """Data-parallel reduction of this step's gradients, the way DeepSpeed's optimizer
