@@ -69,9 +69,11 @@ def _ds_config(case: dict[str, Any]) -> dict[str, Any]:
 
 def _engine(case: dict[str, Any], cfg, ds_config: dict[str, Any], dp: int) -> tuple[Any, Any]:
     """The trainer's pipeline for ``case``: DeepSpeed's 1F1B engine from ``build_engine``, or
-    a :class:`VirtualPipeline` with the trainer's optimizer arguments; and its module."""
+    a :class:`VirtualPipeline` with the trainer's optimizer arguments and a stage clock; and
+    its module."""
     from tapered_megatron.checkpoint.layout import ParallelLayout
     from tapered_megatron.parallel.schedules import VirtualPipeline
+    from tapered_megatron.planning.clock import StageClock
     from tapered_megatron.training.trainer import build_engine, optimizer_kwargs
 
     if case["schedule"] == "1f1b":
@@ -79,7 +81,9 @@ def _engine(case: dict[str, Any], cfg, ds_config: dict[str, Any], dp: int) -> tu
         lay = ParallelLayout(tp=case.get("tp", 1), pp=2, dp=dp, zero_stage=zero, grad_accum=MICRO)
         engine = build_engine(cfg, ds_config, lay)
         return engine, engine.module
-    pipe = VirtualPipeline(cfg, ds_config, MICRO, lambda m: optimizer_kwargs(cfg, ds_config, m))
+    pipe = VirtualPipeline(
+        cfg, ds_config, MICRO, lambda m: optimizer_kwargs(cfg, ds_config, m), clock=StageClock()
+    )
     if not case.get("reduce", True):
         pipe.reduce_gradients = lambda: None
     return pipe, pipe.module
@@ -87,7 +91,8 @@ def _engine(case: dict[str, Any], cfg, ds_config: dict[str, Any], dp: int) -> tu
 
 def _run(case: dict[str, Any], dp: int) -> dict[str, Any]:
     """One case on this rank: losses, logged gradient norms and full parameters (by
-    single-model name, gathered over TP) before and after every step.
+    single-model name, gathered over TP) before and after every step; under a virtual
+    schedule each step's timed passes (``passes``: kind -> count) and milliseconds.
     ``case["reduce"] = False`` skips the data-parallel reduction."""
     from tapered_megatron.parallel import get_data_parallel_rank
 
@@ -100,17 +105,24 @@ def _run(case: dict[str, Any], dp: int) -> dict[str, Any]:
 
     r = get_data_parallel_rank()
     out = {"losses": [], "norms": [], "params": [params()], "parts": getattr(pipe, "parts", [])}
+    out["passes"] = []
     steps = _steps(cfg, dp)
     if case["schedule"] != "1f1b":
         pipe.eval()
         out["eval"] = pipe.eval_batch(iter(steps[0][r * MICRO : (r + 1) * MICRO]), MICRO)
         pipe.train()
+    clock = None if case["schedule"] == "1f1b" else pipe.stages[0].clock
     for batches in steps:
+        before = len(clock.passes) if clock else 0
         out["losses"].append(float(pipe.train_batch(iter(batches[r * MICRO : (r + 1) * MICRO]))))
         # what the trainer logs
         norm = pipe.last_grad_norm if case["schedule"] != "1f1b" else pipe.get_global_grad_norm()
         out["norms"].append(None if norm is None else float(norm))
         out["params"].append(params())
+        if clock:
+            done = [kind for kind, _ in clock.passes[before:]]
+            counts = {k: done.count(k) for k in ("forward", "backward")}
+            out["passes"].append((counts, clock.take()))
     return out
 
 
@@ -162,6 +174,9 @@ def test_interleaved_pp2_v2_and_deepspeed_1f1b_zero0_match_one_process():
     cases = [{"schedule": "interleaved", "v": 2}, {"schedule": "1f1b", "v": 1, "zero": 0}]
     per_rank = run_workers(_worker, 2, cases)
     assert len(per_rank[0][0]["parts"]) == 5
+    for rank in per_rank:  # every pass of the rank's two chunks timed (the trainer's stage ms)
+        for counts, ms in rank[0]["passes"]:
+            assert counts == {"forward": 2 * MICRO, "backward": 2 * MICRO} and ms > 0, counts
     for i, case in enumerate(cases):
         assert _mismatch([r[i] for r in per_rank], case) is None, case
 
@@ -234,8 +249,9 @@ def test_memory_architectures_pp2_v2_match_one_process(arch: str):
         assert _mismatch([r[i] for r in per_rank], case) is None, case
 
 
-def _one_process_worker(rank: int, world: int, case: dict[str, Any]) -> dict[str, Any]:
-    """The single model under DeepSpeed in one process, with ``case``'s DeepSpeed config."""
+def _one_process_worker(rank: int, world: int, case: dict[str, Any], dp: int = 1) -> dict[str, Any]:
+    """The single model under DeepSpeed in one process, with ``case``'s DeepSpeed config,
+    accumulating the micro-batches of ``dp`` data-parallel ranks."""
     import deepspeed
 
     from tapered_megatron.models import build_model
@@ -243,21 +259,22 @@ def _one_process_worker(rank: int, world: int, case: dict[str, Any]) -> dict[str
     deepspeed.init_distributed(dist_backend="gloo")
     cfg = _cfg(case)
     model = build_model(cfg)
+    config = {**_ds_config(case), "gradient_accumulation_steps": MICRO * dp}
     engine, *_ = deepspeed.initialize(
-        model=model, model_parameters=model.parameters(), config=_ds_config(case)
+        model=model, model_parameters=model.parameters(), config=config
     )
 
     def params() -> dict[str, np.ndarray]:
         return {n: p.detach().float().numpy().copy() for n, p in model.named_parameters()}
 
     out = {"losses": [], "norms": [], "params": [params()]}
-    for batches in _steps(cfg, 1):
+    for batches in _steps(cfg, dp):
         total = 0.0
         for x, y in batches:
             loss = engine(x, y)
             engine.backward(loss)
             engine.step()
-            total += float(loss) / MICRO
+            total += float(loss) / (MICRO * dp)
         out["losses"].append(total)
         out["norms"].append(float(engine.get_global_grad_norm()))
         out["params"].append(params())
@@ -275,10 +292,31 @@ def test_bf16_with_fp32_accumulation_matches_one_process_under_deepspeed():
     per_rank = run_workers(_worker, 2, cases)
     ref = run_workers(_one_process_worker, 1, cases[0])[0]
     for i, case in enumerate(cases):
-        for k in range(STEPS):
-            assert abs(per_rank[0][i]["losses"][k] - ref["losses"][k]) < 1e-4, case
-            assert per_rank[1][i]["norms"][k] == pytest.approx(ref["norms"][k], rel=1e-4), case
-            got = {**per_rank[0][i]["params"][k + 1], **per_rank[1][i]["params"][k + 1]}
-            assert sorted(got) == sorted(ref["params"][k + 1])
-            for name, want in ref["params"][k + 1].items():  # a few bf16 steps apart at most
-                np.testing.assert_allclose(got[name], want, rtol=2**-7, atol=1e-4, err_msg=name)
+        _assert_bf16_close([r[i] for r in per_rank], ref, case)
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_bf16_pp2_dp2_zero1_matches_one_process():
+    """bf16 with fp32 accumulation at PP2 x DP2 under ZeRO-1 (the bf16 optimizer all-reduces
+    its fp32 gradients over the data-parallel ranks), a full-backward and a split-backward
+    schedule, against one process accumulating both ranks' micro-batches."""
+    cases = [{"schedule": s, "v": v, "bf16": True} for s, v in SCHEDULES[:2]]
+    per_rank = run_workers(_worker, 4, cases)
+    ref = run_workers(_one_process_worker, 1, cases[0], 2)[0]
+    for i, case in enumerate(cases):
+        _assert_bf16_close([r[i] for r in per_rank], ref, case)
+
+
+def _assert_bf16_close(per_rank: list[dict], ref: dict, case: dict[str, Any]) -> None:
+    """Every rank's losses and gradient norms equal one process's to 1e-4, the parameters
+    (every one on some rank) to bf16's resolution."""
+    for k in range(STEPS):
+        got: dict[str, np.ndarray] = {}
+        for rank in per_rank:
+            assert abs(rank["losses"][k] - ref["losses"][k]) < 1e-4, case
+            assert rank["norms"][k] == pytest.approx(ref["norms"][k], rel=1e-4), case
+            got.update(rank["params"][k + 1])
+        assert sorted(got) == sorted(ref["params"][k + 1])
+        for name, want in ref["params"][k + 1].items():  # a few bf16 steps apart at most
+            np.testing.assert_allclose(got[name], want, rtol=2**-7, atol=1e-4, err_msg=name)

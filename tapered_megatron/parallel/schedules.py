@@ -16,6 +16,7 @@ and steps (fp32 ZeRO-0: the pipeline clips, see :mod:`tapered_megatron.parallel.
 
 from __future__ import annotations
 
+import contextlib
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
@@ -39,6 +40,7 @@ from tapered_megatron.planning.schedule import (
 
 if TYPE_CHECKING:
     from tapered_megatron.config import Config
+    from tapered_megatron.planning.clock import StageClock
 
 
 class RankChunks(nn.Module):
@@ -94,22 +96,39 @@ class _HiddenOut(nn.Module):
 class _Stage(PipelineStage):
     """torch's pipeline stage, calling ``after_backward`` after each backward pass of a
     micro-batch (full, input or weight), where DeepSpeed's pipeline engine hands the bf16
-    optimizer the gradients (fp32 accumulation)."""
+    optimizer the gradients (fp32 accumulation); each pass timed by ``clock`` when given."""
 
-    def __init__(self, *args: Any, after_backward: Callable[[], None], **kwargs: Any) -> None:
+    def __init__(
+        self,
+        *args: Any,
+        after_backward: Callable[[], None],
+        clock: StageClock | None = None,
+        **kwargs: Any,
+    ) -> None:
         super().__init__(*args, **kwargs)
         self.after_backward = after_backward
+        self.clock = clock
+
+    def _timed(self, kind: str) -> contextlib.AbstractContextManager:
+        return self.clock.span(kind) if self.clock is not None else contextlib.nullcontext()
+
+    def forward_one_chunk(self, *args: Any, **kwargs: Any) -> Any:
+        """torch's forward of one micro-batch, timed."""
+        with self._timed("forward"):
+            return super().forward_one_chunk(*args, **kwargs)
 
     def backward_one_chunk(self, *args: Any, **kwargs: Any) -> Any:
         """torch's backward of one micro-batch, then ``after_backward``."""
-        out = super().backward_one_chunk(*args, **kwargs)
-        self.after_backward()
+        with self._timed("backward"):
+            out = super().backward_one_chunk(*args, **kwargs)
+            self.after_backward()
         return out
 
     def backward_weight_one_chunk(self, *args: Any, **kwargs: Any) -> Any:
         """torch's weight pass of one micro-batch, then ``after_backward``."""
-        out = super().backward_weight_one_chunk(*args, **kwargs)
-        self.after_backward()
+        with self._timed("backward"):
+            out = super().backward_weight_one_chunk(*args, **kwargs)
+            self.after_backward()
         return out
 
 
@@ -162,6 +181,8 @@ class VirtualPipeline:
             other arguments (``optimizer`` or ``model_parameters``, ``lr_scheduler``); default
             ``model_parameters`` (the optimizer of ``ds_config``).
         parts: the chunk boundaries (default: the virtual-stage balancer's).
+        clock: times this rank's passes (forward with the loss, backward, weight) for the
+            trainer's per-stage compute time, which is per pipeline rank here (its chunks).
     """
 
     def __init__(
@@ -171,6 +192,7 @@ class VirtualPipeline:
         micro_batches: int,
         engine_kwargs: Callable[[nn.Module], dict[str, Any]] | None = None,
         parts: Sequence[int] | None = None,
+        clock: StageClock | None = None,
     ) -> None:
         import deepspeed
         from torch.distributed.pipelining import schedules as torch_schedules
@@ -219,6 +241,7 @@ class VirtualPipeline:
                 device,
                 group=group,
                 after_backward=self._after_backward,
+                clock=clock,
             )
             for s in self.stage_ids
         ]
@@ -226,21 +249,31 @@ class VirtualPipeline:
         # Each micro-batch's loss is divided by M before its backward, not the summed gradients
         # after the step (torch's scale_grads): bf16's optimizer takes gradients as they
         # accumulate, and what it has taken is no longer on the parameters to be divided.
+        loss_fn = clock.timed(self._loss) if clock is not None else self._loss
         self.schedule = cls(
-            self.stages, n_microbatches=micro_batches, loss_fn=self._loss, scale_grads=False
+            self.stages, n_microbatches=micro_batches, loss_fn=loss_fn, scale_grads=False
         )
+        self._nan_loss = False
         self.first = 0 in self.stage_ids
         self.last = self.pp * self.v - 1 in self.stage_ids
         self.last_rank = ranks[-1]
 
     def _loss(self, hidden: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        """One micro-batch's share of the step's mean loss."""
-        return self.module.loss(hidden, labels) / self.micro_batches
+        """One micro-batch's share of the step's mean loss (NaN once when ``_nan_loss``)."""
+        loss = self.module.loss(hidden, labels) / self.micro_batches
+        if self._nan_loss:
+            self._nan_loss = False
+            loss = loss * float("nan")
+        return loss
 
-    def train_batch(self, batches: Iterator[tuple[torch.Tensor, torch.Tensor]]) -> float:
+    def train_batch(
+        self, batches: Iterator[tuple[torch.Tensor, torch.Tensor]], nan_loss: bool = False
+    ) -> float:
         """One optimizer step over the next ``micro_batches`` micro-batches of ``batches``;
         returns the mean loss over the global batch (on every rank); ``last_grad_norm`` is the
-        step's global gradient norm before clipping."""
+        step's global gradient norm before clipping. ``nan_loss``: the first micro-batch's loss
+        is NaN in the first data-parallel replica (the trainer's fault-injection hook)."""
+        self._nan_loss = nan_loss and parallel.get_data_parallel_rank() == 0 and self.last
         loss = self._run(batches, self.schedule.step)
         self.engine.set_gradient_accumulation_boundary(True)  # ZeRO keeps reduced grads only then
         self.reduce_gradients()

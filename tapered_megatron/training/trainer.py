@@ -67,7 +67,8 @@ class Trainer:
         # parallel.schedule other than 1f1b: torch.distributed.pipelining over this rank's chunks
         self.virtual: Any = None
         one_f_one_b = self.pipeline and cfg.parallel.schedule == "1f1b"
-        self.clock = StageClock() if one_f_one_b else None  # per-stage compute time
+        # per-stage compute time (a virtual schedule's: per pipeline rank, all its chunks)
+        self.clock = StageClock() if self.pipeline else None
 
         self.train_ds, self.valid_ds = self._build_data()
         self.extra_ds = self._build_extra_data()
@@ -213,7 +214,11 @@ class Trainer:
 
         cfg, ds = self.cfg, self.ds_config
         self.virtual = VirtualPipeline(
-            cfg, ds, self.layout.grad_accum, lambda model: optimizer_kwargs(cfg, ds, model)
+            cfg,
+            ds,
+            self.layout.grad_accum,
+            lambda model: optimizer_kwargs(cfg, ds, model),
+            clock=self.clock,
         )
         optim.undo_priming_step(self.virtual.engine)
         optim.skip_nonfinite_steps(self.virtual.engine)
@@ -266,11 +271,13 @@ class Trainer:
     ) -> tuple[float, float | None]:
         """One global batch; returns the mean loss and (when ``want_norm``) the gradient norm.
 
-        Iteration ``it`` listed in ``$TAPERED_MEGATRON_INJECT_NAN`` gets a NaN loss on rank 0
-        (a fault-injection hook for tests; not supported under pipeline parallelism)."""
+        Iteration ``it`` listed in ``$TAPERED_MEGATRON_INJECT_NAN`` gets a NaN loss on rank 0,
+        under a virtual-stage schedule in its first micro-batch on the first replica's rank of
+        the last chunk (a fault-injection hook for tests; not supported under DeepSpeed's 1F1B
+        engine)."""
         eng = self.engine
         if self.virtual is not None:
-            loss = self.virtual.train_batch(batches)
+            loss = self.virtual.train_batch(batches, nan_loss=it in self.nan_iters)
             return loss, self.virtual.last_grad_norm if want_norm else None
         if self.pipeline:  # every pipeline engine keeps its norm (norms.clip_in_step at fp32)
             loss = float(eng.train_batch(batches))
