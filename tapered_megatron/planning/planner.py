@@ -23,7 +23,8 @@ For each it
    under ZeRO-3; over NVLink when the DP group fits in a node, else over the network ports of
    the group's GPUs on each node (:func:`tapered_megatron.planning.cost.dp_bandwidth`); without
    pipeline, ZeRO-1/2/3 overlap the reduce with backward (``overlap_comm``) but for the last
-   bucket, the pipeline engine and ZeRO-0 overlap nothing; what is hidden still slows the
+   bucket, pipelines (DeepSpeed's 1F1B engine and the virtual-stage runtime, which both reduce
+   after their schedule) and ZeRO-0 overlap nothing; what is hidden still slows the
    compute by the device's ``overlap_tax``) and the optimizer step (memory-bound, the model
    state read and written once),
 4. reports MFU = model FLOPs (3 x forward FLOPs per token from the counters, recompute excluded) /
@@ -307,6 +308,10 @@ SCHEDULE_OPTIONS = (
 )
 
 
+#: How a virtual-stage schedule's DP communication runs (``Candidate.dp_comm``).
+VIRTUAL_DP_COMM = "not overlapped (the virtual-stage runtime reduces after its schedule)"
+
+
 def with_schedule(
     cfg: Config, c: Candidate, dev: costlib.Device, cap: float, schedule: str, v: int
 ) -> Candidate | str:
@@ -314,7 +319,10 @@ def with_schedule(
     it cannot run or fit. Its pipeline time is the replayed makespan of the schedule's own
     order with pipeline sends (``1f1b``: ``c``'s stages; otherwise the virtual-stage
     balancer's cut), its memory the worst rank's with the schedule's activations in flight;
-    the rest of ``c``'s step (DP communication, optimizer) stays."""
+    the rest of ``c``'s step (DP communication, optimizer) stays: the virtual-stage runtime
+    reduces the gradients after its schedule as DeepSpeed's 1F1B engine does
+    (:meth:`~tapered_megatron.parallel.schedules.VirtualPipeline.reduce_gradients`), so the
+    DP communication stays exposed."""
     from tapered_megatron.planning.balance import chunk_setup
     from tapered_megatron.planning.chunks import balance_chunks, evaluate_chunks
     from tapered_megatron.planning.schedule import SPLIT_BACKWARD
@@ -353,6 +361,7 @@ def with_schedule(
             "pipeline_s": pipe_s,
             "bubble_and_imbalance_s": pipe_s - c.breakdown["compute_ideal_s"],
         },
+        dp_comm=c.dp_comm if schedule == "1f1b" or c.dp == 1 else VIRTUAL_DP_COMM,
     )
 
 
