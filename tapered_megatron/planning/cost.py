@@ -280,10 +280,11 @@ class Zero3:
 class Fsdp:
     """PyTorch FSDP ``FULL_SHARD`` in place of DeepSpeed's ZeRO-3 (a published run of another
     code base, :mod:`~tapered_megatron.planning.calibration`; the planner's own layouts are
-    DeepSpeed runs): every block a unit, the rest (embedding, final norm, head) the root,
-    bf16 ``param_dtype``, the rate limiter on (``limit_all_gathers``: llm-foundry's
-    benchmark script sets it, torch defaults to it). Its memory:
-    :func:`fsdp_bytes_per_param`, :func:`fsdp_stage_bytes`."""
+    DeepSpeed runs): every block a unit (llm-foundry's ``_fsdp_wrap_fn`` wraps each
+    ``MPTBlock``, torchtitan each transformer block), the rest (embedding, final norm, head)
+    the root, bf16 ``param_dtype``, the rate limiter on (``limit_all_gathers``: llm-foundry's
+    benchmark script sets it, torch defaults to it). Its memory: :func:`fsdp_bytes_per_param`,
+    :func:`fsdp_stage_bytes`."""
 
 
 @dataclass(frozen=True)
