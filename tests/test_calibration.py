@@ -47,7 +47,7 @@ def test_calibration_set_is_published_runs_with_their_sources() -> None:
     # what ran each row: Megatron-LM 2021 without flash attention, FSDP for the other two
     ran = {r.source: (r.framework, r.flash_attention) for r in runs}
     assert len(ran) == len(sources) and ran["narayanan-sc21"] == ("megatron", False)
-    assert ran["llm-foundry"] == ran["torchtitan"] == ("fsdp", True)
+    assert ran["llm-foundry"] == ("fsdp", True) and ran["torchtitan"] == ("fsdp2", True)
     assert all(r.stand_in.tied_head == r.model.startswith(("gpt", "mpt")) for r in runs)
 
 
@@ -123,7 +123,8 @@ def _run(run_id: str) -> cal.Run:
 def test_fsdp_rows_are_costed_with_fsdps_memory() -> None:
     """A run's ``framework`` picks its memory model: MPT-13B on 8 A100 40GB (FSDP) is costed
     with FSDP's 16 bytes of model state per parameter over dp (DeepSpeed ZeRO-3's 18: at least
-    2 / dp bytes per parameter more) and the root and two blocks gathered."""
+    2 / dp bytes per parameter more) and the root and two blocks gathered; FSDP2 (torchtitan)
+    adds its fp32 copy of a block's gradients for the reduce-scatter."""
     run = _run("llmf-a100-40-13b-s8192-g8")
     shape = costlib.RunShape(
         seq_len=run.seq, dp=8, zero_stage=3, pipeline=False, zero3=costlib.Fsdp()
@@ -139,6 +140,9 @@ def test_fsdp_rows_are_costed_with_fsdps_memory() -> None:
     assert ds_layer.static - layer.static == pytest.approx(layer.local_params * (18 - 16) / 8)
     root = costs[0].local_params + costs[-1].local_params
     assert costlib.fsdp_stage_bytes(costs, shape) == 2 * (root + 2 * layer.local_params)
+    fsdp2 = replace(shape, zero3=cal.FSDP["fsdp2"])  # its fp32 reduce-scatter input
+    extra = costlib.fsdp_stage_bytes(costs, fsdp2) - costlib.fsdp_stage_bytes(costs, shape)
+    assert extra == 4 * layer.local_params
 
 
 def test_stand_in_costs_the_runs_own_model() -> None:
@@ -167,7 +171,7 @@ def test_stand_in_costs_the_runs_own_model() -> None:
 def test_a_row_without_a_known_framework_is_refused(tmp_path) -> None:
     """A row whose framework the cost model does not know is refused naming the row and the
     choices."""
-    text = cal.DATA.read_text().replace("framework: fsdp", "framework: ddp", 1)
+    text = cal.DATA.read_text().replace("framework: fsdp2", "framework: ddp", 1)
     (tmp_path / "runs.yaml").write_text(text)
     with pytest.raises(ValueError, match=r"tt-a100-llama3-70b-full: framework 'ddp'; give one"):
         cal.load_runs(tmp_path / "runs.yaml")

@@ -22,7 +22,7 @@ MLP of the same parameters and FLOPs (``d_ff = 2/3 x expansion x d_model``, roun
 of 128). What the stand-in's counts lack is the cost model's :class:`~tapered_megatron.planning.
 cost.StandIn`, from the data file: a GeLU MLP's activations, a head tied to the embedding
 (``tied``), attention without flash attention (``flash_attention: false``); and a run's
-``framework`` picks the memory model of its sharding (``fsdp``: PyTorch FSDP,
+``framework`` picks the memory model of its sharding (``fsdp``, ``fsdp2``: PyTorch FSDP,
 :class:`~tapered_megatron.planning.cost.Fsdp`; else DeepSpeed's). Biases, learned position
 embeddings and ALiBi's bias are not modelled (each under a percent of the parameters or
 memory).
@@ -55,8 +55,10 @@ DATA = Path(__file__).with_name("calibration_runs.yaml")
 #: Two runs whose published throughputs differ by less than this fraction are a tie (the
 #: run-to-run spread of such benchmarks): they count for no ranking pair.
 RANK_MIN_GAP = 0.03
-#: What ran a row: PyTorch FSDP (llm-foundry, torchtitan), Megatron-LM, or DeepSpeed.
-FRAMEWORKS = ("fsdp", "megatron", "deepspeed")
+#: What ran a row: PyTorch FSDP (llm-foundry), FSDP2 (torchtitan), Megatron-LM or DeepSpeed;
+#: the memory model of each FSDP (the others: DeepSpeed's).
+FSDP = {"fsdp": costlib.Fsdp(), "fsdp2": costlib.Fsdp(reduce_copy_bytes=4)}
+FRAMEWORKS = (*FSDP, "megatron", "deepspeed")
 
 
 @dataclass(frozen=True)
@@ -89,7 +91,7 @@ class Run:
     @property
     def sharding(self) -> costlib.Zero3 | costlib.Fsdp | None:
         """The memory model of the run's ZeRO-3-style sharding (``None``: DeepSpeed's)."""
-        return costlib.Fsdp() if self.framework == "fsdp" else None
+        return FSDP.get(self.framework)
 
 
 @dataclass(frozen=True)

@@ -283,8 +283,15 @@ class Fsdp:
     DeepSpeed runs): every block a unit (llm-foundry's ``_fsdp_wrap_fn`` wraps each
     ``MPTBlock``, torchtitan each transformer block), the rest (embedding, final norm, head)
     the root, bf16 ``param_dtype``, the rate limiter on (``limit_all_gathers``: llm-foundry's
-    benchmark script sets it, torch defaults to it). Its memory: :func:`fsdp_bytes_per_param`,
-    :func:`fsdp_stage_bytes`."""
+    benchmark script sets it, torch defaults to it; FSDP2, ``fully_shard``, prefetches one unit
+    ahead). Its memory: :func:`fsdp_bytes_per_param`, :func:`fsdp_stage_bytes`.
+
+    ``reduce_copy_bytes``: bytes per parameter of the reduce-scatter input FSDP makes from a
+    unit's gradients while they exist: FSDP2 copies them into a new flat buffer of the reduce
+    dtype (``foreach_reduce``; torchtitan reduces in fp32: 4); FSDP1 reduce-scatters the flat
+    gradient itself, in bf16 under llm-foundry's ``mixed_precision: PURE`` (0)."""
+
+    reduce_copy_bytes: int = 0
 
 
 @dataclass(frozen=True)
@@ -727,13 +734,17 @@ def fsdp_stage_bytes(costs: Sequence[UnitCost], shape: RunShape) -> float:
       limiter of torch's ``FullyShardedDataParallel``); each is freed after its forward and
       after its backward.
 
-    FSDP has no reduce bucket (a unit's flat gradient is reduce-scattered as it is), and its
-    optimizer step runs per flat shard (Composer's ``DecoupledAdamW`` loops over tensors, one
-    unit's shard of temporaries at a time), far below this forward/backward working set."""
+    * the reduce-scatter input beside a block's gradients (:attr:`Fsdp.reduce_copy_bytes`).
+
+    FSDP has no reduce bucket, and its optimizer step runs per parameter or flat shard
+    (Composer's ``DecoupledAdamW`` loops over tensors; torchtitan's fused AdamW), one tensor's
+    temporaries at a time, far below this forward/backward working set."""
     elem = activation_scale(shape.precision)
     root = sum(c.local_params for c in costs if c.kind in ("embedding", "head"))
     layers = sorted((c.local_params for c in costs if c.layer is not None), reverse=True)
-    return (root + sum(layers[:2])) * elem
+    copy_bytes = shape.zero3.reduce_copy_bytes if isinstance(shape.zero3, Fsdp) else 0
+    reduce_copy = layers[0] * copy_bytes if layers else 0.0
+    return (root + sum(layers[:2])) * elem + reduce_copy
 
 
 def model_unit_costs(
