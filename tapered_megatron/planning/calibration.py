@@ -19,9 +19,9 @@ fitted on the ``fit`` runs only):
 A run is the planner's own model: the ``transformer`` architecture, uniform (``taper.schedule:
 uniform``), at the run's shape; a GeLU MLP of ``expansion x d_model`` (GPT, MPT) becomes a SwiGLU
 MLP of the same parameters and FLOPs (``d_ff = 2/3 x expansion x d_model``, rounded to a multiple
-of 128). What the stand-in's counts lack is the cost model's :class:`~tapered_megatron.planning.
-cost.StandIn`, from the data file: a GeLU MLP's activations, a head tied to the embedding
-(``tied``), attention without flash attention (``flash_attention: false``); and a run's
+of 128). What the stand-in's counts lack, read from the data file, is the cost model's
+:class:`~tapered_megatron.planning.cost.StandIn`: a GeLU MLP's activations, a head tied to the
+embedding (``tied``), attention without flash attention (``flash_attention: false``); a run's
 ``framework`` picks the memory model of its sharding (``fsdp``, ``fsdp2``: PyTorch FSDP,
 :class:`~tapered_megatron.planning.cost.Fsdp`; else DeepSpeed's). Biases, learned position
 embeddings and ALiBi's bias are not modelled (each under a percent of the parameters or
@@ -89,7 +89,7 @@ class Run:
         return costlib.StandIn(gelu, d.get("tied", False), self.flash_attention)
 
     @property
-    def sharding(self) -> costlib.Zero3 | costlib.Fsdp | None:
+    def sharding(self) -> costlib.Fsdp | None:
         """The memory model of the run's ZeRO-3-style sharding (``None``: DeepSpeed's)."""
         return FSDP.get(self.framework)
 
