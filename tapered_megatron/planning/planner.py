@@ -165,12 +165,15 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def evaluate(cfg: Config, c: Candidate, dev: costlib.Device, cap: float) -> Candidate | str:
+def evaluate(
+    cfg: Config, c: Candidate, dev: costlib.Device, cap: float, **run: Any
+) -> Candidate | str:
     """Predict one candidate; returns the filled candidate or the reason it is rejected.
 
     The stages come from :func:`tapered_megatron.planning.balance.analyse`, the call the
     trainer's balancer makes, so a run launched with this candidate's overrides on the same
-    device and memory cap gets these boundaries.
+    device and memory cap gets these boundaries. ``run``: further keywords of that call
+    (``zero3``, ``stand_in``: a published run of another code base, the calibration's).
     """
     m = cfg.model
     layout = dict(
@@ -183,6 +186,7 @@ def evaluate(cfg: Config, c: Candidate, dev: costlib.Device, cap: float) -> Cand
         sequence_parallel=c.sequence_parallel,
         micro_batch_size=c.micro_batch_size,
         methods=("balancer",),
+        **run,
     )
     elem = costlib.activation_scale(dev.precision)
     try:
