@@ -307,6 +307,26 @@ def test_dp_communication_overlaps_where_deepspeed_overlaps_it() -> None:
     for zero, pipe in ((0, False), (1, True)):
         c = costlib.dp_comm(zero_stage=zero, pipeline=pipe, backward_s=1.0, compute_s=1.5, **args)
         assert c.overlapped == 0 and c.exposed == pytest.approx(2 * one)
+    for pipe in (False, True):  # BF16_Optimizer: an all-reduce after backward, then a gather
+        c = costlib.dp_comm(
+            zero_stage=1, pipeline=pipe, backward_s=1.0, compute_s=1.5, bf16_optimizer=True, **args
+        )
+        assert c.overlapped == 0 and c.exposed == pytest.approx(3 * one)
+
+
+def test_planner_charges_bf16_zero1_as_bf16_optimizer() -> None:
+    """A bf16 ZeRO-1 candidate runs DeepSpeed's BF16_Optimizer (fp32 accumulation): its DP
+    communication is three reduce-scatter-sized units, none hidden; fp32 ZeRO-1 keeps two."""
+    cfg = load_config("transformer_1.3b")
+    cap = 0.9 * 80 * costlib.GiB
+    cand = Candidate(2, 1, 8, 1, 1, 8, "none", "layer")
+    bf16 = evaluate(cfg, cand, costlib.get_device("h100", precision="bf16"), cap)
+    fp32 = evaluate(cfg, cand, costlib.get_device("h100", precision="fp32"), cap)
+    assert "BF16_Optimizer" in bf16.dp_comm and bf16.breakdown["dp_overlapped_s"] == 0
+    assert "BF16_Optimizer" not in fp32.dp_comm and fp32.breakdown["dp_overlapped_s"] > 0
+    # the same bytes per unit (bf16 gradients are half fp32's): 3 units against 2
+    ratio = bf16.breakdown["dp_comm_s"] / fp32.breakdown["dp_comm_s"]
+    assert ratio == pytest.approx(3 / 2 * 2 / 4)
 
 
 def test_planner_writes_overlapped_zero_configs() -> None:

@@ -877,6 +877,7 @@ def dp_comm(
     bw: float,
     backward_s: float,
     compute_s: float,
+    bf16_optimizer: bool = False,
 ) -> DPComm:
     """DP communication of a step for a stage of ``stage_params`` TP-local parameters, and how
     much of it DeepSpeed 0.19 overlaps with compute (``overlap_comm: true``, as the shipped and
@@ -893,10 +894,18 @@ def dp_comm(
     * the parameter all-gather (``(dp - 1) / dp``): after the optimizer step under ZeRO-0/1/2
       (part of ZeRO-0's all-reduce), not overlapped; ZeRO-3 gathers every forward and backward
       with prefetching, hidden behind that micro-batch's compute where it is shorter.
+    * ``bf16_optimizer``: bf16 ZeRO-1 with fp32 gradient accumulation runs DeepSpeed's
+      BF16_Optimizer (what the shipped and planned configs give), which all-reduces the bf16
+      gradients after backward (a reduce-scatter and an all-gather) and then all-gathers the
+      updated parameters: three of the units above, none overlapped.
     """
     if dp <= 1:
         return DPComm(0.0, 0.0, "no data parallelism")
     one = (dp - 1) / dp * stage_params * elem / bw  # a reduce-scatter or all-gather
+    if bf16_optimizer and zero_stage == 1:
+        return DPComm(
+            3 * one, 0.0, "not overlapped (BF16_Optimizer all-reduces after backward, then gathers)"
+        )
     reduces = micro_batches if zero_stage >= 2 else 1
     reduce_s = reduces * one
     gather_s = 2 * micro_batches * one if zero_stage >= 3 else one

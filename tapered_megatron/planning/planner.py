@@ -215,7 +215,7 @@ def evaluate(
     passes = 4 if c.recompute == "full" else 3
     dp = costlib.dp_comm(
         stage_param, c.dp, c.zero, c.grad_accum, c.pp > 1, elem, dp_bw,
-        compute * (passes - 1) / passes, compute,
+        compute * (passes - 1) / passes, compute, bf16_optimizer=dev.precision == "bf16",
     )  # fmt: skip
     bpp = costlib.bytes_per_param(dev.precision, c.zero, c.dp, c.pp > 1)
     opt_s = 2 * stage_param * bpp / dev.mem_bw
