@@ -83,21 +83,27 @@ def _planned(config: str, gpus: int, pipeline: bool) -> Candidate:
         ("transformer_7b", 64, False),
         ("transformer_7b", 64, True),
         ("transformer_30b", 256, False),
-        pytest.param(
-            "transformer_30b", 256, True,
-            marks=pytest.mark.xfail(
-                strict=True,
-                reason="tp8 sp pp4 dp8 gas16 sub-layer: the first stage peaks 1.4 % above the "
-                "prediction (not yet explained)",
-            ),
-        ),
+        ("transformer_30b", 256, True),
     ],
-)  # fmt: skip
+)
 def test_preset_rank_matches_plan(config, gpus, pipeline):
     """Rank 0 (the first pipeline stage: the most micro-batches in flight) of the planner's
     layout for a 7B and a 30B preset: the issue's targets with the peak within 5 %."""
     c = _planned(config, gpus, pipeline)
     sim = simulate(load_config(config), c, H100, 0, 0.9 * 80 * costlib.GiB)
+    check(sim, peak_slack=0.05)
+
+
+@pytest.mark.slow
+@pytest.mark.xfail(
+    strict=True,
+    reason="stage 0 peaks 0.6 % above the prediction: under tp8 sp its blocks keep up to 3.9 % "
+    "more than counted, and four micro-batches of them are in flight (not yet explained)",
+)
+def test_deep_tp_pipeline_stage_matches_plan():
+    """Stage 0 of a 30B layout the planner picked before its calibration, tp8 sp pp4 dp8."""
+    c = parse_layout("tp8 sp pp4 dp8 zero1 mbs1 gas16 rc-none sublayer")
+    sim = simulate(load_config("transformer_30b"), c, H100, 0, 0.9 * 80 * costlib.GiB)
     check(sim, peak_slack=0.05)
 
 

@@ -436,6 +436,8 @@ def unit_costs(
     first = arch.first_pass_config(cfg)  # a first pass's forward (Hope's teach signal)
     first_units = [None] * len(table) if first is None else units(first, unit)
     bpp = bytes_per_param(shape.precision, shape.zero_stage, shape.dp, shape.pipeline)
+    # a bf16 pipeline holds no gradient of the model's dtype: each is moved as it is made
+    grads_moved = shape.pipeline and shape.precision == "bf16"
     tok = shape.tokens
     elem = activation_scale(shape.precision)
     recompute_kinds = ("layer", "mixer", "mlp")
@@ -493,10 +495,11 @@ def unit_costs(
             # and works through one chunk of fp32 logits (at most CHUNK_BYTES) at a time.
             act += 4.0 * vocab_local * cfg.model.d_model
             peak = min(float(CHUNK_BYTES), 4.0 * vocab_local * tok)
-        if shape.zero_stage >= 3 and u.kind != "head":
+        if (shape.zero_stage >= 3 or grads_moved) and u.kind != "head":
             # Under ZeRO-3 autograd makes the unit's full gradient before DeepSpeed copies it
-            # into the reduce bucket (the head's fp32 one is already in ``act``); its gathered
-            # weights are counted for the stage (zero3_stage_bytes).
+            # into the reduce bucket, and a bf16 pipeline's before BF16_Optimizer's hooks move
+            # it into the fp32 buffer (the head's fp32 one is already in ``act``); ZeRO-3's
+            # gathered weights are counted for the stage (zero3_stage_bytes).
             peak += local * elem
         # buffers keep their dtype (fp32), but zero.Init casts them to the model's
         buffers = buffer_bytes(u) * (elem / 4 if shape.zero_stage >= 3 else 1)
