@@ -23,14 +23,25 @@ REDUCED = [
     "--model.titans.chunk_size", "64", "--model.titans.window", "64",
 ]  # fmt: skip
 H100 = costlib.get_device("h100")
-#: The cost model's bound on the peak is conservative: it charges every unit's gradients and
-#: all activations next to the backward transient of the largest unit (two units' worth under
-#: full recompute), which never coexist. With two layers that is up to 20 % (titans), at the
-#: 7B/30B presets a few percent (the slow tests).
-PEAK_SLACK = 0.25
+#: How far below the prediction each reduced case's simulated peak lies, at most (measured
+#: 5.5 %, 8.2 %, 19.9 %, 19.2 %; pipeline stages 14.6 % and 4.8 %). The cost model's peak is a
+#: bound: it charges every unit's activations and gradients next to the largest unit's backward
+#: transient, taken as the size of what that unit saved (two units' worth under full
+#: recompute; plus its bf16 weight gradient on a pipeline stage). With two layers that
+#: transient is a large share of the peak; how much of it really coexists with the rest (the
+#: order in which each architecture's backward frees its activations) is not modelled. At the
+#: 7B and 30B presets the bound is within 5 % (the slow tests).
+PEAK_SLACK = {
+    "transformer": 0.07,
+    "gated_attention": 0.10,
+    "titans": 0.21,
+    "hope_attention": 0.21,
+    "pipeline stage 0": 0.16,
+    "pipeline stage 1": 0.06,
+}
 
 
-def check(sim, peak_slack: float = PEAK_SLACK) -> None:
+def check(sim, peak_slack: float) -> None:
     """The issue's targets: parameters exact, model state within 1 %, per-block activations
     within 5 %, the peak never above the prediction (and within ``peak_slack``)."""
     err = sim.errors()
@@ -53,7 +64,8 @@ def check(sim, peak_slack: float = PEAK_SLACK) -> None:
 def test_reduced_rank_matches_plan(arch, recompute):
     """Rank 1 of tp2 x dp2 under ZeRO-1 (DeepSpeed's BF16_Optimizer)."""
     cfg = load_config("quickstart", for_arch(arch, REDUCED))
-    check(simulate(cfg, Candidate(2, 1, 2, 1, 4, 1, recompute, "layer"), H100, rank=1))
+    sim = simulate(cfg, Candidate(2, 1, 2, 1, 4, 1, recompute, "layer"), H100, rank=1)
+    check(sim, PEAK_SLACK[arch])
 
 
 @pytest.mark.parametrize("stage", [0, 1])
@@ -64,7 +76,7 @@ def test_reduced_pipeline_stage_matches_plan(stage):
     cfg = load_config("quickstart", for_arch("transformer", REDUCED))
     sim = simulate(cfg, Candidate(1, 2, 2, 1, 4, 2, "full", "layer"), H100, rank=2 * stage)
     assert sim.stage == stage
-    check(sim)
+    check(sim, PEAK_SLACK[f"pipeline stage {stage}"])
 
 
 def _planned(config: str, gpus: int, pipeline: bool) -> Candidate:
