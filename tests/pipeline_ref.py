@@ -36,6 +36,22 @@ def stage_grads(module: torch.nn.Module, cfg: Any, opt: KeepGrads) -> dict[str, 
     return {names[p]: g.numpy() for p, g in opt.kept.items()}
 
 
+def full_tensor(t: torch.Tensor, p: torch.nn.Parameter) -> np.ndarray:
+    """The full tensor of ``t`` (``p``'s data or gradient), gathered over the TP group when ``p``
+    is split (collective over that group)."""
+    import torch.distributed as dist
+
+    from tapered_megatron.parallel import get_tensor_model_parallel_group, unshard
+
+    layout = getattr(p, "tp_layout", None)
+    group = get_tensor_model_parallel_group() if layout is not None else None
+    if group is None or dist.get_world_size(group) == 1:
+        return t.detach().float().numpy().copy()
+    parts = [torch.empty_like(t) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(parts, t.detach().contiguous(), group=group)
+    return unshard(parts, layout).float().numpy()
+
+
 def reference(cfg: Any, batches: list[tuple[torch.Tensor, torch.Tensor]], lr: float = 0.0):
     """One process: mean loss over the micro-batches, the gradients of that mean, and the
     parameters after one SGD step of ``lr`` (all by name)."""

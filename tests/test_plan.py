@@ -360,7 +360,12 @@ def test_layout_flag_predicts_the_printed_pick(capsys) -> None:
 def test_layout_flag_takes_a_scheduled_pick() -> None:
     """A label with a pipeline schedule (what ``--schedules`` prints) reads back: the 1F1B
     candidate replayed under that schedule, as the search's :func:`with_schedule` gives it."""
-    from tapered_megatron.planning.planner import evaluate_layout, parse_layout, with_schedule
+    from tapered_megatron.planning.planner import (
+        VIRTUAL_DP_COMM,
+        evaluate_layout,
+        parse_layout,
+        with_schedule,
+    )
 
     label = "tp1 pp2 zbv v2 dp8 zero1 mbs4 gas4 rc-none layer"
     c = parse_layout(label)
@@ -378,6 +383,8 @@ def test_layout_flag_takes_a_scheduled_pick() -> None:
         2,
     )
     assert one.label == label and one.step_s == pytest.approx(want.step_s, rel=1e-12)
+    # the runtime reduces after its schedule: the DP communication is all exposed
+    assert one.dp_comm == VIRTUAL_DP_COMM and one.breakdown["dp_overlapped_s"] == 0
     assert (
         one.breakdown["pipeline_s"]
         != evaluate(cfg, replace(c, schedule="1f1b", virtual_stages=1), dev, cap).breakdown[

@@ -8,6 +8,7 @@ relative, and the log must name the layout change.
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 from launch_helpers import ROOT, assert_close, launch_ranks, metrics
@@ -207,3 +208,39 @@ def test_virtual_schedule_with_tp_sp_or_recompute_matches_one_process(case, corp
     got, ref = metrics(run), metrics(ref_dir)
     assert_close([r["loss"] for r in got], [r["loss"] for r in ref], rtol=RTOL)
     assert_close([r["grad_norm"] for r in got], [r["grad_norm"] for r in ref], 1e-4)
+
+
+@pytest.mark.slow
+def test_virtual_schedule_times_stages_skips_a_nan_step_and_measures_alignment(
+    corpus, tmp_path, monkeypatch
+):
+    """Interleaved PP2 x v2 through pretrain/main.py with a NaN loss injected at iteration 2 and
+    ``eval.alignment``: that step is skipped as in one process, every other loss and gradient
+    norm, the validation losses and every layer's alignment equal one process's, and the log
+    gives both pipeline ranks' compute time."""
+    monkeypatch.setenv("TAPERED_MEGATRON_INJECT_NAN", "2")  # inherited by the ranks
+    args = ["--train.iters", "6", "--eval.interval", "3", "--logging.interval", "3"]
+    args += ["--eval.alignment", "true"]
+    ref_dir, run = tmp_path / "ref", tmp_path / "run"
+    ref_dir.mkdir()
+    run.mkdir()
+    launch_ranks(1, corpus, ref_dir, "zero0.json", args, T)
+    virtual = [*INTERLEAVED, "--parallel.virtual_stages", "2"]
+    launch_ranks(2, corpus, run, "pipeline.json", [*virtual, *args], T)
+    got, ref = metrics(run), metrics(ref_dir)
+    assert [r.get("skipped", False) for r in got] == [i == 2 for i in range(1, 7)]
+    assert [r.get("skipped", False) for r in ref] == [i == 2 for i in range(1, 7)]
+    kept = [i for i in range(6) if i != 1]
+    assert_close([got[i]["loss"] for i in kept], [ref[i]["loss"] for i in kept])
+    assert_close([got[i]["grad_norm"] for i in kept], [ref[i]["grad_norm"] for i in kept], 1e-4)
+    evals = [i for i, r in enumerate(ref) if "val_loss" in r]
+    assert evals == [2, 5] and [i for i, r in enumerate(got) if "val_loss" in r] == evals
+    for i in evals:
+        assert got[i]["val_loss"] == pytest.approx(ref[i]["val_loss"], rel=RTOL)
+        want = [(a["rho_block"], a["rho_mlp"]) for a in ref[i]["alignment"]]
+        have = [(a["rho_block"], a["rho_mlp"]) for a in got[i]["alignment"]]
+        assert len(have) == len(want) == 2
+        assert_close([x for row in have for x in row], [x for row in want for x in row], 1e-4)
+    log = (run / "log.txt").read_text()
+    stages = re.findall(r"\| stages (\d+)/(\d+) ms", log)
+    assert len(stages) == 2 and sum(int(ms) for row in stages for ms in row) > 0, log[-3000:]

@@ -8,20 +8,17 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-import torch.distributed as dist
 from arch_args import for_arch
 from launch_helpers import assert_close, launch_ranks, losses
-from pipeline_ref import KeepGrads, canonical_names, reference
+from pipeline_ref import KeepGrads, canonical_names, full_tensor, reference
 
 from tapered_megatron.config import ConfigError, load_config
 from tapered_megatron.models import build_model, set_recompute
 from tapered_megatron.parallel import (
     get_rng_tracker,
-    get_tensor_model_parallel_group,
     get_tensor_model_parallel_rank,
     init_model_parallel,
     model_parallel_seed,
-    unshard,
 )
 from tapered_megatron.parallel.local_launch import run_workers
 
@@ -51,17 +48,6 @@ def _batches(cfg, n: int = 2) -> list[tuple[torch.Tensor, torch.Tensor]]:
     return [(b[:, :-1], b[:, 1:]) for b in ids]
 
 
-def _full(t: torch.Tensor, p: torch.nn.Parameter) -> np.ndarray:
-    """The full tensor of ``p``'s gradient (gathered over the TP group when ``p`` is split)."""
-    layout = getattr(p, "tp_layout", None)
-    group = get_tensor_model_parallel_group()
-    if layout is None or dist.get_world_size(group) == 1:
-        return t.detach().numpy().copy()
-    parts = [torch.empty_like(t) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(parts, t.contiguous(), group=group)
-    return unshard(parts, layout).numpy()
-
-
 def _tp_run(arch: str) -> dict:
     """TP2 + SP, one process of the pair: mean loss over two micro-batches, full gradients."""
     cfg = _cfg(arch, SP)
@@ -71,7 +57,7 @@ def _tp_run(arch: str) -> dict:
     loss.backward()
     return {
         "loss": loss.item(),
-        "grads": {n: _full(p.grad, p) for n, p in model.named_parameters()},
+        "grads": {n: full_tensor(p.grad, p) for n, p in model.named_parameters()},
     }
 
 
@@ -160,7 +146,7 @@ def _pipe_worker(rank: int, world: int) -> dict:
         engine, *_ = deepspeed.initialize(model=module, optimizer=opt, config=ds_config)
         loss = float(engine.train_batch(iter(_batches(cfg))))
         names = canonical_names(module, cfg)
-        grads = {names[p]: _full(g, p) for p, g in opt.kept.items()}
+        grads = {names[p]: full_tensor(g, p) for p, g in opt.kept.items()}
         out[arch] = {"loss": loss, "grads": grads, "tp_rank": get_tensor_model_parallel_rank()}
     return out
 

@@ -58,6 +58,7 @@ LAYOUTS = {
 SLOW_LAYOUTS = {
     "dp2-zero1": (2, "zero1.json", []),  # also covered by the mpirun and two-node tests
     "pp2-dp2": (4, "pipeline.json", ["--parallel.pp", "2"]),
+    "pp2-zero0": (2, "zero0.json", ["--parallel.pp", "2"]),  # the norm the pipeline clips by
     "tp2-pp2": (4, "pipeline.json", ["--parallel.pp", "2", "--parallel.tp", "2"]),
     "tp2-sp": (2, "zero1.json", ["--parallel.tp", "2", "--parallel.sequence_parallel", "true"]),
     "tp2-pp2-sp": (4, "pipeline.json", ["--parallel.pp", "2", "--parallel.tp", "2",

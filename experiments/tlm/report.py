@@ -432,7 +432,7 @@ def late_drop_text(records: list[dict[str, Any]]) -> str:
     return (
         "the last evaluation interval still moved the validation loss by "
         f"{100 * min(ratios):.0f}-{100 * max(ratios):.0f}% (median "
-        f"{100 * statistics.median(ratios):.0f}%) of what the first interval did"
+        f"{100 * statistics.median(ratios):.0f}%) of the largest interval's drop"
     )
 
 
@@ -494,7 +494,15 @@ def corpus_section(by: dict, scale: str) -> list[str]:
         "",
         *table_corpus(by, scale),
         "",
+        *corpus_length(by),
     ]
+
+
+def corpus_length(by: dict) -> list[str]:
+    """(h)'s distance from convergence at the first corpus's budget ("" before its runs)."""
+    runs = [r for v in grid.experiment_variants("corpus") for r in (by.get(v.key) or {}).values()]
+    moved = late_drop_text(runs)
+    return [f"Training length on this corpus: not at convergence: {moved}.", ""] if moved else []
 
 
 def write_results(results_dir: Path, meta: dict[str, Any]) -> Path:

@@ -12,6 +12,7 @@ conservative integer degrees of freedom. The t distribution is computed here in 
 
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import dataclass
 from functools import cached_property
@@ -233,11 +234,13 @@ def ppl_stat(runs: dict[int, dict[str, Any]] | None) -> Stat:
 
 def late_drop_ratio(rec: dict[str, Any]) -> float | None:
     """How much the last evaluation interval moved the validation loss, as a fraction of the
-    first interval's drop (0: flat at the end). None with < 3 points."""
+    largest interval's drop (0: flat at the end; a run that starts on a plateau is measured
+    against its fast drop, not its first interval). None with < 3 points."""
     c = [p[2] for p in rec["val_curve"]]
-    if len(c) < 3 or c[0] == c[1]:
+    steps = [abs(b - a) for a, b in itertools.pairwise(c)]
+    if len(c) < 3 or not max(steps):
         return None
-    return abs(c[-1] - c[-2]) / abs(c[0] - c[1])
+    return steps[-1] / max(steps)
 
 
 def rho_stats(by: dict, v: grid.Variant, key: str) -> list[Stat]:

@@ -10,12 +10,13 @@ fp32 gradient accumulation) and DeepSpeed's ``PipelineParallelGrid`` as ``mpu``.
 schedule's step the gradients are reduced over the data-parallel axis explicitly
 (:meth:`VirtualPipeline.reduce_gradients`: torch's weight-gradient pass bypasses the hooks
 through which DeepSpeed reduces otherwise), then ``engine.step()`` clips by the global norm
-and steps (fp32 ZeRO-0: the pipeline clips, see :class:`VirtualPipeline`). ``1f1b`` stays on
-DeepSpeed's PipelineEngine (:mod:`tapered_megatron.parallel.pipeline`).
+and steps (fp32 ZeRO-0: the pipeline clips, see :mod:`tapered_megatron.parallel.norms`).
+``1f1b`` stays on DeepSpeed's PipelineEngine (:mod:`tapered_megatron.parallel.pipeline`).
 """
 
 from __future__ import annotations
 
+import contextlib
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
@@ -28,7 +29,7 @@ from torch import nn
 from torch.distributed.pipelining import PipelineStage
 
 from tapered_megatron import parallel
-from tapered_megatron.parallel.norms import grad_norm
+from tapered_megatron.parallel.norms import clip_grads, grad_norm, own_clip
 from tapered_megatron.parallel.pipeline import agree_on_parts
 from tapered_megatron.planning.schedule import (
     SPLIT_BACKWARD,
@@ -39,6 +40,7 @@ from tapered_megatron.planning.schedule import (
 
 if TYPE_CHECKING:
     from tapered_megatron.config import Config
+    from tapered_megatron.planning.clock import StageClock
 
 
 class RankChunks(nn.Module):
@@ -94,22 +96,39 @@ class _HiddenOut(nn.Module):
 class _Stage(PipelineStage):
     """torch's pipeline stage, calling ``after_backward`` after each backward pass of a
     micro-batch (full, input or weight), where DeepSpeed's pipeline engine hands the bf16
-    optimizer the gradients (fp32 accumulation)."""
+    optimizer the gradients (fp32 accumulation); each pass timed by ``clock`` when given."""
 
-    def __init__(self, *args: Any, after_backward: Callable[[], None], **kwargs: Any) -> None:
+    def __init__(
+        self,
+        *args: Any,
+        after_backward: Callable[[], None],
+        clock: StageClock | None = None,
+        **kwargs: Any,
+    ) -> None:
         super().__init__(*args, **kwargs)
         self.after_backward = after_backward
+        self.clock = clock
+
+    def _timed(self, kind: str) -> contextlib.AbstractContextManager:
+        return self.clock.span(kind) if self.clock is not None else contextlib.nullcontext()
+
+    def forward_one_chunk(self, *args: Any, **kwargs: Any) -> Any:
+        """torch's forward of one micro-batch, timed."""
+        with self._timed("forward"):
+            return super().forward_one_chunk(*args, **kwargs)
 
     def backward_one_chunk(self, *args: Any, **kwargs: Any) -> Any:
         """torch's backward of one micro-batch, then ``after_backward``."""
-        out = super().backward_one_chunk(*args, **kwargs)
-        self.after_backward()
+        with self._timed("backward"):
+            out = super().backward_one_chunk(*args, **kwargs)
+            self.after_backward()
         return out
 
     def backward_weight_one_chunk(self, *args: Any, **kwargs: Any) -> Any:
         """torch's weight pass of one micro-batch, then ``after_backward``."""
-        out = super().backward_weight_one_chunk(*args, **kwargs)
-        self.after_backward()
+        with self._timed("backward"):
+            out = super().backward_weight_one_chunk(*args, **kwargs)
+            self.after_backward()
         return out
 
 
@@ -162,6 +181,8 @@ class VirtualPipeline:
             other arguments (``optimizer`` or ``model_parameters``, ``lr_scheduler``); default
             ``model_parameters`` (the optimizer of ``ds_config``).
         parts: the chunk boundaries (default: the virtual-stage balancer's).
+        clock: times this rank's passes (forward with the loss, backward, weight) for the
+            trainer's per-stage compute time, which is per pipeline rank here (its chunks).
     """
 
     def __init__(
@@ -171,6 +192,7 @@ class VirtualPipeline:
         micro_batches: int,
         engine_kwargs: Callable[[nn.Module], dict[str, Any]] | None = None,
         parts: Sequence[int] | None = None,
+        clock: StageClock | None = None,
     ) -> None:
         import deepspeed
         from torch.distributed.pipelining import schedules as torch_schedules
@@ -201,19 +223,10 @@ class VirtualPipeline:
             if engine_kwargs is not None
             else {"model_parameters": self.module.parameters()}
         )
-        # DeepSpeed's fp32 ZeRO-0 clipping (runtime/utils.clip_grad_norm_) counts a parameter
-        # that is not a TP shard only where mpu.get_model_parallel_rank() == 0, a rank over pipe
-        # x model: every stage but the first would drop out of the norm. There DeepSpeed keeps
-        # no norm either: the pipeline computes it and clips with DeepSpeed's coefficient.
-        enabled = [ds_config.get(k, {}).get("enabled", False) for k in ("bf16", "fp16")]
-        if not all(isinstance(e, bool) for e in enabled):
-            raise ValueError(
-                f"VirtualPipeline: bf16/fp16 'enabled' must be true or false, got {enabled}; "
-                "resolve the DeepSpeed config first (training/launch.py does)"
-            )
-        half = any(enabled)
-        self.own_norm = zero == 0 and not half
-        self.clip = float(ds_config.get("gradient_clipping", 0.0)) if self.own_norm else 0.0
+        # fp32 ZeRO-0: the pipeline computes the norm and clips (parallel/norms.py says why)
+        clip = own_clip(ds_config)
+        self.own_norm = clip is not None
+        self.clip = clip or 0.0
         config = {**ds_config, "gradient_clipping": 0.0} if self.own_norm else ds_config
         self.engine, *_ = deepspeed.initialize(
             model=self.module, config=config, mpu=self.grid, **extra
@@ -228,6 +241,7 @@ class VirtualPipeline:
                 device,
                 group=group,
                 after_backward=self._after_backward,
+                clock=clock,
             )
             for s in self.stage_ids
         ]
@@ -235,27 +249,37 @@ class VirtualPipeline:
         # Each micro-batch's loss is divided by M before its backward, not the summed gradients
         # after the step (torch's scale_grads): bf16's optimizer takes gradients as they
         # accumulate, and what it has taken is no longer on the parameters to be divided.
+        loss_fn = clock.timed(self._loss) if clock is not None else self._loss
         self.schedule = cls(
-            self.stages, n_microbatches=micro_batches, loss_fn=self._loss, scale_grads=False
+            self.stages, n_microbatches=micro_batches, loss_fn=loss_fn, scale_grads=False
         )
+        self._nan_loss = False
         self.first = 0 in self.stage_ids
         self.last = self.pp * self.v - 1 in self.stage_ids
         self.last_rank = ranks[-1]
 
     def _loss(self, hidden: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        """One micro-batch's share of the step's mean loss."""
-        return self.module.loss(hidden, labels) / self.micro_batches
+        """One micro-batch's share of the step's mean loss (NaN once when ``_nan_loss``)."""
+        loss = self.module.loss(hidden, labels) / self.micro_batches
+        if self._nan_loss:
+            self._nan_loss = False
+            loss = loss * float("nan")
+        return loss
 
-    def train_batch(self, batches: Iterator[tuple[torch.Tensor, torch.Tensor]]) -> float:
+    def train_batch(
+        self, batches: Iterator[tuple[torch.Tensor, torch.Tensor]], nan_loss: bool = False
+    ) -> float:
         """One optimizer step over the next ``micro_batches`` micro-batches of ``batches``;
         returns the mean loss over the global batch (on every rank); ``last_grad_norm`` is the
-        step's global gradient norm before clipping."""
+        step's global gradient norm before clipping. ``nan_loss``: the first micro-batch's loss
+        is NaN in the first data-parallel replica (the trainer's fault-injection hook)."""
+        self._nan_loss = nan_loss and parallel.get_data_parallel_rank() == 0 and self.last
         loss = self._run(batches, self.schedule.step)
         self.engine.set_gradient_accumulation_boundary(True)  # ZeRO keeps reduced grads only then
         self.reduce_gradients()
         self.last_grad_norm = self._grad_norm() if self.own_norm else None
-        if self.clip > 0 and self.last_grad_norm is not None:
-            self._clip(self.clip / (self.last_grad_norm + 1e-6))
+        if self.last_grad_norm is not None:
+            clip_grads(self.module.parameters(), self.last_grad_norm, self.clip)
         self.engine.step()
         if not self.own_norm:
             self.last_grad_norm = float(self.engine.get_global_grad_norm())
@@ -335,13 +359,6 @@ class VirtualPipeline:
         """The global gradient 2-norm from the parameters' gradients (fp32 ZeRO-0, where
         DeepSpeed keeps none), summed over every stage (the grid's model-parallel group)."""
         return grad_norm(self.engine, self.grid.get_model_parallel_group())
-
-    def _clip(self, coef: float) -> None:
-        """Scale the gradients by ``coef`` when it is below 1 (DeepSpeed's clipping rule)."""
-        if coef < 1.0:
-            for p in self.module.parameters():
-                if p.grad is not None:
-                    p.grad.detach().mul_(coef)
 
     def reduce_gradients(self) -> None:
         """Data-parallel reduction of this step's gradients, the way DeepSpeed's optimizer

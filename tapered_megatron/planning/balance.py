@@ -269,19 +269,23 @@ def unit_setup(
     sequence_parallel: bool | None = None,
     micro_batch_size: int | None = None,
     profiled: bool = False,
-    zero3: costlib.Zero3 | None = None,
+    zero3: costlib.Zero3 | costlib.Fsdp | None = None,
+    stand_in: costlib.StandIn | None = None,
 ) -> tuple[list[costlib.UnitCost], int, float, float]:
     """Unit costs, micro-batches, per-device cap and fixed bytes of ``cfg`` at pipeline size
     ``pp``. ``gpu_mem`` is the per-device cap in GiB (default: the device's memory);
     ``recompute`` (``none``, ``selective``, ``full``), ``tp``, ``sequence_parallel`` and
     ``micro_batch_size`` default to the config's; ``profiled`` uses per-unit times measured on
     this machine (cached) instead of the analytic FLOP model. Under ZeRO-3 (``zero_stage`` 3,
-    ``pp`` 1) ``zero3`` holds DeepSpeed's buffer sizes (default: ``ds_configs/zero3.json``'s)
-    and the fixed bytes add :func:`~tapered_megatron.planning.cost.zero3_stage_bytes`; under a
-    pipeline every stage adds the engine's buffers
+    ``pp`` 1) ``zero3`` holds DeepSpeed's buffer sizes (default: ``ds_configs/zero3.json``'s),
+    or PyTorch FSDP's in its place, and the fixed bytes add
+    :func:`~tapered_megatron.planning.cost.zero3_stage_bytes`; under a pipeline every stage adds
+    the engine's buffers
     (:func:`~tapered_megatron.planning.cost.pipeline_buffer_bytes`); a single bf16 ZeRO-1 stage
     (DeepSpeed's ``BF16_Optimizer``) holds the larger of its activations and its gradient
-    reduce's flat copies (:func:`~tapered_megatron.planning.cost.fallback_reduce_bytes`)."""
+    reduce's flat copies (:func:`~tapered_megatron.planning.cost.fallback_reduce_bytes`).
+    ``stand_in``: how a published run's model differs from ``cfg``'s
+    (:class:`~tapered_megatron.planning.cost.StandIn`)."""
     dev = device if isinstance(device, costlib.Device) else costlib.resolve_device(device)
     m = micro_batches if micro_batches is not None else default_micro_batches(cfg, pp, dp)
     shape = costlib.RunShape(
@@ -298,6 +302,7 @@ def unit_setup(
         ),
         pipeline=pp > 1,
         zero3=zero3 or costlib.Zero3(),
+        stand_in=stand_in or costlib.StandIn(),
     )
     u = unit or cfg.parallel.pipeline_unit
     costs = costlib.model_unit_costs(cfg, shape, dev, unit=u, profiled=profiled)

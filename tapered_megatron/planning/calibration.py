@@ -19,8 +19,13 @@ fitted on the ``fit`` runs only):
 A run is the planner's own model: the ``transformer`` architecture, uniform (``taper.schedule:
 uniform``), at the run's shape; a GeLU MLP of ``expansion x d_model`` (GPT, MPT) becomes a SwiGLU
 MLP of the same parameters and FLOPs (``d_ff = 2/3 x expansion x d_model``, rounded to a multiple
-of 128). Biases, learned position embeddings and tied embeddings are not modelled (each a few
-percent of the parameters at most).
+of 128). What the stand-in's counts lack, read from the data file, is the cost model's
+:class:`~tapered_megatron.planning.cost.StandIn`: a GeLU MLP's activations, a head tied to the
+embedding (``tied``), attention without flash attention (``flash_attention: false``); a run's
+``framework`` picks the memory model of its sharding (``fsdp``, ``fsdp2``: PyTorch FSDP,
+:class:`~tapered_megatron.planning.cost.Fsdp`; else DeepSpeed's). Biases, learned position
+embeddings and ALiBi's bias are not modelled (each under a percent of the parameters or
+memory).
 """
 
 from __future__ import annotations
@@ -50,6 +55,10 @@ DATA = Path(__file__).with_name("calibration_runs.yaml")
 #: Two runs whose published throughputs differ by less than this fraction are a tie (the
 #: run-to-run spread of such benchmarks): they count for no ranking pair.
 RANK_MIN_GAP = 0.03
+#: What ran a row: PyTorch FSDP (llm-foundry), FSDP2 (torchtitan), Megatron-LM or DeepSpeed;
+#: the memory model of each FSDP (the others: DeepSpeed's).
+FSDP = {"fsdp": costlib.Fsdp(), "fsdp2": costlib.Fsdp(reduce_copy_bytes=4)}
+FRAMEWORKS = (*FSDP, "megatron", "deepspeed")
 
 
 @dataclass(frozen=True)
@@ -68,7 +77,21 @@ class Run:
     layout: str
     published: float  # tokens/s per GPU
     split: str
+    framework: str  # one of FRAMEWORKS
     global_batch: int = 0  # only where the layout leaves the micro-batch open ("mbs? gas?")
+    flash_attention: bool = True
+
+    @property
+    def stand_in(self) -> costlib.StandIn:
+        """How the run's model differs from the planner's transformer at its shape."""
+        d = self.dims
+        gelu = d["expansion"] if d["mlp"] == "gelu" else 0
+        return costlib.StandIn(gelu, d.get("tied", False), self.flash_attention)
+
+    @property
+    def sharding(self) -> costlib.Fsdp | None:
+        """The memory model of the run's ZeRO-3-style sharding (``None``: DeepSpeed's)."""
+        return FSDP.get(self.framework)
 
 
 @dataclass(frozen=True)
@@ -114,6 +137,11 @@ def load_runs(path: Path = DATA) -> list[Run]:
             published = narayanan_tokens(r["tflops_per_gpu"], dims, r["seq"])
         else:
             published = float(r["tokens_per_s_per_gpu"])
+        if r.get("framework") not in FRAMEWORKS:
+            raise ValueError(
+                f"calibration run {r['id']}: framework {r.get('framework')!r}; give one of "
+                f"{', '.join(FRAMEWORKS)}"
+            )
         keys = ("id", "source", "table", "model", "device", "gpu_mem", "seq", "gpus", "layout")
         out.append(
             Run(
@@ -121,7 +149,9 @@ def load_runs(path: Path = DATA) -> list[Run]:
                 dims=dims,
                 published=published,
                 split=r["split"],
+                framework=r["framework"],
                 global_batch=r.get("global_batch", 0),
+                flash_attention=r.get("flash_attention", True),
             )
         )
     return out
@@ -220,7 +250,8 @@ def predict(run: Run, k: Constants | None = None) -> Prediction:
         problem = layout_problem(cfg, c, run.gpus, dev.gpus_per_node)
         if problem:
             raise ValueError(f"calibration run {run.id}: {problem}")
-        picks.append(evaluate(cfg, c, dev, float("inf")))
+        pick = evaluate(cfg, c, dev, float("inf"), zero3=run.sharding, stand_in=run.stand_in)
+        picks.append(pick)
     fitting = [p for p in picks if p.mem_gib <= run.gpu_mem] or picks
     pick = min(fitting, key=lambda p: p.step_s)
     flops = pick.mfu * run.gpus * dev.peak_flops / pick.tokens_per_s

@@ -9,6 +9,9 @@ work without touching that schedule, through documented PyTorch hooks on the sta
   reaching its input, or, on the first stage, whose input is token ids, to the embedding
   weight's gradient being accumulated (the last step of that stage's backward).
 
+A runtime that calls each pass itself (the virtual-stage schedules: several chunks per rank, a
+separate weight-gradient pass) times them with :meth:`StageClock.span` instead of the hooks.
+
 Only passes with gradients enabled count (evaluation is not training compute). Typical use::
 
     clock = StageClock()
@@ -20,8 +23,9 @@ Only passes with gradients enabled count (evaluation is not training compute). T
 
 from __future__ import annotations
 
+import contextlib
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -58,10 +62,12 @@ class StageClock:
         return self
 
     def timed(self, loss_fn: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
-        """``loss_fn`` with its time added to the forward pass it follows."""
+        """``loss_fn`` with its time added to the forward pass it follows (a loss before any
+        pass, such as the one torch's pipeline schedules compute to infer shapes, is not
+        timed)."""
 
         def run(*args: Any) -> torch.Tensor:
-            if not torch.is_grad_enabled():
+            if not torch.is_grad_enabled() or not self.passes:
                 return loss_fn(*args)
             t0 = self._now()
             loss = loss_fn(*args)
@@ -70,6 +76,13 @@ class StageClock:
             return loss
 
         return run
+
+    @contextlib.contextmanager
+    def span(self, kind: str) -> Iterator[None]:
+        """Time the work inside as one ``kind`` pass ("forward" or "backward")."""
+        t0 = self._now()
+        yield
+        self.passes.append((kind, self._now() - t0))
 
     def take(self) -> float:
         """Milliseconds of the passes since the last call."""

@@ -76,6 +76,11 @@ Memory of stage ``j`` under 1F1B with ``M`` micro-batches (stage ``j`` of ``P`` 
   bucket), and the stage adds DeepSpeed's own buffers, the gathered weights and the optimizer
   step's temporaries (:func:`zero3_stage_bytes`, the steady state from the third step; within
   2.9 % of measured ranks at three 760M-derived shapes, docs/BENCHMARKS.md).
+
+A published run of another code base (the calibration's) is costed as the planner's transformer
+at its shape, with what that model lacks (:class:`StandIn`: a GeLU MLP's activations, a tied
+head, attention without flash attention) and, for PyTorch FSDP, FSDP's model state and gathered
+weights in place of ZeRO-3's (:class:`Fsdp`).
 """
 
 from __future__ import annotations
@@ -107,7 +112,7 @@ def gpu_efficiency(dense: float, core: float) -> dict[str, float]:
 #: Efficiencies and overlap tax of the GPU presets, fitted on the fitting runs of the
 #: calibration set (published measured runs: tapered_megatron/planning/calibration_runs.yaml,
 #: ``python -m tapered_megatron.plan --calibrate --fit``); the held-out runs score them.
-H100_EFFICIENCY = gpu_efficiency(0.68, 0.18)
+H100_EFFICIENCY = gpu_efficiency(0.66, 0.18)
 A100_EFFICIENCY = gpu_efficiency(0.76, 0.38)
 GPU_OVERLAP_TAX = 0.35
 GPU_ACT_TRAFFIC = 2.25
@@ -272,8 +277,41 @@ class Zero3:
 
 
 @dataclass(frozen=True)
+class Fsdp:
+    """PyTorch FSDP ``FULL_SHARD`` in place of DeepSpeed's ZeRO-3 (a published run of another
+    code base, :mod:`~tapered_megatron.planning.calibration`; the planner's own layouts are
+    DeepSpeed runs): every block a unit (llm-foundry's ``_fsdp_wrap_fn`` wraps each
+    ``MPTBlock``, torchtitan each transformer block), the rest (embedding, final norm, head)
+    the root, bf16 ``param_dtype``, the rate limiter on (``limit_all_gathers``: llm-foundry's
+    benchmark script sets it, torch defaults to it; FSDP2, ``fully_shard``, prefetches one unit
+    ahead). Its memory: :func:`fsdp_bytes_per_param`, :func:`fsdp_stage_bytes`.
+
+    ``reduce_copy_bytes``: bytes per parameter of the reduce-scatter input FSDP makes from a
+    unit's gradients while they exist: FSDP2 copies them into a new flat buffer of the reduce
+    dtype (``foreach_reduce``; torchtitan reduces in fp32: 4); FSDP1 reduce-scatters the flat
+    gradient itself, in bf16 under llm-foundry's ``mixed_precision: PURE`` (0)."""
+
+    reduce_copy_bytes: int = 0
+
+
+@dataclass(frozen=True)
+class StandIn:
+    """How a published run's model differs from the planner's transformer that stands in for
+    it (:mod:`~tapered_megatron.planning.calibration`): ``gelu_expansion`` > 0, an MLP of two
+    matrices of ``gelu_expansion x d_model`` with a GeLU between (GPT, MPT) where the stand-in
+    has SwiGLU's three of the same parameters and FLOPs (:func:`gelu_mlp_act_bytes`);
+    ``tied_head``, the head's weight is the embedding's; ``flash_attention`` false, attention
+    that materialises its score matrix (:func:`materialised_scores_bytes`)."""
+
+    gelu_expansion: int = 0
+    tied_head: bool = False
+    flash_attention: bool = True
+
+
+@dataclass(frozen=True)
 class RunShape:
-    """How a run executes: everything besides the model that changes cost or memory."""
+    """How a run executes: everything besides the model that changes cost or memory (and,
+    for a published run, how its model differs from the stand-in: ``stand_in``)."""
 
     micro_batch_size: int = 1
     seq_len: int = 2048
@@ -285,7 +323,8 @@ class RunShape:
     recompute: str = "none"  # train.recompute: none | selective | full
     sequence_parallel: bool = False  # parallel.sequence_parallel (with tp > 1)
     pipeline: bool = True  # DeepSpeed PipelineEngine (bf16 -> BF16_Optimizer fp32 grad buffer)
-    zero3: Zero3 = Zero3()  # DeepSpeed's ZeRO-3 buffer sizes (zero_stage 3 only)
+    zero3: Zero3 | Fsdp = Zero3()  # DeepSpeed's ZeRO-3 buffer sizes, or FSDP (zero_stage 3)
+    stand_in: StandIn = StandIn()
 
     @property
     def tokens(self) -> int:
@@ -402,6 +441,42 @@ def forward_time(c: Counts, tokens: float, device: Device, eff: float, core_eff:
     return (dense / device.peak_flops + traffic) * tokens
 
 
+def gelu_mlp_act_bytes(d_model: int, expansion: int, elem: int) -> float:
+    """Bytes per token a GeLU MLP of ``expansion x d_model`` saves for backward: its input, the
+    first matrix's output (GeLU's input) and GeLU's output (the second matrix's input)
+    (Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer
+    Models", section 4.1; no dropout)."""
+    return float((1 + 2 * expansion) * d_model * elem)
+
+
+def materialised_scores_bytes(cfg: Config, elem: int) -> float:
+    """Bytes per token and layer an attention without flash attention saves of its score
+    matrix (``heads x seq_len`` per token): the softmax output and the attention dropout's
+    output in the activation dtype and the dropout mask, one byte each (Korthikanti et al.
+    2022, section 4.1: ``5 a s`` in 16 bits)."""
+    return float(cfg.model.heads * cfg.model.seq_len * (2 * elem + 1))
+
+
+def stand_in_counts(u: Unit, shape: RunShape, elem: int) -> Counts:
+    """``u``'s counts for the run the planner's model stands in for (:class:`StandIn`): a GeLU
+    MLP's saved bytes for SwiGLU's; the materialised scores in a block's saved bytes (freed by
+    selective recompute, as in Megatron-LM); a tied head without weights of its own outside
+    a pipeline (under one, Megatron-LM's last stage holds a copy of the embedding)."""
+    from tapered_megatron.models import blocks
+
+    c, s, layer = u.counts(elem), shape.stand_in, u.kind in ("layer", "mixer", "mlp")
+    if u.kind == "head" and s.tied_head and not shape.pipeline:
+        c = replace(c, params=whole_params(u))
+    if s.gelu_expansion and layer and u.kind != "mixer":
+        swiglu = blocks(u.cfg.model.arch).mlp.counts(u.cfg, u.layer, elem).act_bytes
+        gelu = gelu_mlp_act_bytes(u.cfg.model.d_model, s.gelu_expansion, elem)
+        c = replace(c, act_bytes=c.act_bytes - swiglu + gelu)
+    if not s.flash_attention and layer and u.kind != "mlp":
+        scores = materialised_scores_bytes(u.cfg, elem)
+        c = replace(c, act_bytes=c.act_bytes + scores, core_bytes=c.core_bytes + scores)
+    return c
+
+
 def whole_sequence_halves(arch: Blocks, kind: str) -> int:
     """Halves of a unit of ``kind`` of an architecture (its modules ``arch``) whose module
     runs on the whole sequence under sequence parallelism (the block gathers its input and keeps
@@ -435,7 +510,10 @@ def unit_costs(
     table = units(cfg, unit)
     first = arch.first_pass_config(cfg)  # a first pass's forward (Hope's teach signal)
     first_units = [None] * len(table) if first is None else units(first, unit)
-    bpp = bytes_per_param(shape.precision, shape.zero_stage, shape.dp, shape.pipeline)
+    if isinstance(shape.zero3, Fsdp) and shape.zero_stage >= 3:
+        bpp = fsdp_bytes_per_param(shape.dp)
+    else:
+        bpp = bytes_per_param(shape.precision, shape.zero_stage, shape.dp, shape.pipeline)
     # a bf16 pipeline holds no gradient of the model's dtype: each is moved as it is made
     grads_moved = shape.pipeline and shape.precision == "bf16"
     tok = shape.tokens
@@ -447,7 +525,7 @@ def unit_costs(
     sp = shape.sequence_parallel and shape.tp > 1
     out = []
     for i, (u, f) in enumerate(zip(table, first_units, strict=True)):
-        c = u.counts(elem)
+        c = stand_in_counts(u, shape, elem)
         local = tp_local_params(c, cfg, shape.tp, whole_params(u))
         act_bytes = c.act_bytes if measured_act is None else float(measured_act[i])
         input_bytes = u.input_bytes(elem)
@@ -460,7 +538,9 @@ def unit_costs(
             t = float(measured_times[i])
         else:
             base = device.efficiency[u.kind]
-            core_eff = device.efficiency.get("core", base) * eff / base
+            # without flash attention the scores are batched matrix products like the rest
+            core = "core" if shape.stand_in.flash_attention else u.kind
+            core_eff = device.efficiency.get(core, base) * eff / base
             fwd = forward_time(c, tok / shape.tp, device, eff, core_eff)
             t = passes * (fwd + launch_time(device, u.kind))
             if shape.recompute == "selective":
@@ -621,6 +701,8 @@ def zero3_stage_bytes(
     Model state (fp32 master, Adam moments, the gradient partitions in the gradient-accumulation
     dtype: fp32 in the shipped and planned configs) is :func:`bytes_per_param`'s.
     """
+    if isinstance(shape.zero3, Fsdp):
+        return fsdp_stage_bytes(costs, shape)
     elem = activation_scale(shape.precision)
     params = [c.local_params for c in costs]
     total = sum(params)
@@ -647,6 +729,42 @@ def zero3_held_bytes(params: Sequence[float], shape: RunShape, device: Device) -
     total = sum(params)
     bucket = min(z.reduce_bucket_size, total) if device.lazy_pages else z.reduce_bucket_size
     return (bucket + (params[0] if params else 0.0)) * activation_scale(shape.precision)
+
+
+def fsdp_bytes_per_param(dp: int) -> float:
+    """Model-state bytes per parameter of FSDP ``FULL_SHARD``, all sharded over ``dp``: the
+    flat parameter in the model's dtype, fp32 (mixed precision casts a ``param_dtype`` copy for
+    each all-gather), its gradient cast back to that dtype after the reduce-scatter (torch's
+    ``_cast_grad_to_param_dtype``, for the optimizer step to run in it) and Adam's two fp32
+    moments: ``16 / dp``. DeepSpeed's bf16 ZeRO-3 holds a bf16 partition
+    beside its fp32 master: ``18 / dp`` (:func:`bytes_per_param`)."""
+    return 16.0 / dp
+
+
+def fsdp_stage_bytes(costs: Sequence[UnitCost], shape: RunShape) -> float:
+    """Per-rank bytes of an FSDP ``FULL_SHARD`` run besides ``static + act + max(peak)`` of its
+    units (whose ``peak`` holds the unit's unsharded gradient until its reduce-scatter, as
+    under ZeRO-3): the gathered weights, in ``param_dtype``.
+
+    * the root's (embedding, final norm, an untied head) stay gathered from its forward to
+      the end of backward: torch's ``_post_forward_reshard`` frees no root parameters after
+      forward under ``FULL_SHARD``;
+    * of the blocks at most two at once, the one computing and the next, whose all-gather is
+      prefetched: ``limit_all_gathers`` holds the CPU thread back until then (the rate
+      limiter of torch's ``FullyShardedDataParallel``); each is freed after its forward and
+      after its backward.
+
+    * the reduce-scatter input beside a block's gradients (:attr:`Fsdp.reduce_copy_bytes`).
+
+    FSDP has no reduce bucket, and its optimizer step runs per parameter or flat shard
+    (Composer's ``DecoupledAdamW`` loops over tensors; torchtitan's fused AdamW), one tensor's
+    temporaries at a time, far below this forward/backward working set."""
+    elem = activation_scale(shape.precision)
+    root = sum(c.local_params for c in costs if c.kind in ("embedding", "head"))
+    layers = sorted((c.local_params for c in costs if c.layer is not None), reverse=True)
+    copy_bytes = shape.zero3.reduce_copy_bytes if isinstance(shape.zero3, Fsdp) else 0
+    reduce_copy = layers[0] * copy_bytes if layers else 0.0
+    return (root + sum(layers[:2])) * elem + reduce_copy
 
 
 def model_unit_costs(

@@ -23,7 +23,8 @@ For each it
    under ZeRO-3; over NVLink when the DP group fits in a node, else over the network ports of
    the group's GPUs on each node (:func:`tapered_megatron.planning.cost.dp_bandwidth`); without
    pipeline, ZeRO-1/2/3 overlap the reduce with backward (``overlap_comm``) but for the last
-   bucket, the pipeline engine and ZeRO-0 overlap nothing; what is hidden still slows the
+   bucket, pipelines (DeepSpeed's 1F1B engine and the virtual-stage runtime, which both reduce
+   after their schedule) and ZeRO-0 overlap nothing; what is hidden still slows the
    compute by the device's ``overlap_tax``) and the optimizer step (memory-bound, the model
    state read and written once),
 4. reports MFU = model FLOPs (3 x forward FLOPs per token from the counters, recompute excluded) /
@@ -164,12 +165,15 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def evaluate(cfg: Config, c: Candidate, dev: costlib.Device, cap: float) -> Candidate | str:
+def evaluate(
+    cfg: Config, c: Candidate, dev: costlib.Device, cap: float, **run: Any
+) -> Candidate | str:
     """Predict one candidate; returns the filled candidate or the reason it is rejected.
 
     The stages come from :func:`tapered_megatron.planning.balance.analyse`, the call the
     trainer's balancer makes, so a run launched with this candidate's overrides on the same
-    device and memory cap gets these boundaries.
+    device and memory cap gets these boundaries. ``run``: further keywords of that call
+    (``zero3``, ``stand_in``: a published run of another code base, the calibration's).
     """
     m = cfg.model
     layout = dict(
@@ -182,6 +186,7 @@ def evaluate(cfg: Config, c: Candidate, dev: costlib.Device, cap: float) -> Cand
         sequence_parallel=c.sequence_parallel,
         micro_batch_size=c.micro_batch_size,
         methods=("balancer",),
+        **run,
     )
     elem = costlib.activation_scale(dev.precision)
     try:
@@ -307,6 +312,10 @@ SCHEDULE_OPTIONS = (
 )
 
 
+#: How a virtual-stage schedule's DP communication runs (``Candidate.dp_comm``).
+VIRTUAL_DP_COMM = "not overlapped (the virtual-stage runtime reduces after its schedule)"
+
+
 def with_schedule(
     cfg: Config, c: Candidate, dev: costlib.Device, cap: float, schedule: str, v: int
 ) -> Candidate | str:
@@ -314,7 +323,10 @@ def with_schedule(
     it cannot run or fit. Its pipeline time is the replayed makespan of the schedule's own
     order with pipeline sends (``1f1b``: ``c``'s stages; otherwise the virtual-stage
     balancer's cut), its memory the worst rank's with the schedule's activations in flight;
-    the rest of ``c``'s step (DP communication, optimizer) stays."""
+    the rest of ``c``'s step (DP communication, optimizer) stays: the virtual-stage runtime
+    reduces the gradients after its schedule as DeepSpeed's 1F1B engine does
+    (:meth:`~tapered_megatron.parallel.schedules.VirtualPipeline.reduce_gradients`), so the
+    DP communication stays exposed."""
     from tapered_megatron.planning.balance import chunk_setup
     from tapered_megatron.planning.chunks import balance_chunks, evaluate_chunks
     from tapered_megatron.planning.schedule import SPLIT_BACKWARD
@@ -353,6 +365,7 @@ def with_schedule(
             "pipeline_s": pipe_s,
             "bubble_and_imbalance_s": pipe_s - c.breakdown["compute_ideal_s"],
         },
+        dp_comm=c.dp_comm if schedule == "1f1b" or c.dp == 1 else VIRTUAL_DP_COMM,
     )
 
 

@@ -1,7 +1,8 @@
 """Fault-injection hooks for tests: switched on only by environment variables, inert otherwise.
 
 * ``$TAPERED_MEGATRON_INJECT_NAN`` ("3", "3,5", "4-9"): the trainer gives those iterations a NaN
-  loss on rank 0 (:func:`injected_nan_iterations`; not under pipeline parallelism).
+  loss on rank 0 (:func:`injected_nan_iterations`; under a virtual-stage pipeline schedule on the
+  rank of the last chunk; not under DeepSpeed's 1F1B pipeline engine).
 * ``$TAPERED_MEGATRON_CRASH_IN_SAVE`` = a point name: the save kills rank 0 at that point
   (:func:`crash_point`), as a machine failure mid-save would.
 """

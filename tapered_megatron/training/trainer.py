@@ -39,7 +39,7 @@ from tapered_megatron.models import (
     lm_loss,
     take_diagnostics,
 )
-from tapered_megatron.parallel.norms import computes_grad_norm, grad_norm
+from tapered_megatron.parallel.norms import clip_in_step, computes_grad_norm, grad_norm, own_clip
 from tapered_megatron.planning.clock import StageClock
 from tapered_megatron.training import optim
 from tapered_megatron.training.alignment import AlignmentProbe
@@ -67,7 +67,8 @@ class Trainer:
         # parallel.schedule other than 1f1b: torch.distributed.pipelining over this rank's chunks
         self.virtual: Any = None
         one_f_one_b = self.pipeline and cfg.parallel.schedule == "1f1b"
-        self.clock = StageClock() if one_f_one_b else None  # per-stage compute time
+        # per-stage compute time (a virtual schedule's: per pipeline rank, all its chunks)
+        self.clock = StageClock() if self.pipeline else None
 
         self.train_ds, self.valid_ds = self._build_data()
         self.extra_ds = self._build_extra_data()
@@ -213,7 +214,11 @@ class Trainer:
 
         cfg, ds = self.cfg, self.ds_config
         self.virtual = VirtualPipeline(
-            cfg, ds, self.layout.grad_accum, lambda model: optimizer_kwargs(cfg, ds, model)
+            cfg,
+            ds,
+            self.layout.grad_accum,
+            lambda model: optimizer_kwargs(cfg, ds, model),
+            clock=self.clock,
         )
         optim.undo_priming_step(self.virtual.engine)
         optim.skip_nonfinite_steps(self.virtual.engine)
@@ -266,15 +271,18 @@ class Trainer:
     ) -> tuple[float, float | None]:
         """One global batch; returns the mean loss and (when ``want_norm``) the gradient norm.
 
-        Iteration ``it`` listed in ``$TAPERED_MEGATRON_INJECT_NAN`` gets a NaN loss on rank 0
-        (a fault-injection hook for tests; not supported under pipeline parallelism)."""
+        Iteration ``it`` listed in ``$TAPERED_MEGATRON_INJECT_NAN`` gets a NaN loss on rank 0,
+        under a virtual-stage schedule in its first micro-batch on the first replica's rank of
+        the last chunk (a fault-injection hook for tests; not supported under DeepSpeed's 1F1B
+        engine)."""
         eng = self.engine
         if self.virtual is not None:
-            loss = self.virtual.train_batch(batches)
+            loss = self.virtual.train_batch(batches, nan_loss=it in self.nan_iters)
             return loss, self.virtual.last_grad_norm if want_norm else None
-        if self.pipeline:
+        if self.pipeline:  # every pipeline engine keeps its norm (norms.clip_in_step at fp32)
             loss = float(eng.train_batch(batches))
-            return loss, grad_norm(eng) if want_norm else None
+            norm = eng.get_global_grad_norm() if want_norm else None
+            return loss, None if norm is None else float(norm)
         total = torch.zeros((), dtype=torch.float64, device=self.device)
         norm = None
         scale = loss_scale_to_apply(eng)  # read before the step may change it
@@ -497,10 +505,14 @@ def build_engine(
     ``parallel.pp > 1`` this rank's pipeline stage from our balancer, timed by ``clock``; else
     the single model, built partitioned under ZeRO-3), the trainer's optimizer and schedule
     unless the ds_config names its own, ``deepspeed.initialize``, the 16-bit optimizers'
-    priming step taken back and non-finite steps skipped. Call after
+    priming step taken back and non-finite steps skipped; a pipeline at fp32 ZeRO-0 clips by
+    the exact global norm itself (:func:`~tapered_megatron.parallel.norms.clip_in_step`). Call after
     :func:`parallel.init_model_parallel` and :func:`parallel.model_parallel_seed`."""
     pipeline = layout.pp > 1
     mpu = parallel.topology if not pipeline and layout.tp > 1 else None
+    clip = own_clip(ds_config) if pipeline else None  # fp32 ZeRO-0: exact clipping is ours
+    if clip is not None:
+        ds_config = {**ds_config, "gradient_clipping": 0.0}
     if pipeline:
         model = _pipeline_module(cfg, layout, clock)
     else:
@@ -522,6 +534,8 @@ def build_engine(
         clock.attach(engine.module)
     optim.undo_priming_step(engine)
     optim.skip_nonfinite_steps(engine)
+    if clip is not None:
+        clip_in_step(engine, clip, engine.mpu.get_model_parallel_group())
     return engine
 
 
