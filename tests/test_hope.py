@@ -370,3 +370,30 @@ def test_bf16_autocast_updates_match_fp64_at_4096():
     effect = ((high - static).norm() / high.norm()).item()
     print(f"hope bf16 autocast vs fp64 at {seq}: {err:.4f}; the updates' effect {effect:.4f}")
     assert err <= 0.01 and effect > 2 * err
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cms_keeps_what_its_counts_say(dtype, monkeypatch):
+    """On real tensors over several fold windows, the bytes a CMS slot's forward leaves alive
+    for backward (its output and the weights excepted) are its counted activations within 5 %:
+    no copy of the earlier windows' factors, no wider copy of a bf16 weight."""
+    from tapered_megatron.models.hope import modules
+    from tapered_megatron.planning.fake_world import LiveBytes
+
+    monkeypatch.setattr(modules, "fold_window", lambda d, h, c, seq: 32)
+    cfg = tiny_cfg(
+        "hope_attention",
+        *("--model.d_model", "64", "--model.d_ff", "192", "--model.seq_len", "128"),
+        *("--taper.schedule", "uniform", "--model.hope.periods", "0", "16", "8"),
+    )
+    cms = build_model(cfg).layers[0].mlp.to(dtype)
+    u = torch.randn(2, 128, 64, generator=torch.Generator().manual_seed(1)).to(dtype)
+    live = LiveBytes()
+    with live:
+        live.log = []
+        y = cms(u.requires_grad_())
+    weights = {id(p.untyped_storage()) for p in cms.parameters()}
+    made = [(r, n) for r, n in live.log if r() is not y.untyped_storage()]
+    kept = LiveBytes.alive([(r, n) for r, n in made if id(r()) not in weights])
+    counted = ContinuumMemory.counts(cfg, 0, dtype.itemsize).act_bytes * u.shape[:2].numel()
+    assert kept == pytest.approx(counted, rel=0.05)

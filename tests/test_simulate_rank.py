@@ -23,30 +23,32 @@ REDUCED = [
     "--model.titans.chunk_size", "64", "--model.titans.window", "64",
 ]  # fmt: skip
 H100 = costlib.get_device("h100")
-#: The cost model's bound on the peak is conservative: it charges every unit's gradients and
-#: all activations next to the backward transient of the largest unit (two units' worth under
-#: full recompute), which never coexist. With two layers that is up to 20 % (titans), at the
-#: 7B/30B presets a few percent (the slow tests).
-PEAK_SLACK = 0.25
-#: Where the simulation shows the cost model short and the cause is in the model code, not in
-#: the cost model: hope_attention keeps more per block than its counts (6.3 % here).
-KNOWN = {"hope_attention": {"block_act": 0.07}}
-#: The pipeline engine's buffers are counted at the most a stage holds (the last stage's
-#: pattern, 3 max(2, min(P, M)) + 1 residual-stream tensors); a first stage holds almost none:
-#: its model state is over-predicted (7B pp8: 8.7 %).
-FIRST_STAGE = {"model_state": 0.09}
+#: How far below the prediction each reduced case's simulated peak lies, at most (measured
+#: 5.5 %, 8.2 %, 19.9 %, 19.2 %; pipeline stages 14.6 % and 4.8 %). The cost model's peak is a
+#: bound: it charges every unit's activations and gradients next to the largest unit's backward
+#: transient, taken as the size of what that unit saved (two units' worth under full
+#: recompute; plus its bf16 weight gradient on a pipeline stage). With two layers that
+#: transient is a large share of the peak; how much of it really coexists with the rest (the
+#: order in which each architecture's backward frees its activations) is not modelled. At the
+#: 7B and 30B presets the bound is within 5 % (the slow tests).
+PEAK_SLACK = {
+    "transformer": 0.07,
+    "gated_attention": 0.10,
+    "titans": 0.21,
+    "hope_attention": 0.21,
+    "pipeline stage 0": 0.16,
+    "pipeline stage 1": 0.06,
+}
 
 
-def check(sim, arch: str = "", peak_slack: float = PEAK_SLACK, known: dict | None = None) -> None:
+def check(sim, peak_slack: float) -> None:
     """The issue's targets: parameters exact, model state within 1 %, per-block activations
-    within 5 %, the peak never above the prediction (and within ``peak_slack``); ``known``
-    (and :data:`KNOWN` for ``arch``) widen a tolerance where a gap is known."""
+    within 5 %, the peak never above the prediction (and within ``peak_slack``)."""
     err = sim.errors()
-    tol = {"model_state": 0.01, "block_act": 0.05, **KNOWN.get(arch, {}), **(known or {})}
     assert sim.simulated.params == sim.predicted.params, err
-    assert abs(err["model_state"]) <= tol["model_state"], err
+    assert abs(err["model_state"]) <= 0.01, err
     assert len(sim.simulated.block_act) == len(sim.predicted.block_act)
-    assert abs(err["block_act"]) <= tol["block_act"], (sim.predicted, sim.simulated)
+    assert abs(err["block_act"]) <= 0.05, (sim.predicted, sim.simulated)
     assert -peak_slack <= err["peak"] <= 1e-4, err  # 1e-4: RNG states, a loss scalar
 
 
@@ -62,16 +64,19 @@ def check(sim, arch: str = "", peak_slack: float = PEAK_SLACK, known: dict | Non
 def test_reduced_rank_matches_plan(arch, recompute):
     """Rank 1 of tp2 x dp2 under ZeRO-1 (DeepSpeed's BF16_Optimizer)."""
     cfg = load_config("quickstart", for_arch(arch, REDUCED))
-    check(simulate(cfg, Candidate(2, 1, 2, 1, 4, 1, recompute, "layer"), H100, rank=1), arch)
+    sim = simulate(cfg, Candidate(2, 1, 2, 1, 4, 1, recompute, "layer"), H100, rank=1)
+    check(sim, PEAK_SLACK[arch])
 
 
-def test_reduced_pipeline_stage_matches_plan():
-    """Stage 1 of pp2 x dp2 under the pipeline engine (its BF16_Optimizer holds no bf16
-    gradients), two micro-batches, full recompute."""
+@pytest.mark.parametrize("stage", [0, 1])
+def test_reduced_pipeline_stage_matches_plan(stage):
+    """Each stage of pp2 x dp2 under the pipeline engine (its BF16_Optimizer holds no bf16
+    gradients; the first stage keeps only the engine's gradient receive buffer between steps),
+    two micro-batches, full recompute."""
     cfg = load_config("quickstart", for_arch("transformer", REDUCED))
-    sim = simulate(cfg, Candidate(1, 2, 2, 1, 4, 2, "full", "layer"), H100, rank=2)
-    assert sim.stage == 1
-    check(sim)
+    sim = simulate(cfg, Candidate(1, 2, 2, 1, 4, 2, "full", "layer"), H100, rank=2 * stage)
+    assert sim.stage == stage
+    check(sim, PEAK_SLACK[f"pipeline stage {stage}"])
 
 
 def _planned(config: str, gpus: int, pipeline: bool) -> Candidate:
@@ -90,22 +95,28 @@ def _planned(config: str, gpus: int, pipeline: bool) -> Candidate:
         ("transformer_7b", 64, False),
         ("transformer_7b", 64, True),
         ("transformer_30b", 256, False),
-        pytest.param(
-            "transformer_30b", 256, True,
-            marks=pytest.mark.xfail(
-                strict=True,
-                reason="tp8 sp pp4 dp8 gas16 sub-layer: the first stage peaks 1.4 % above the "
-                "prediction (not yet explained)",
-            ),
-        ),
+        ("transformer_30b", 256, True),
     ],
-)  # fmt: skip
+)
 def test_preset_rank_matches_plan(config, gpus, pipeline):
     """Rank 0 (the first pipeline stage: the most micro-batches in flight) of the planner's
     layout for a 7B and a 30B preset: the issue's targets with the peak within 5 %."""
     c = _planned(config, gpus, pipeline)
     sim = simulate(load_config(config), c, H100, 0, 0.9 * 80 * costlib.GiB)
-    check(sim, peak_slack=0.05, known=FIRST_STAGE if pipeline else None)
+    check(sim, peak_slack=0.05)
+
+
+@pytest.mark.slow
+@pytest.mark.xfail(
+    strict=True,
+    reason="stage 0 peaks 0.6 % above the prediction: under tp8 sp its blocks keep up to 3.9 % "
+    "more than counted, and four micro-batches of them are in flight (not yet explained)",
+)
+def test_deep_tp_pipeline_stage_matches_plan():
+    """Stage 0 of a 30B layout the planner picked before its calibration, tp8 sp pp4 dp8."""
+    c = parse_layout("tp8 sp pp4 dp8 zero1 mbs1 gas16 rc-none sublayer")
+    sim = simulate(load_config("transformer_30b"), c, H100, 0, 0.9 * 80 * costlib.GiB)
+    check(sim, peak_slack=0.05)
 
 
 def test_layout_labels_parse_back():

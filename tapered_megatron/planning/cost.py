@@ -514,6 +514,8 @@ def unit_costs(
         bpp = fsdp_bytes_per_param(shape.dp)
     else:
         bpp = bytes_per_param(shape.precision, shape.zero_stage, shape.dp, shape.pipeline)
+    # a bf16 pipeline holds no gradient of the model's dtype: each is moved as it is made
+    grads_moved = shape.pipeline and shape.precision == "bf16"
     tok = shape.tokens
     elem = activation_scale(shape.precision)
     recompute_kinds = ("layer", "mixer", "mlp")
@@ -573,10 +575,11 @@ def unit_costs(
             # and works through one chunk of fp32 logits (at most CHUNK_BYTES) at a time.
             act += 4.0 * vocab_local * cfg.model.d_model
             peak = min(float(CHUNK_BYTES), 4.0 * vocab_local * tok)
-        if shape.zero_stage >= 3 and u.kind != "head":
+        if (shape.zero_stage >= 3 or grads_moved) and u.kind != "head":
             # Under ZeRO-3 autograd makes the unit's full gradient before DeepSpeed copies it
-            # into the reduce bucket (the head's fp32 one is already in ``act``); its gathered
-            # weights are counted for the stage (zero3_stage_bytes).
+            # into the reduce bucket, and a bf16 pipeline's before BF16_Optimizer's hooks move
+            # it into the fp32 buffer (the head's fp32 one is already in ``act``); ZeRO-3's
+            # gathered weights are counted for the stage (zero3_stage_bytes).
             peak += local * elem
         # buffers keep their dtype (fp32), but zero.Init casts them to the model's
         buffers = buffer_bytes(u) * (elem / 4 if shape.zero_stage >= 3 else 1)
@@ -599,15 +602,32 @@ def unit_costs(
 
 
 def pipeline_buffer_bytes(cfg: Config, shape: RunShape, stages: int) -> float:
-    """Bytes of DeepSpeed's pipeline engine's buffers on a stage, kept from step to step: for
-    each of its ``max(2, min(P - j, M))`` pipe buffers the received input, the output and the
-    output's copy it sends, and one gradient buffer; each one micro-batch's residual stream (a
-    sequence shard under sequence parallelism). Counted at the first stage's buffer count, the
-    most of any stage."""
-    sp = shape.tp if shape.sequence_parallel and shape.tp > 1 else 1
+    """Bytes of DeepSpeed's pipeline engine's buffers on a stage during a step: for each of its
+    ``max(2, min(P - j, M))`` pipe buffers the received input, the output and the output's copy
+    it sends, and one gradient buffer; each one micro-batch's residual stream
+    (:func:`residual_bytes`). Counted at the first stage's buffer count, the most of any
+    stage."""
     tensors = 3 * max(2, min(stages, shape.micro_batches)) + 1
-    elem = activation_scale(shape.precision)
-    return tensors * shape.tokens * cfg.model.d_model * elem / sp
+    return tensors * residual_bytes(cfg, shape)
+
+
+def pipeline_held_bytes(cfg: Config, shape: RunShape, stages: int, stage: int) -> float:
+    """Bytes of the pipeline engine's buffers stage ``stage`` of ``stages`` still holds when the
+    optimizer step begins. The first stage receives no activations and each micro-batch's
+    backward releases its output and the copy it sent: what stays is the gradient receive
+    buffer the engine reuses (``_grad_layer_buf``), one residual stream. A later stage keeps
+    received inputs and its outputs' buffers (the last stage: the loss outputs and their
+    graph's stash) up to :func:`pipeline_buffer_bytes`."""
+    if stage == 0 and stages > 1:
+        return residual_bytes(cfg, shape)
+    return pipeline_buffer_bytes(cfg, shape, stages)
+
+
+def residual_bytes(cfg: Config, shape: RunShape) -> float:
+    """Bytes of one micro-batch's residual stream on one rank (a sequence shard under sequence
+    parallelism): the tensor a pipeline stage sends, receives and gets the gradient of."""
+    sp = shape.tp if shape.sequence_parallel and shape.tp > 1 else 1
+    return shape.tokens * cfg.model.d_model * activation_scale(shape.precision) / sp
 
 
 def zero3_gathered(params: Sequence[float], zero3: Zero3) -> float:

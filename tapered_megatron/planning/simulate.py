@@ -109,7 +109,7 @@ def predicted(
     if c.zero == 3:
         buffers += costlib.zero3_held_bytes([u.local_params for u in units], shape, dev)
     if c.pp > 1:
-        buffers += costlib.pipeline_buffer_bytes(cfg, shape, c.pp)
+        buffers += costlib.pipeline_held_bytes(cfg, shape, c.pp, stage)
     static = sum(u.static for u in units) + buffers
     blocks = [u.act for u in units if u.kind in ("layer", "mixer", "mlp")]
     return Figures(local, static, peak, blocks)

@@ -37,9 +37,11 @@ from tapered_megatron.autocast import autocast_dtype, autocast_off
 from tapered_megatron.models.base import Counts, MLPSlot
 from tapered_megatron.models.hope.window import (
     NORM_EPS,
+    _UpcastLinear,
     _UpdatingWindow,
     _WindowSpec,
     fold_window,
+    held_products,
     window_macs,
 )
 from tapered_megatron.models.mlp import SwiGLU
@@ -157,20 +159,22 @@ class CMSLevel(SwiGLU):
         # in fp32 whatever the autocast dtype (fp64 stays fp64): the per-sequence weights
         # accumulate small updates over thousands of tokens, which bf16 rounds away
         dtype = torch.float64 if u.dtype == torch.float64 else torch.float32
-        ops = (ul, self.w13.weight, self.w2.weight, tgt, r13, r2, x_sq / d)
-        xs, w13, w2, tgt, r13, r2, xsq = (t.to(dtype) for t in ops)
+        xs, tgt, r13, r2, xsq = (t.to(dtype) for t in (ul, tgt, r13, r2, x_sq / d))
+        w2 = self.w2.weight  # cast by the first window (the weights are kept in their dtype)
         out_dtype = autocast_dtype(u) or u.dtype
         window = fold_window(d, w2.shape[-1] * get_tensor_model_parallel_world_size(), c, seq)
         outs, factors = [], []  # the windows' outputs, W_13 factors D
         with autocast_off(u.device):
+            gv_all = _UpcastLinear.apply(xs, self.w13.weight)  # x W_13^T, the whole sequence
             for w0 in range(0, seq, window):
                 # x W_13^T with the earlier windows' W_13 updates in dual form:
-                # x W_13^T - (x X^T) D over the earlier windows' inputs X and factors D
+                # x W_13^T - (x X^T) D over each earlier window's inputs X and factors D (one
+                # product per window: autograd keeps the factors the windows made, no copy)
                 win = slice(w0, w0 + window)
-                gv = xs[:, win] @ w13.mT
-                if w0:
-                    fac_d = factors[0] if len(factors) == 1 else torch.cat(factors, dim=1)
-                    gv = torch.baddbmm(gv, xs[:, win] @ xs[:, :w0].mT, fac_d, alpha=-1)
+                gv = gv_all[:, win]
+                for k, fac_d in enumerate(factors):
+                    held = xs[:, k * window : (k + 1) * window]
+                    gv = torch.baddbmm(gv, xs[:, win] @ held.mT, fac_d, alpha=-1)
                 spec = _WindowSpec(
                     period=c,
                     step_norm=self.step_norm,
@@ -254,26 +258,25 @@ class ContinuumMemory(MLPSlot):
                     # per token: window_macs (e W_2, x X^T, the dual form, the folds) at the
                     # window forward_updating picks, the gates' d MACs. Kept, in fp32 (fp64)
                     # whatever the activation dtype (_UpdatingWindow): the pre-activation, its
-                    # gradient factor and D (2w each), A and E (w each), the materialised
+                    # gradient factor and D (2w each), A and e W_2 (w each), the materialised
                     # per-sequence W_2 (d w per sequence per fold); over d or tokens only, whole
-                    # on every TP rank: the level input's fp32 copy (below fp32), the copies of
-                    # its windows the x W_13^T products keep (when it has several windows), the
-                    # error and its W_2 product (2d), norms and rates (5), the held dual-form
-                    # products (about 2 (L - c) per token in a window of L) and x X^T over
-                    # earlier windows
+                    # on every TP rank: the level input's fp32 copy (below fp32), the error and
+                    # E (2d), norms and rates (5), the windows' dual-form products
+                    # (held_products) and x X^T over earlier windows
                     win = fold_window(d, w, period, s)
                     folds = -(-s // win) - 1
                     macs = window_macs(d, w, period, s, win) + gate
+                    inner = held_products(period, s, win)
                     cross = sum(min(win, s - w0) * w0 for w0 in range(0, s, win)) / s
-                    tokens = 5 + 2 * (min(win, s) - period) + cross
+                    tokens = 5 + inner + cross
                     f = max(4, dtype_bytes)
-                    rep = f * (d * (dtype_bytes < f) + d * (folds > 0) + 2 * d + tokens)
+                    rep = f * (d * (dtype_bytes < f) + 2 * d + tokens)
                     act = d * dtype_bytes + f * (8 * w + folds * d * w / s) + rep
                     whole += rep
                     # selective recompute runs each window again in backward: its inputs (the
                     # window, its pre-activation, W_2, rates, norms) and the factors D later
                     # windows multiply stay; the rest of what it keeps goes
-                    core_whole = f * (2 * d + 2 * (min(win, s) - period))
+                    core_whole = f * (2 * d + inner)
                     core = f * (4 * w + 2 * w / (folds + 1)) + core_whole
                     base = Counts(
                         base.params + gate, base.flops + 2.0 * macs, act,

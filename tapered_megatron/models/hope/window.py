@@ -69,6 +69,20 @@ def window_macs(d: int, h: int, c: int, seq: int, window: int, fold_depth: int =
     return d * h + total / seq
 
 
+def held_products(c: int, seq: int, window: int) -> float:
+    """Elements per token of the dual-form products a window of a level of period ``c`` keeps
+    for backward, over a sequence of ``seq`` in windows of ``window`` tokens: per window of
+    ``n`` tokens ``x X^T`` over its later periods (``(n - c) (P - 1) c``, ``P`` its periods)
+    and, per period ``j > 0``, ``a A^T`` and ``e E^T`` over the ``j c`` held tokens."""
+    total = 0
+    for w0 in range(0, seq, window):
+        n = min(window, seq - w0)
+        periods = -(-n // c)
+        total += max(n - c, 0) * (periods - 1) * c
+        total += sum(2 * min(c, n - j * c) * j * c for j in range(1, periods))
+    return total / seq
+
+
 @dataclass(frozen=True, eq=False)
 class _WindowSpec:
     """What one :class:`_UpdatingWindow` does besides its tensors."""
@@ -120,6 +134,24 @@ def _wgrad(dy: torch.Tensor, x: torch.Tensor, shared: bool) -> torch.Tensor:
     return dy.flatten(0, 1).mT @ x.flatten(0, 1) if shared else dy.mT @ x
 
 
+class _UpcastLinear(torch.autograd.Function):
+    """``x w^T`` with the weight ``w`` cast to ``x``'s dtype for the product, keeping ``w`` in its
+    own dtype for backward, which casts it again (exact), instead of a wider copy per forward."""
+
+    @staticmethod
+    def forward(ctx, x, w):
+        ctx.save_for_backward(x, w)
+        return x @ w.to(x.dtype).mT
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, dy):
+        x, w = ctx.saved_tensors
+        dx = dy @ w.to(dy.dtype) if ctx.needs_input_grad[0] else None
+        dw = _wgrad(dy, x, True) if ctx.needs_input_grad[1] else None
+        return dx, dw
+
+
 class _UpdatingWindow(torch.autograd.Function):
     """One window of :meth:`CMSLevel.forward_updating`: its periods' outputs and, unless it is
     the final window, its ``W_13`` factors ``D`` [B, L, 2h] (later windows apply them in dual
@@ -127,7 +159,8 @@ class _UpdatingWindow(torch.autograd.Function):
 
     Inputs: the window's level inputs ``xw`` [B, L, d], their pre-activations ``gv`` [B, L, 2h]
     under the window-start ``W_13`` (``x W_13^T`` with the earlier windows' updates), the
-    window-start ``w2`` ([d, h] shared or [B, d, h] per sequence), the targets
+    window-start ``w2`` ([d, h] shared, in the parameter's dtype, or [B, d, h] per sequence; kept
+    for backward in its own dtype and cast to the window's again there), the targets
     (association: ``u_{t+1}``; teach: the signal), per-token ``W_13`` / ``W_2`` rates ``r13``,
     ``r2`` [B, L] and ``||x||^2 / d``. The factors live in preallocated window buffers (no
     concatenation); the backward runs the periods in reverse, recomputing the elementwise
@@ -137,7 +170,8 @@ class _UpdatingWindow(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, spec, xw, gv, w2, tgt, r13, r2, xsq):
+    def forward(ctx, spec, xw, gv, w2_own, tgt, r13, r2, xsq):
+        w2 = w2_own.to(xw.dtype)
         bsz, n, d = xw.shape
         h, c = w2.shape[-1], spec.period
         periods = -(-n // c)
@@ -209,7 +243,7 @@ class _UpdatingWindow(torch.autograd.Function):
                 spec.record.append(spec.start + t)
         ctx.spec, ctx.held, ctx.tgt_len = spec, held, tgt.shape[1]
         ctx.save_for_backward(
-            xw, w2, r13, r2, xsq, gv0, dgvs, fac_d, fac_a, fac_e, errs, das, norms, xx
+            xw, w2_own, r13, r2, xsq, gv0, dgvs, fac_d, fac_a, fac_e, errs, das, norms, xx
         )
         if spec.final:
             return out
@@ -222,6 +256,7 @@ class _UpdatingWindow(torch.autograd.Function):
         xw, w2, r13, r2, xsq, gvs, dgv, fac_d, fac_a, fac_e, errs, das, norms, xx = (
             ctx.saved_tensors
         )
+        w2 = w2.to(xw.dtype)  # exact: the forward's cast again
         bsz, n, d = xw.shape
         h, c = w2.shape[-1], spec.period
         periods = -(-n // c)
