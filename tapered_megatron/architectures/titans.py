@@ -35,6 +35,9 @@ class TitansOptions:
     # each token's memory step normalised by the memory's curvature along its error (NLMS,
     # models.titans.scan's step scales) instead of the plain gradient step
     normalized_step: bool = False
+    # truncated backpropagation through the memory: the outer gradient flows back through the
+    # memory state across at most this many chunks (cut at every block of that many); 0: none
+    backprop_chunks: int = at_least(0, 0)
     # initial forgetting half-lives of the first and last head, in windows (log-spaced between)
     forget_half_lives: tuple[float, float] = (0.25, 16.0)
     # the largest step size and momentum: theta = max_step * sigmoid(x W + b), likewise eta
