@@ -313,6 +313,20 @@ def test_truncated_backprop_equals_the_rule_with_its_state_detached(chunk, block
     assert any((a - b).norm() > 1e-6 * a.norm() for a, b in zip(full, cut))
 
 
+def test_memory_module_passes_backprop_chunks_to_the_scan():
+    """``model.titans.backprop_chunks`` reaches the scan: same read-out, other gate gradients."""
+    x = torch.randn(2, 24, tiny_cfg("titans").model.d_model)
+    outs = []
+    for cut in ("0", "2"):
+        mem = NeuralMemory(tiny_cfg("titans", "--model.titans.backprop_chunks", cut))
+        init_parameters(mem, 0)
+        y = mem(x)
+        y.pow(2).sum().backward()
+        outs.append((y.detach(), mem.gates.weight.grad))
+    torch.testing.assert_close(outs[0][0], outs[1][0])
+    assert (outs[0][1] - outs[1][1]).norm() > 1e-6 * outs[0][1].norm()
+
+
 @pytest.mark.parametrize(
     "seq, window, persistent",
     [(32, 8, 0), (32, 8, 3), (29, 5, 1), (24, 8, 0), (32, 32, 0), (20, 32, 2), (16, 1, 0)],

@@ -31,8 +31,9 @@ here: ``||delta a^T|| = ||delta|| ||a||``). The state
 and every product of the scan are fp32 (fp64 for fp64 inputs) whatever the activation dtype:
 the state accumulates small decays and updates over thousands of tokens. The backward
 (:class:`_Scan`) walks the chunks in reverse and carries the state's gradient by hand, which
-saves autograd's bookkeeping of many state-sized tensors; with ``compiled`` each chunk step is
-one compiled graph and the loop stays eager. Design and choices:
+saves autograd's bookkeeping of many state-sized tensors, and with ``backprop_chunks``
+(``model.titans.backprop_chunks``) cuts that gradient at every block of so many chunks; with
+``compiled`` each chunk step is one compiled graph and the loop stays eager. Design and choices:
 docs/memory_architectures.md; timings: docs/BENCHMARKS.md.
 """
 
