@@ -3,6 +3,7 @@ TP=2 vs TP=1, tapered-vs-uniform budget, training on real text."""
 
 from __future__ import annotations
 
+import functools
 import itertools
 import json
 import statistics
@@ -99,7 +100,7 @@ def _mlp(weights: list[torch.Tensor], x: torch.Tensor) -> torch.Tensor:
 
 def token_rule(
     q, k, v, theta, eta, alpha, m, s, chunk: int = 1, max_norm: float = MAX_GRAD_NORM,
-    normalized: bool = False,
+    normalized: bool = False, cut: int = 0, graph: bool = False,
 ):  # fmt: skip
     """The Titans rule written plainly, one token at a time from memory ``m`` and momentum ``s``
     (per layer ``[B, H, out, in]``), gradients by autograd (each token's gradient clipped to
@@ -108,19 +109,23 @@ def token_rule(
     with ``e = M(k) - v``, before the clip). Returns the read-outs and final m, s.
 
     ``chunk > 1``: gradients w.r.t. the weights at the start of each chunk of ``chunk`` tokens
-    (the rule the chunk-parallel form implements), everything else per token.
+    (the rule the chunk-parallel form implements), everything else per token. ``cut``: the
+    state detached before every ``cut``-th token (truncated backpropagation through it).
+    ``graph``: the memory gradients part of autograd's graph (the rule differentiable).
     """
     m_start, ys = m, []
     for t in range(q.shape[2]):
+        if cut and t and t % cut == 0:
+            m, s = [w.detach() for w in m], [x.detach() for x in s]
         if t % chunk == 0:
-            m_start = [w.detach() for w in m]
-        wg = [w.clone().requires_grad_() for w in m_start]
+            m_start = [w if graph else w.detach() for w in m]
+        wg = [w if w.requires_grad else w.clone().requires_grad_() for w in m_start]
         err = _mlp(wg, k[:, :, t]) - v[:, :, t]
-        grads = torch.autograd.grad(err.pow(2).sum(), wg)
+        grads = torch.autograd.grad(err.pow(2).sum(), wg, create_graph=graph)
         norm = torch.sqrt(sum(g.pow(2).sum((-1, -2)) for g in grads))[..., None, None]
         scale = torch.ones_like(norm)
         if normalized:
-            e_sq = err.detach().pow(2).sum(-1)[..., None, None]
+            e_sq = (err if graph else err.detach()).pow(2).sum(-1)[..., None, None]
             scale = e_sq / (2 * (norm**2 / 4 + NLMS_EPS * e_sq))
         if max_norm:
             scale = torch.minimum(scale, max_norm / norm)
@@ -271,6 +276,55 @@ def test_scan_gradients_match_finite_differences(depth, from_state, max_norm, no
     assert torch.autograd.gradcheck(
         scan, inputs, atol=1e-7, rtol=1e-5, fast_mode=depth > 2 or normalized
     )
+
+
+@pytest.mark.parametrize("chunk, blocks, max_norm", [(1, 4, 0.0), (3, 2, 0.0), (2, 3, 0.1)])
+def test_truncated_backprop_equals_the_rule_with_its_state_detached(chunk, blocks, max_norm):
+    """``backprop_chunks``: the forward unchanged, the hand-written backward equal to autograd's
+    through the token-by-token rule with the state detached at every block of that many chunks
+    (normalised step, with and without the clip, a ragged last chunk), and different from the
+    untruncated gradient."""
+    *args, weights = (t if isinstance(t, list) else t.double() for t in _memory_inputs(seq=19))
+    args[2] = args[2] * torch.linspace(0.1, 4.0, 19, dtype=torch.float64)[:, None]
+    inputs = [t.clone().requires_grad_() for t in (*args, *(w.double() for w in weights))]
+    probe = torch.randn_like(args[0])
+
+    def grads(y: torch.Tensor) -> list[torch.Tensor]:
+        return torch.autograd.grad((y * probe).sum(), inputs)
+
+    def scan(horizon: int) -> torch.Tensor:
+        return memory_scan(
+            *inputs[:6], inputs[6:], chunk, max_norm=max_norm, normalized=True,
+            backprop_chunks=horizon,
+        )[0]  # fmt: skip
+
+    got = scan(blocks)
+    m = [w.unsqueeze(0).expand(2, -1, -1, -1) for w in inputs[6:]]
+    s = [torch.zeros_like(w) for w in m]
+    rule = functools.partial(token_rule, *inputs[:6], m, s, chunk, max_norm, True, graph=True)
+    ref = rule(cut=chunk * blocks)[0]
+    torch.testing.assert_close(got, ref, rtol=1e-9, atol=1e-9)
+    cut = grads(got)
+    for a, b in zip(cut, grads(ref)):
+        torch.testing.assert_close(a, b, rtol=1e-7, atol=1e-9)
+    full = grads(scan(0))
+    for a, b in zip(full, grads(rule()[0])):
+        torch.testing.assert_close(a, b, rtol=1e-7, atol=1e-9)
+    assert any((a - b).norm() > 1e-6 * a.norm() for a, b in zip(full, cut))
+
+
+def test_memory_module_passes_backprop_chunks_to_the_scan():
+    """``model.titans.backprop_chunks`` reaches the scan: same read-out, other gate gradients."""
+    x = torch.randn(2, 24, tiny_cfg("titans").model.d_model)
+    outs = []
+    for cut in ("0", "2"):
+        mem = NeuralMemory(tiny_cfg("titans", "--model.titans.backprop_chunks", cut))
+        init_parameters(mem, 0)
+        y = mem(x)
+        y.pow(2).sum().backward()
+        outs.append((y.detach(), mem.gates.weight.grad))
+    torch.testing.assert_close(outs[0][0], outs[1][0])
+    assert (outs[0][1] - outs[1][1]).norm() > 1e-6 * outs[0][1].norm()
 
 
 @pytest.mark.parametrize(

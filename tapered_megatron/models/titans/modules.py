@@ -146,7 +146,7 @@ class NeuralMemory(Recomputed, nn.Module):
         t = cfg.model.titans
         std = cfg.model.init_std
         self.dims, self.chunk_size, self.max_norm = dm, t.chunk_size, t.memory_clip
-        self.normalized_step = t.normalized_step
+        self.normalized_step, self.backprop_chunks = t.normalized_step, t.backprop_chunks
         self.compiled = cfg.train.compile
         self.selective_recompute = cfg.train.recompute == "selective"
         inner = dm.heads * dm.head_dim
@@ -231,6 +231,7 @@ class NeuralMemory(Recomputed, nn.Module):
             y, end = memory_scan(
                 *args[:6], list(self.memory), self.chunk_size, start, self.compiled,
                 tally if len(runs) == 1 else None, self.max_norm, self.normalized_step,
+                self.backprop_chunks,
             )  # fmt: skip
             return (y, *end.layers)
 

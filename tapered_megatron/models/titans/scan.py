@@ -31,8 +31,9 @@ here: ``||delta a^T|| = ||delta|| ||a||``). The state
 and every product of the scan are fp32 (fp64 for fp64 inputs) whatever the activation dtype:
 the state accumulates small decays and updates over thousands of tokens. The backward
 (:class:`_Scan`) walks the chunks in reverse and carries the state's gradient by hand, which
-saves autograd's bookkeeping of many state-sized tensors; with ``compiled`` each chunk step is
-one compiled graph and the loop stays eager. Design and choices:
+saves autograd's bookkeeping of many state-sized tensors, and with ``backprop_chunks``
+(``model.titans.backprop_chunks``) cuts that gradient at every block of so many chunks; with
+``compiled`` each chunk step is one compiled graph and the loop stays eager. Design and choices:
 docs/memory_architectures.md; timings: docs/BENCHMARKS.md.
 """
 
@@ -384,6 +385,7 @@ class _Scan(torch.autograd.Function):
         compiled: bool,
         max_norm: float,
         normalized: bool,
+        horizon: int,
         clipped: list | None,
         *args: torch.Tensor,
     ) -> tuple[torch.Tensor, ...]:
@@ -401,7 +403,7 @@ class _Scan(torch.autograd.Function):
             states.append(new)
         if keep:
             kq, _, _, k_sq, theta, coef, rates, ends, mix = per_chunk
-            ctx.compiled, ctx.rule = compiled, (max_norm, normalized)
+            ctx.compiled, ctx.rule, ctx.horizon = compiled, (max_norm, normalized), horizon
             ctx.sizes = (len(layers), len(saved) // len(ys))
             prior = [t for s in states[:-1] for t in s]
             ctx.save_for_backward(kq, k_sq, theta, coef, rates, ends, mix, *prior, *saved)
@@ -425,12 +427,16 @@ class _Scan(torch.autograd.Function):
                 g_state, g_inputs = bwd(state, *chunks[c], inner, g_y, g_state, *ctx.rule)
                 for acc, g in zip(grads, g_inputs):
                     acc.append(g)
+                if ctx.horizon and c % ctx.horizon == 0 and c:  # a block start: cut here
+                    for g in g_state:
+                        g.zero_()
         first = rest[:depth]
         g_init = [
             g.sum(0, keepdim=True) if s.shape[0] != g.shape[0] else g
             for g, s in zip(g_state, first)
         ]
-        return (None, None, None, None, *(torch.stack(acc[::-1], dim=2) for acc in grads), *g_init)
+        g_inputs = (torch.stack(acc[::-1], dim=2) for acc in grads)
+        return (None, None, None, None, None, *g_inputs, *g_init)
 
 
 _COMPILED: dict[str, object] = {}
@@ -460,6 +466,7 @@ def memory_scan(
     clip_tally: list[torch.Tensor] | None = None,
     max_norm: float = MAX_GRAD_NORM,
     normalized: bool = False,
+    backprop_chunks: int = 0,
 ) -> tuple[torch.Tensor, MemoryState]:
     """Run the Titans memory over a sequence and read it out; chunk-parallel (see module doc).
 
@@ -478,6 +485,10 @@ def memory_scan(
         max_norm: the per-token clip's Frobenius norm (0: no clip).
         normalized: each token's step normalised by the memory's curvature along its error
             (NLMS, :func:`_step_scales`) instead of the plain gradient step.
+        backprop_chunks: where positive, the backward treats the state entering every
+            ``backprop_chunks``-th chunk of this call as a constant (truncated backpropagation
+            through the memory: the forward is unchanged, gradients flow back through at most
+            that many chunks); 0: through the whole call.
 
     Returns:
         ``y`` [B, H, S, D] with ``y_t = M_t(q_t)`` (in q's dtype) and the state after the last
@@ -518,7 +529,7 @@ def memory_scan(
         mix = torch.stack((keep[..., -1], mom[..., -1], s_keep), dim=-1)
         clipped = None if clip_tally is None else []
         args = (kq, vc, qk, k_sq, theta, coef, rates, ends, mix, *state.layers)
-        out = _Scan.apply(compiled, max_norm, normalized, clipped, *args)
+        out = _Scan.apply(compiled, max_norm, normalized, backprop_chunks, clipped, *args)
         y = out[0].reshape(bsz, heads, n * b, -1)[:, :, :seq]
         if clipped is not None:
             n_clip = sum(clipped) if clipped else q.new_zeros(())
