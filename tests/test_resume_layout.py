@@ -211,13 +211,14 @@ def test_virtual_schedule_with_tp_sp_or_recompute_matches_one_process(case, corp
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("schedule", ["interleaved", "1f1b"])
 def test_virtual_schedule_times_stages_skips_a_nan_step_and_measures_alignment(
-    corpus, tmp_path, monkeypatch
+    corpus, tmp_path, monkeypatch, schedule
 ):
-    """Interleaved PP2 x v2 through pretrain/main.py with a NaN loss injected at iteration 2 and
-    ``eval.alignment``: that step is skipped as in one process, every other loss and gradient
-    norm, the validation losses and every layer's alignment equal one process's, and the log
-    gives both pipeline ranks' compute time."""
+    """PP2 through pretrain/main.py (interleaved x v2, and DeepSpeed's 1F1B engine) with a NaN
+    loss injected at iteration 2 and ``eval.alignment``: that step is skipped as in one process,
+    every other loss and gradient norm, the validation losses and every layer's alignment equal
+    one process's, and the log gives both pipeline ranks' compute time."""
     monkeypatch.setenv("TAPERED_MEGATRON_INJECT_NAN", "2")  # inherited by the ranks
     args = ["--train.iters", "6", "--eval.interval", "3", "--logging.interval", "3"]
     args += ["--eval.alignment", "true"]
@@ -225,8 +226,9 @@ def test_virtual_schedule_times_stages_skips_a_nan_step_and_measures_alignment(
     ref_dir.mkdir()
     run.mkdir()
     launch_ranks(1, corpus, ref_dir, "zero0.json", args, T)
-    virtual = [*INTERLEAVED, "--parallel.virtual_stages", "2"]
-    launch_ranks(2, corpus, run, "pipeline.json", [*virtual, *args], T)
+    layout = ["--parallel.pp", "2", "--parallel.schedule", schedule]
+    layout += ["--parallel.virtual_stages", "2"] if schedule == "interleaved" else []
+    launch_ranks(2, corpus, run, "pipeline.json", [*layout, *args], T)
     got, ref = metrics(run), metrics(ref_dir)
     assert [r.get("skipped", False) for r in got] == [i == 2 for i in range(1, 7)]
     assert [r.get("skipped", False) for r in ref] == [i == 2 for i in range(1, 7)]

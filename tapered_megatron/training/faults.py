@@ -1,16 +1,19 @@
 """Fault-injection hooks for tests: switched on only by environment variables, inert otherwise.
 
 * ``$TAPERED_MEGATRON_INJECT_NAN`` ("3", "3,5", "4-9"): the trainer gives those iterations a NaN
-  loss on rank 0 (:func:`injected_nan_iterations`; under a virtual-stage pipeline schedule on the
-  rank of the last chunk; not under DeepSpeed's 1F1B pipeline engine).
+  loss on rank 0 (:func:`injected_nan_iterations`; under a pipeline on the first replica's last
+  stage, through the module's loss function under DeepSpeed's 1F1B engine, :func:`nan_first_loss`).
 * ``$TAPERED_MEGATRON_CRASH_IN_SAVE`` = a point name: the save kills rank 0 at that point
   (:func:`crash_point`), as a machine failure mid-save would.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
+from collections.abc import Iterator
+from typing import Any
 
 from tapered_megatron.checkpoint.collective import rank
 
@@ -23,6 +26,31 @@ def injected_nan_iterations() -> frozenset[int]:
             lo, _, hi = part.partition("-")
             out.update(range(int(lo), int(hi or lo) + 1))
     return frozenset(out)
+
+
+@contextlib.contextmanager
+def nan_first_loss(module: Any, active: bool) -> Iterator[None]:
+    """While the block runs and ``active``, the first loss ``module.loss_fn`` computes is NaN
+    (DeepSpeed's pipeline engine calls it on the last stage, once per micro-batch): test hook."""
+    fn = module.loss_fn
+    if not active or fn is None:
+        yield
+        return
+    fired = False
+
+    def first_nan(*args: Any) -> Any:
+        nonlocal fired
+        loss = fn(*args)
+        if not fired:
+            fired = True
+            return loss * float("nan")
+        return loss
+
+    module.loss_fn = first_nan
+    try:
+        yield
+    finally:
+        module.loss_fn = fn
 
 
 def crash_point(name: str) -> None:

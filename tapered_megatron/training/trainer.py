@@ -43,7 +43,7 @@ from tapered_megatron.parallel.norms import clip_in_step, computes_grad_norm, gr
 from tapered_megatron.planning.clock import StageClock
 from tapered_megatron.training import optim
 from tapered_megatron.training.alignment import AlignmentProbe
-from tapered_megatron.training.faults import injected_nan_iterations
+from tapered_megatron.training.faults import injected_nan_iterations, nan_first_loss
 from tapered_megatron.training.launch import precision_note
 from tapered_megatron.training.logger import TrainLogger
 from tapered_megatron.training.monitor import Cadence, ExitSignal, Health, MetricsFile, Window
@@ -272,15 +272,16 @@ class Trainer:
         """One global batch; returns the mean loss and (when ``want_norm``) the gradient norm.
 
         Iteration ``it`` listed in ``$TAPERED_MEGATRON_INJECT_NAN`` gets a NaN loss on rank 0,
-        under a virtual-stage schedule in its first micro-batch on the first replica's rank of
-        the last chunk (a fault-injection hook for tests; not supported under DeepSpeed's 1F1B
-        engine)."""
+        under a pipeline in its first micro-batch on the first replica's last stage (the rank of
+        the last chunk under a virtual-stage schedule): a fault-injection hook for tests."""
         eng = self.engine
         if self.virtual is not None:
             loss = self.virtual.train_batch(batches, nan_loss=it in self.nan_iters)
             return loss, self.virtual.last_grad_norm if want_norm else None
         if self.pipeline:  # every pipeline engine keeps its norm (norms.clip_in_step at fp32)
-            loss = float(eng.train_batch(batches))
+            first = parallel.get_data_parallel_rank() == 0
+            with nan_first_loss(eng.module, active=it in self.nan_iters and first):
+                loss = float(eng.train_batch(batches))
             norm = eng.get_global_grad_norm() if want_norm else None
             return loss, None if norm is None else float(norm)
         total = torch.zeros((), dtype=torch.float64, device=self.device)
