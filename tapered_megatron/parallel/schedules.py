@@ -253,27 +253,18 @@ class VirtualPipeline:
         self.schedule = cls(
             self.stages, n_microbatches=micro_batches, loss_fn=loss_fn, scale_grads=False
         )
-        self._nan_loss = False
         self.first = 0 in self.stage_ids
         self.last = self.pp * self.v - 1 in self.stage_ids
         self.last_rank = ranks[-1]
 
     def _loss(self, hidden: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        """One micro-batch's share of the step's mean loss (NaN once when ``_nan_loss``)."""
-        loss = self.module.loss(hidden, labels) / self.micro_batches
-        if self._nan_loss:
-            self._nan_loss = False
-            loss = loss * float("nan")
-        return loss
+        """One micro-batch's share of the step's mean loss."""
+        return self.module.loss(hidden, labels) / self.micro_batches
 
-    def train_batch(
-        self, batches: Iterator[tuple[torch.Tensor, torch.Tensor]], nan_loss: bool = False
-    ) -> float:
+    def train_batch(self, batches: Iterator[tuple[torch.Tensor, torch.Tensor]]) -> float:
         """One optimizer step over the next ``micro_batches`` micro-batches of ``batches``;
         returns the mean loss over the global batch (on every rank); ``last_grad_norm`` is the
-        step's global gradient norm before clipping. ``nan_loss``: the first micro-batch's loss
-        is NaN in the first data-parallel replica (the trainer's fault-injection hook)."""
-        self._nan_loss = nan_loss and parallel.get_data_parallel_rank() == 0 and self.last
+        step's global gradient norm before clipping."""
         loss = self._run(batches, self.schedule.step)
         self.engine.set_gradient_accumulation_boundary(True)  # ZeRO keeps reduced grads only then
         self.reduce_gradients()

@@ -1,8 +1,8 @@
 """Fault-injection hooks for tests: switched on only by environment variables, inert otherwise.
 
 * ``$TAPERED_MEGATRON_INJECT_NAN`` ("3", "3,5", "4-9"): the trainer gives those iterations a NaN
-  loss on rank 0 (:func:`injected_nan_iterations`; under a pipeline on the first replica's last
-  stage, through the module's loss function under DeepSpeed's 1F1B engine, :func:`nan_first_loss`).
+  loss on rank 0 (:func:`injected_nan_iterations`; under a pipeline the first micro-batch's loss
+  on the first replica's last stage, :func:`nan_first_loss`).
 * ``$TAPERED_MEGATRON_CRASH_IN_SAVE`` = a point name: the save kills rank 0 at that point
   (:func:`crash_point`), as a machine failure mid-save would.
 """
@@ -29,13 +29,14 @@ def injected_nan_iterations() -> frozenset[int]:
 
 
 @contextlib.contextmanager
-def nan_first_loss(module: Any, active: bool) -> Iterator[None]:
-    """While the block runs and ``active``, the first loss ``module.loss_fn`` computes is NaN
-    (DeepSpeed's pipeline engine calls it on the last stage, once per micro-batch): test hook."""
-    fn = module.loss_fn
+def nan_first_loss(owner: Any, name: str, active: bool) -> Iterator[None]:
+    """While the block runs and ``active``, the first loss that ``owner.<name>`` computes is NaN
+    (a pipeline calls its loss function on the last stage, once per micro-batch): test hook."""
+    fn = getattr(owner, name)
     if not active or fn is None:
         yield
         return
+    own = name in vars(owner)  # DeepSpeed's loss_fn is the module's; a method is the class's
     fired = False
 
     def first_nan(*args: Any) -> Any:
@@ -46,11 +47,14 @@ def nan_first_loss(module: Any, active: bool) -> Iterator[None]:
             return loss * float("nan")
         return loss
 
-    module.loss_fn = first_nan
+    setattr(owner, name, first_nan)
     try:
         yield
     finally:
-        module.loss_fn = fn
+        if own:
+            setattr(owner, name, fn)
+        else:
+            delattr(owner, name)
 
 
 def crash_point(name: str) -> None:

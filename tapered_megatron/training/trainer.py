@@ -275,12 +275,13 @@ class Trainer:
         under a pipeline in its first micro-batch on the first replica's last stage (the rank of
         the last chunk under a virtual-stage schedule): a fault-injection hook for tests."""
         eng = self.engine
+        nan = self.pipeline and it in self.nan_iters and parallel.get_data_parallel_rank() == 0
         if self.virtual is not None:
-            loss = self.virtual.train_batch(batches, nan_loss=it in self.nan_iters)
+            with nan_first_loss(self.virtual.module, "loss", nan):
+                loss = self.virtual.train_batch(batches)
             return loss, self.virtual.last_grad_norm if want_norm else None
         if self.pipeline:  # every pipeline engine keeps its norm (norms.clip_in_step at fp32)
-            first = parallel.get_data_parallel_rank() == 0
-            with nan_first_loss(eng.module, active=it in self.nan_iters and first):
+            with nan_first_loss(eng.module, "loss_fn", nan):
                 loss = float(eng.train_batch(batches))
             norm = eng.get_global_grad_norm() if want_norm else None
             return loss, None if norm is None else float(norm)
