@@ -172,7 +172,7 @@ def slurm_script_command(name: str) -> tuple[list[str], str, int]:
     command = text.split("exec python pretrain/main.py", 1)[1].split('"$@"', 1)[0]
     args = shlex.split(command.replace("\\\n", " "))
     sized = ("--config", "--ds_config", "--parallel.", "--train.micro_batch_size")
-    sized += ("--train.global_batch_size", "--train.checkpoint_activations")
+    sized += ("--train.global_batch_size", "--train.checkpoint_activations", "--train.recompute")
     kept = [x for k, v in zip(args[::2], args[1::2]) if not k.startswith(sized) for x in (k, v)]
     signal_name = re.search(r"#SBATCH --signal=(?:B:)?(\w+)@\d+", text).group(1)
     requeue = int(re.search(r'if \[ "\$\{rc:-0\}" -eq (\d+) \]', text).group(1))
