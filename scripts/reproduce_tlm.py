@@ -17,12 +17,12 @@ configuration gets ``--seeds`` seeds (default 5); ``--headline-seeds`` gives (c)
 each invocation that trains also checks, once, that a short run trained twice on its machine
 gives bitwise-equal losses (``<out>/rerun.json``). ``--archs`` trains and evaluates a subset of the
 architectures (RESULTS.md still shows every planned row, the others as they were saved). Each run
-is an ordinary ``pretrain/main.py`` job under ``--launcher``; finished runs and evaluations are
-skipped, so the command can be killed and rerun. A configuration's runs are trained by one code
-version (``--allow-mixed-commits`` lets them mix). At the end it copies each run's metrics to
-``docs/results/runs/<run>/metrics.json`` (and ``driver_wall.json``, ``rerun.json`` beside them)
-and writes ``docs/RESULTS.md`` and the plots under
-``docs/results/`` from those files alone.
+is an ordinary ``pretrain/main.py`` job under ``--launcher``, evaluated as soon as it has trained;
+finished runs and evaluations are skipped, so the command can be killed and rerun. A
+configuration's runs are trained by one code version (``--allow-mixed-commits`` lets them mix).
+At the end it copies each run's metrics to ``docs/results/runs/<run>/metrics.json`` (and
+``driver_wall.json``, ``rerun.json`` beside them) and writes ``docs/RESULTS.md`` and the plots
+under ``docs/results/`` from those files alone.
 
 On a machine without a GPU, scales ``440m`` and up print the launch plan and its cost (GPU-hours
 from the planner) and write the tables' structure instead of running.
@@ -218,7 +218,7 @@ def main(argv: list[str] | None = None) -> int:
     log(f"reproduce_tlm: {_invocation(argv)} | {len(runs)} runs, {jobs} at a time | out {out}")
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # ends the `with`: a last save
     with driver.invocation_wall(out) as walls:
-        failed = driver.train_all(settings, runs, jobs, log)
+        failed = driver.train_all(settings, runs, jobs, log, only)
         missing = driver.evaluate_all(settings, runs, only, log, jobs)
         if runs and not (out / "rerun.json").exists():
             driver.rerun_check(settings, runs[0], log)

@@ -354,12 +354,33 @@ def mixed_code_problem(settings: Settings, runs: list[Run]) -> str | None:
     return None
 
 
-def train_all(settings: Settings, runs: list[Run], jobs: int, log: Callable[[str], None]) -> int:
-    """Train every unfinished run, ``jobs`` at a time; return the number that failed."""
+def train_all(
+    settings: Settings,
+    runs: list[Run],
+    jobs: int,
+    log: Callable[[str], None],
+    experiments: Iterable[str] = (),
+) -> int:
+    """Train every unfinished run, ``jobs`` at a time, each evaluated (the phases
+    ``experiments`` ask of it) as soon as it has trained, so that a killed invocation leaves every
+    finished run evaluated and its checkpoints no longer needed; return the number that failed.
+    ``evaluate_all`` afterwards catches what is left and reports missing tools."""
     todo = [r for r in runs if not is_done(settings, r)]
     log(f"training: {len(runs) - len(todo)} of {len(runs)} runs already done, {len(todo)} to go")
+    phases = evaluation_phases(experiments)
+    if phases:
+        settings.eval_data()  # the sample corpus prepared once, before the jobs read it
+
+    def train_and_evaluate(run: Run) -> bool:
+        if not train_run(settings, run, log):
+            return False
+        for phase, variants in phases.items():
+            if run.variant in variants:
+                evaluate_run(settings, run, phase, log)
+        return True
+
     with ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
-        ok = list(pool.map(lambda r: train_run(settings, r, log), todo))
+        ok = list(pool.map(train_and_evaluate, todo))
     return ok.count(False)
 
 
