@@ -13,6 +13,7 @@ import pytest
 from tapered_megatron.plan import main
 from tapered_megatron.planning import calibration as cal
 from tapered_megatron.planning import cost as costlib
+from tapered_megatron.planning.planner import evaluate
 
 DOCS = Path(__file__).resolve().parents[1] / "docs"
 
@@ -71,7 +72,7 @@ def test_narayanan_flops_convert_to_tokens() -> None:
 
 
 def test_calibration_meets_its_targets(preds) -> None:
-    """Held out: median error <= 10 % (now 2.6 %), clearly better than a constant MFU per
+    """Held out: median error <= 10 % (now 2.5 %), clearly better than a constant MFU per
     device; pairs ordered as measured >= 80 % (now 92 %); every published run predicted to
     fit. Every run off by more than 25 % (at most a tenth of the runs) is one docs/balancer.md
     lists with its reason (and no other): without them the worst held-out error is <= 25 %."""
@@ -81,7 +82,7 @@ def test_calibration_meets_its_targets(preds) -> None:
     )
     assert s["heldout_median_err"] <= 0.03
     assert s["heldout_median_err"] <= 0.3 * s["baseline_median_err"]
-    assert s["heldout_worst_err"] <= 0.36
+    assert s["heldout_worst_err"] <= 0.345
     assert s["ranking_agreement"] >= 0.9
     assert s["fit_fraction"] == 1.0
     missed = {p.run.id for p in preds if abs(p.err) > 0.25 or not p.fits}
@@ -166,6 +167,20 @@ def test_stand_in_costs_the_runs_own_model() -> None:
     gpt = _run("sc21-t1-1.7b")
     heads = gpt.dims["heads"]
     assert costlib.materialised_scores_bytes(cal.model_config(gpt), 2) == 5 * heads * gpt.seq
+
+
+def test_a100_40gb_runs_are_costed_at_hbm2_bandwidth() -> None:
+    """An A100 of 40 GB moves 1,555 GB/s (HBM2), the 80 GB preset 2,000: the memory-bound part of
+    every pass is slower, so MPT-13B on 8 A100 40GB is predicted at least 1 % slower than the
+    same run at the 80 GB part's bandwidth."""
+    run = _run("llmf-a100-40-13b-s8192-g8")
+    assert cal.device(run).mem_bw == 1.555e12
+    assert costlib.get_device("a100", mem_bytes=80 * costlib.GiB).mem_bw == 2.0e12
+    assert costlib.get_device("a100", mem_bytes=40 * costlib.GiB, mem_bw=3e12).mem_bw == 3e12
+    fast = replace(cal.device(run), mem_bw=costlib.DEVICES["a100"].mem_bw)
+    cfg, c = cal.model_config(run), cal.parse_layout(run.layout)
+    at_80 = evaluate(cfg, c, fast, float("inf"), zero3=run.sharding, stand_in=run.stand_in)
+    assert cal.predict(run).pick.step_s > 1.01 * at_80.step_s
 
 
 def test_a_row_without_a_known_framework_is_refused(tmp_path) -> None:

@@ -204,11 +204,23 @@ DEVICES: dict[str, Device] = {
 }
 
 
+#: HBM bandwidth (bytes/s) of a preset's other memory sizes, in GiB, where the product ships
+#: with a slower memory (vendor data sheets): A100 SXM4 40GB, HBM2 at 1,555 GB/s (the preset,
+#: 80GB, is HBM2e).
+MEM_BW_BY_SIZE: dict[str, dict[int, float]] = {"a100": {40: 1.555e12}}
+
+
 def get_device(name: str, **overrides: Any) -> Device:
-    """A device preset by name with optional field overrides (``peak_flops=...``)."""
+    """A device preset by name with optional field overrides (``peak_flops=...``); a memory size
+    listed in :data:`MEM_BW_BY_SIZE` brings its HBM bandwidth unless ``mem_bw`` is given."""
     if name not in DEVICES:
         raise ValueError(f"unknown device {name!r}; known: {', '.join(DEVICES)}")
-    return replace(DEVICES[name], **{k: v for k, v in overrides.items() if v is not None})
+    given = {k: v for k, v in overrides.items() if v is not None}
+    dev = replace(DEVICES[name], **given)
+    size_bw = MEM_BW_BY_SIZE.get(name, {}).get(round(dev.mem_bytes / GiB))
+    if size_bw is not None and "mem_bw" not in given:
+        dev = replace(dev, mem_bw=size_bw)
+    return dev
 
 
 def resolve_device(name: str = "auto") -> Device:
