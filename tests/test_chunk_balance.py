@@ -171,3 +171,26 @@ def test_planner_replays_schedules_on_a_pipeline_layout() -> None:
     assert "--parallel.schedule" not in overrides(cfg, one)
     recomputed = with_schedule(cfg, replace(c, recompute="full"), dev, cap, "zbv", 2)
     assert isinstance(recomputed, str) and "not supported" in recomputed
+
+
+def test_device_runtime_constants_enter_the_prediction() -> None:
+    from tapered_megatron.config import load_config
+    from tapered_megatron.planning.balance import chunk_setup
+
+    cfg = load_config("quickstart", ["--parallel.pp", "2", "--parallel.schedule", "zbv"])
+    cpu = costlib.get_device("cpu")
+    per_action = 2e-3
+    slow = replace(cpu, schedule_overhead={"zbv": (per_action, 0.5)}, p2p_latency_s=1e-4)
+    plain, costly = (chunk_setup(cfg, 2, 2, "zbv", 8, device=d) for d in (cpu, slow))
+    assert (plain.action, costly.action) == (0.0, per_action)
+    parts = balance_chunks(plain)["balancer"].parts
+    a, b = (evaluate_chunks(s, parts, "x").sim for s in (plain, costly))
+    order = pipeline_order("zbv", 2, 2, 8)
+    # every compute action of a rank carries the runtime's cost, so the step grows by at least
+    # the longest rank's action count times it
+    assert [y - x for x, y in zip(a.rank_busy, b.rank_busy, strict=True)] == pytest.approx(
+        [len(acts) * per_action for acts in order]
+    )
+    assert b.makespan - a.makespan >= max(len(acts) for acts in order) * per_action - 1e-12
+    assert costlib.p2p_time(1e6, 1e9, slow) == pytest.approx(1e-4 + 1e-3)
+    assert costlib.optimizer_time(1e6, 16.0, cpu) == pytest.approx(2 * 16e6 / cpu.mem_bw)

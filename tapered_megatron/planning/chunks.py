@@ -49,6 +49,7 @@ class ChunkSetup:
     overhead: float = 0.0
     passes: int = 3  # passes a unit runs per micro-batch (4 with full recompute)
     p2p: float = 0.0  # send time of one activation or gradient between ranks
+    action: float = 0.0  # the runtime's own time per compute action (Device.schedule_overhead)
 
 
 @dataclass(frozen=True)
@@ -98,6 +99,7 @@ def evaluate_chunks(setup: ChunkSetup, parts: Sequence[int], method: str) -> Chu
         ChunkTimes.split(times, setup.passes),
         act,
         setup.p2p,
+        setup.action,
     )
     static = rank_sums(chunk_sums([u.static for u in c], parts), ranks, setup.pp)
     peak = [0.0] * setup.pp

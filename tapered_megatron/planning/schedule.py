@@ -262,9 +262,11 @@ def simulate(
     times: ChunkTimes,
     act: Sequence[float],
     p2p: float = 0.0,
+    action: float = 0.0,
 ) -> Simulation:
     """Replay ``schedule``'s order with chunk ``times`` and activation bytes ``act`` (one
-    micro-batch's, per chunk); ``p2p`` is the send time of an activation or its gradient."""
+    micro-batch's, per chunk); ``p2p`` is the send time of an activation or its gradient,
+    ``action`` the runtime's own time per compute action, on the rank beside the chunk's."""
     replay = _replay(schedule, pp, v, micro_batches)
     dur = {
         "F": times.fwd,
@@ -279,7 +281,7 @@ def simulate(
         start = free[r]
         for j, crosses in inputs:
             start = max(start, end[j] + p2p) if crosses else max(start, end[j])
-        d = dur[kind][s]
+        d = dur[kind][s] + action
         end[i] = free[r] = start + d
         busy[r] += d
     a = np.asarray(act, dtype=np.float64)
