@@ -50,6 +50,7 @@ class ChunkSetup:
     passes: int = 3  # passes a unit runs per micro-batch (4 with full recompute)
     p2p: float = 0.0  # send time of one activation or gradient between ranks
     action: float = 0.0  # the runtime's own time per compute action (Device.schedule_overhead)
+    split_backward: tuple[float, float] | None = None  # Device.split_backward
 
 
 @dataclass(frozen=True)
@@ -96,7 +97,7 @@ def evaluate_chunks(setup: ChunkSetup, parts: Sequence[int], method: str) -> Chu
         setup.pp,
         setup.v,
         setup.micro_batches,
-        ChunkTimes.split(times, setup.passes),
+        ChunkTimes.split(times, setup.passes, setup.split_backward),
         act,
         setup.p2p,
         setup.action,

@@ -169,9 +169,13 @@ class Device:
     # Fixed seconds of one point-to-point send (its bytes go at intra_bw / inter_bw).
     p2p_latency_s: float = 0.0
     # Per pipeline schedule (``parallel.schedule``): what its runtime spends beyond the chunks'
-    # compute, seconds per compute action (F, B, I, W) and per step. Not known for the GPU
-    # presets; for the CPU measured by scripts/bench_schedules.py.
-    schedule_overhead: dict[str, tuple[float, float]] = field(default_factory=dict)
+    # compute, seconds per compute action (F, B, I, W). Not known for the GPU presets; for the
+    # CPU measured by scripts/bench_schedules.py.
+    schedule_overhead: dict[str, float] = field(default_factory=dict)
+    # torch's separate input and weight backward passes (the zero-bubble schedules) as fractions
+    # of one whole backward; None: the weight pass costs a forward (a matmul's weight gradient)
+    # and the input pass the rest. For the CPU measured by scripts/bench_schedules.py.
+    split_backward: tuple[float, float] | None = None
 
 
 DEVICES: dict[str, Device] = {
