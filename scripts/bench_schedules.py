@@ -285,12 +285,10 @@ def _plan(model: list[str], pp: int, schedule: str, v: int, m: int, dev, parts=N
 
 
 def _fit_p2p(one_way: dict[int, float]) -> tuple[float, float]:
-    """Least-squares fixed cost (s) and bandwidth (bytes/s) of a send from its one-way times."""
-    xs, ys = list(one_way), list(one_way.values())
-    mx, my = statistics.fmean(xs), statistics.fmean(ys)
-    slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True))
-    slope /= sum((x - mx) ** 2 for x in xs)
-    return max(0.0, my - slope * mx), 1.0 / slope
+    """A send's fixed cost (s: the smallest message's time) and bandwidth (bytes/s: the
+    largest message's extra bytes over its extra time) from one-way times."""
+    small, large = min(one_way), max(one_way)
+    return one_way[small], (large - small) / (one_way[large] - one_way[small])
 
 
 def _fit_overhead(dev, pp: int, tiny_cuts: dict[int, Cuts], tiny: dict[int, list]) -> dict:
