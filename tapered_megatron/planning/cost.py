@@ -169,12 +169,13 @@ class Device:
     # Fixed seconds of one point-to-point send (its bytes go at intra_bw / inter_bw).
     p2p_latency_s: float = 0.0
     # Per pipeline schedule (``parallel.schedule``): what its runtime spends beyond the chunks'
-    # compute, seconds per compute action (F, B, I, W). Not known for the GPU presets; for the
-    # CPU measured by scripts/bench_schedules.py.
+    # compute, seconds per compute action (F, B, I, W). Unset in the presets;
+    # scripts/bench_schedules.py measures it on the CPU.
     schedule_overhead: dict[str, float] = field(default_factory=dict)
     # torch's separate input and weight backward passes (the zero-bubble schedules) as fractions
     # of one whole backward; None: the weight pass costs a forward (a matmul's weight gradient)
-    # and the input pass the rest. For the CPU measured by scripts/bench_schedules.py.
+    # and the input pass the rest. Unset in the presets; scripts/bench_schedules.py measures it
+    # on the CPU.
     split_backward: tuple[float, float] | None = None
 
 
