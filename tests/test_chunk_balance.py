@@ -190,7 +190,9 @@ def test_device_runtime_constants_enter_the_prediction() -> None:
     order = pipeline_order("zbv", 2, 2, m)
     # every compute action of a rank carries the runtime's cost, and a split backward costing
     # two whole backwards adds one more backward (2/3 of a chunk's time) per micro-batch
-    extra = [len(acts) * per_action + m * 2 / 3 * t for acts, t in zip(order, a.rank_times, strict=True)]
+    extra = [
+        len(acts) * per_action + m * 2 / 3 * t for acts, t in zip(order, a.rank_times, strict=True)
+    ]
     grown = [y - x for x, y in zip(a.sim.rank_busy, b.sim.rank_busy, strict=True)]
     assert grown == pytest.approx(extra)
     assert b.sim.makespan - a.sim.makespan >= min(extra) - 1e-12
