@@ -63,7 +63,6 @@ LAYOUTS = [("1f1b", 1), ("interleaved", 2), ("zbv", 2), ("dualpipev", 2), ("zero
 P2P_SIZES = (256, 2**19, 2**21)  # bytes; 2**19 is one activation of MODEL (2 x 256 x 256 fp32)
 P2P_REPS = 30
 OPT_REPS = 5
-PROBE = 1e-3  # seconds per action at which the fit reads the makespan's slope
 
 Cuts = dict[str, list[int]]
 
