@@ -171,3 +171,30 @@ def test_planner_replays_schedules_on_a_pipeline_layout() -> None:
     assert "--parallel.schedule" not in overrides(cfg, one)
     recomputed = with_schedule(cfg, replace(c, recompute="full"), dev, cap, "zbv", 2)
     assert isinstance(recomputed, str) and "not supported" in recomputed
+
+
+def test_device_runtime_constants_enter_the_prediction() -> None:
+    from tapered_megatron.config import load_config
+    from tapered_megatron.planning.balance import chunk_setup
+
+    cfg = load_config("quickstart", ["--parallel.pp", "2", "--parallel.schedule", "zbv"])
+    cpu = costlib.get_device("cpu")
+    per_action, m = 2e-3, 8
+    slow = replace(
+        cpu, schedule_overhead={"zbv": per_action}, p2p_latency_s=1e-4, split_backward=(1.0, 1.0)
+    )
+    plain, costly = (chunk_setup(cfg, 2, 2, "zbv", m, device=d) for d in (cpu, slow))
+    assert (plain.action, costly.action) == (0.0, per_action)
+    parts = balance_chunks(plain)["balancer"].parts
+    a, b = (evaluate_chunks(s, parts, "x") for s in (plain, costly))
+    order = pipeline_order("zbv", 2, 2, m)
+    # every compute action of a rank carries the runtime's cost, and a split backward costing
+    # two whole backwards adds one more backward (2/3 of a chunk's time) per micro-batch
+    extra = [
+        len(acts) * per_action + m * 2 / 3 * t for acts, t in zip(order, a.rank_times, strict=True)
+    ]
+    grown = [y - x for x, y in zip(a.sim.rank_busy, b.sim.rank_busy, strict=True)]
+    assert grown == pytest.approx(extra)
+    assert b.sim.makespan - a.sim.makespan >= min(extra) - 1e-12
+    assert costlib.p2p_time(1e6, 1e9, slow) == pytest.approx(1e-4 + 1e-3)
+    assert costlib.optimizer_time(1e6, 16.0, cpu) == pytest.approx(2 * 16e6 / cpu.mem_bw)

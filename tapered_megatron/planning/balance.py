@@ -234,15 +234,21 @@ def chunk_setup(
     p2p: float = 0.0,
     **kwargs: Any,
 ) -> ChunkSetup:
-    """The unit costs of ``cfg`` and what a ``pp x v`` cut for ``schedule`` is scored against;
-    keyword arguments are :func:`unit_setup`'s. Raises ``ValueError`` for a schedule that
-    cannot run the layout."""
-    costs, m, cap, fixed = unit_setup(cfg, pp, micro_batches, **kwargs)
+    """The unit costs of ``cfg`` and what a ``pp x v`` cut for ``schedule`` is scored against
+    (the device's per-action cost of the schedule's runtime, ``Device.schedule_overhead``, and
+    its split backward's cost, ``Device.split_backward``, included); keyword arguments are
+    :func:`unit_setup`'s. Raises ``ValueError`` for a schedule that cannot run the layout."""
+    dev = kwargs.pop("device", "auto")
+    dev = dev if isinstance(dev, costlib.Device) else costlib.resolve_device(dev)
+    costs, m, cap, fixed = unit_setup(cfg, pp, micro_batches, device=dev, **kwargs)
     problem = schedule_problem(schedule, pp, v, m)
     if problem:
         raise ValueError(problem)
     full = (kwargs.get("recompute") or cfg.train.recompute) == "full"
-    return ChunkSetup(tuple(costs), schedule, pp, v, m, cap, fixed, 4 if full else 3, p2p)
+    passes, action = 4 if full else 3, dev.schedule_overhead.get(schedule, 0.0)
+    return ChunkSetup(
+        tuple(costs), schedule, pp, v, m, cap, fixed, passes, p2p, action, dev.split_backward
+    )
 
 
 def analyse_chunks(

@@ -49,6 +49,8 @@ class ChunkSetup:
     overhead: float = 0.0
     passes: int = 3  # passes a unit runs per micro-batch (4 with full recompute)
     p2p: float = 0.0  # send time of one activation or gradient between ranks
+    action: float = 0.0  # the runtime's own time per compute action (Device.schedule_overhead)
+    split_backward: tuple[float, float] | None = None  # Device.split_backward
 
 
 @dataclass(frozen=True)
@@ -95,9 +97,10 @@ def evaluate_chunks(setup: ChunkSetup, parts: Sequence[int], method: str) -> Chu
         setup.pp,
         setup.v,
         setup.micro_batches,
-        ChunkTimes.split(times, setup.passes),
+        ChunkTimes.split(times, setup.passes, setup.split_backward),
         act,
         setup.p2p,
+        setup.action,
     )
     static = rank_sums(chunk_sums([u.static for u in c], parts), ranks, setup.pp)
     peak = [0.0] * setup.pp

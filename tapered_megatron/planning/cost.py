@@ -166,6 +166,17 @@ class Device:
     # Whether only the written pages of an allocation are resident (a CPU: an untouched part of
     # a ``torch.empty`` buffer costs nothing) rather than the whole allocation (a GPU).
     lazy_pages: bool = False
+    # Fixed seconds of one point-to-point send (its bytes go at intra_bw / inter_bw).
+    p2p_latency_s: float = 0.0
+    # Per pipeline schedule (``parallel.schedule``): what its runtime spends beyond the chunks'
+    # compute, seconds per compute action (F, B, I, W). Unset in the presets;
+    # scripts/bench_schedules.py measures it on the CPU.
+    schedule_overhead: dict[str, float] = field(default_factory=dict)
+    # torch's separate input and weight backward passes (the zero-bubble schedules) as fractions
+    # of one whole backward; None: the weight pass costs a forward (a matmul's weight gradient)
+    # and the input pass the rest. Unset in the presets; scripts/bench_schedules.py measures it
+    # on the CPU.
+    split_backward: tuple[float, float] | None = None
 
 
 DEVICES: dict[str, Device] = {
@@ -815,6 +826,18 @@ def stage_memory(
             + max((u.peak for u in us), default=0.0)
         )
     return out
+
+
+def p2p_time(nbytes: float, bw: float, device: Device) -> float:
+    """One point-to-point send of ``nbytes`` at ``bw`` bytes/s: the device's fixed cost per send
+    (:attr:`Device.p2p_latency_s`) and the bytes."""
+    return device.p2p_latency_s + nbytes / bw
+
+
+def optimizer_time(params: float, bpp: float, device: Device) -> float:
+    """One optimizer step over ``params`` parameters holding ``bpp`` model-state bytes each
+    (:func:`bytes_per_param`): memory bound, the state read and written once."""
+    return 2 * params * bpp / device.mem_bw
 
 
 def step_time(stage_times: Sequence[float], micro_batches: int, p2p: float = 0.0) -> float:

@@ -205,7 +205,7 @@ def evaluate(
     # Pipeline sends: neighbouring stages are dp*tp ranks apart (topology axes pipe, data, model).
     pp_bw = dev.intra_bw if c.dp * c.tp < dev.gpus_per_node else dev.inter_bw
     # 1/tp each: DeepSpeed's pipe_partitioned, or the sequence shards under sequence parallelism
-    p2p = act_bytes / c.tp / pp_bw if c.pp > 1 else 0.0
+    p2p = costlib.p2p_time(act_bytes / c.tp, pp_bw, dev) if c.pp > 1 else 0.0
     stage_times = [t + (2 * p2p if c.pp > 1 else 0.0) for t in r.stage_times]
     pipe_s = costlib.step_time(stage_times, c.grad_accum)
     # Data parallel: gradients of the heaviest stage (bf16 grads / fp32) over dp, overlapped
@@ -218,7 +218,7 @@ def evaluate(
         compute * (passes - 1) / passes, compute, bf16_optimizer=dev.precision == "bf16",
     )  # fmt: skip
     bpp = costlib.bytes_per_param(dev.precision, c.zero, c.dp, c.pp > 1)
-    opt_s = 2 * stage_param * bpp / dev.mem_bw
+    opt_s = costlib.optimizer_time(stage_param, bpp, dev)
     tax = dev.overlap_tax * dp.overlapped  # compute slowed by the communication it hides
     step = pipe_s + dp.exposed + tax + opt_s
     gpus = c.tp * c.pp * c.dp

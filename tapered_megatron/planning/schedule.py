@@ -163,18 +163,31 @@ def _deepspeed_order(pp: int, micro_batches: int) -> tuple[tuple[Action, ...], .
 @dataclass(frozen=True)
 class ChunkTimes:
     """Per-chunk times of one micro-batch (seconds): forward, backward (input + weight when the
-    schedule runs them as one ``B``) and the weight part a split schedule runs as ``W``."""
+    schedule runs them as one ``B``), and the input and weight passes a split schedule runs as
+    ``I`` and ``W`` instead."""
 
     fwd: tuple[float, ...]
     bwd: tuple[float, ...]
+    inp: tuple[float, ...]
     wgt: tuple[float, ...]
 
     @classmethod
-    def split(cls, totals: Sequence[float], passes: int = 3) -> ChunkTimes:
+    def split(
+        cls,
+        totals: Sequence[float],
+        passes: int = 3,
+        split_backward: tuple[float, float] | None = None,
+    ) -> ChunkTimes:
         """Times from each chunk's forward + backward total and the passes it runs (3, 4 with
-        recompute)."""
+        recompute). ``split_backward``: the input and the weight pass as fractions of the whole
+        backward (:attr:`~tapered_megatron.planning.cost.Device.split_backward`); None: the
+        weight pass costs a forward, the input pass the rest."""
         fwd = tuple(t / passes for t in totals)
-        return cls(fwd, tuple(t - f for t, f in zip(totals, fwd, strict=True)), fwd)
+        bwd = tuple(t - f for t, f in zip(totals, fwd, strict=True))
+        if split_backward is None:
+            return cls(fwd, bwd, tuple(b - f for b, f in zip(bwd, fwd, strict=True)), fwd)
+        i, w = split_backward
+        return cls(fwd, bwd, tuple(b * i for b in bwd), tuple(b * w for b in bwd))
 
 
 @dataclass(frozen=True)
@@ -262,14 +275,16 @@ def simulate(
     times: ChunkTimes,
     act: Sequence[float],
     p2p: float = 0.0,
+    action: float = 0.0,
 ) -> Simulation:
     """Replay ``schedule``'s order with chunk ``times`` and activation bytes ``act`` (one
-    micro-batch's, per chunk); ``p2p`` is the send time of an activation or its gradient."""
+    micro-batch's, per chunk); ``p2p`` is the send time of an activation or its gradient,
+    ``action`` the runtime's own time per compute action, on the rank beside the chunk's."""
     replay = _replay(schedule, pp, v, micro_batches)
     dur = {
         "F": times.fwd,
         "B": times.bwd,
-        "I": [b - w for b, w in zip(times.bwd, times.wgt, strict=True)],
+        "I": times.inp,
         "W": times.wgt,
     }
     end = [0.0] * len(replay.steps)
@@ -279,7 +294,7 @@ def simulate(
         start = free[r]
         for j, crosses in inputs:
             start = max(start, end[j] + p2p) if crosses else max(start, end[j])
-        d = dur[kind][s]
+        d = dur[kind][s] + action
         end[i] = free[r] = start + d
         busy[r] += d
     a = np.asarray(act, dtype=np.float64)
