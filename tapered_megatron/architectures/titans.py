@@ -85,7 +85,17 @@ def describe(cfg: Config) -> str:
 
 # Window and chunk for 4096-token sequences; the paper's persistent tokens before the window; d_ff:
 # the memory branch's parameters given back by the MLP, within 2 % of the transformer's.
-PAPER = {"chunk_size": 64, "window": 1024, "persistent_tokens": 4}
+# The memory rule of every GPU preset: the normalised step without a per-token clip, the step
+# capped at 0.1 and the outer gradient cut at every chunk (64 tokens, as `cpu`'s 16 chunks of 4).
+GPU = {
+    "chunk_size": 64,
+    "window": 1024,
+    "max_step": 0.1,
+    "memory_clip": 0,
+    "normalized_step": True,
+    "backprop_chunks": 1,
+}
+PAPER = {**GPU, "persistent_tokens": 4}
 # The `cpu` scale of scripts/reproduce_tlm.py: tlm_cpu's model and recipe with sequences of 512
 # tokens, 2 per micro-batch (the same 1024 tokens per step and per evaluation iteration), MAG
 # attention over a 64-token window (1/8 of the sequence, as titans_440m's 1024 of 4096) and the
@@ -135,9 +145,9 @@ TITANS = register_architecture(
             "440m": {"model": {"d_ff": 2432, "titans": PAPER}},
             "760m": {"model": {"d_ff": 2432, "titans": PAPER}},
             "1.3b": {"model": {"d_ff": 3456, "titans": PAPER}},
-            "7b": {"model": {"titans": {"chunk_size": 64, "window": 1024}}},
-            "30b": {"model": {"titans": {"chunk_size": 64, "window": 1024}}},
-            "70b": {"model": {"titans": {"chunk_size": 64, "window": 1024}}},
+            "7b": {"model": {"titans": GPU}},
+            "30b": {"model": {"titans": GPU}},
+            "70b": {"model": {"titans": GPU}},
         },
     )
 )
