@@ -4,12 +4,13 @@ layers, the sample corpus, peak LR 3e-3 after 30 warm-up iterations) with the se
 every ``model.titans`` setting of the GPU preset (``--preset``, e.g. ``titans_440m``: 4096 tokens,
 chunks of 64, a 1024-token window), one sequence per step.
 
-Stability (the criteria Titans is held to): no gradient norm above ``MAX_NORM`` anywhere, none
-after the first 10 % of iterations above ``LATE_FACTOR`` times the run's median, no loss spike
-flagged by the trainer, and the per-token memory clip (when active) scaling down a minority of
-token-heads. Prints one JSON line: the largest gradient norm and its iteration, the largest after
-the first 10 %, the median, the loss over the first and last 10 iterations, the clip's largest
-logged share, seconds per iteration (median), and ``stable``.
+Stability (the criteria Titans is held to): no non-finite gradient (a skipped step), no gradient
+norm above ``MAX_NORM`` anywhere, none after the first 10 % of iterations above ``LATE_FACTOR``
+times the run's median, no loss spike flagged by the trainer, and the per-token memory clip (when
+active) scaling down a minority of token-heads. Prints one JSON line: the largest gradient norm
+and its iteration, the largest after the first 10 %, the median, the iterations whose gradient
+was not finite, the loss over the first and last 10 iterations, the clip's largest logged share,
+seconds per iteration (median), and ``stable``.
 
 Usage::
 
@@ -24,6 +25,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import statistics
 import subprocess
 import sys
@@ -39,11 +41,19 @@ MAX_NORM = 100.0  # no gradient norm above this anywhere
 LATE_FACTOR = 10.0  # after the first 10 % of iterations, none above this times the median
 
 
-def titans_flags(preset: str, extra: list[str]) -> list[str]:
-    """The GPU preset's sequence length and every ``model.titans`` setting as override flags,
-    those that ``extra`` (flags, ``--key value...``) names replaced by its values."""
+def run_flags(preset: str, iters: int, d_model: int, out: Path, extra: list[str]) -> list[str]:
+    """``pretrain/main.py``'s flags: ``titans_cpu`` at ``d_model`` with the GPU preset's sequence
+    length and every ``model.titans`` setting, those that ``extra`` (``--key value...``) names
+    replaced by its values."""
     model = load_config(preset).model
-    flags = {"--model.seq_len": [str(model.seq_len)]}
+    flags = {
+        "--config": ["titans_cpu"], "--model.seq_len": [str(model.seq_len)],
+        "--model.d_model": [str(d_model)], "--model.d_ff": [str(d_model * 208 // 128)],
+        "--train.micro_batch_size": ["1"], "--train.iters": [str(iters)],
+        "--train.save_interval": ["0"], "--eval.interval": ["0"], "--logging.interval": ["1"],
+        "--logging.metrics_file": [str(out / "metrics.jsonl")],
+        "--train.save_dir": [str(out / "checkpoints")], "--data.cache_dir": [str(out / "cache")],
+    }  # fmt: skip
     for f in dataclasses.fields(model.titans):
         value = getattr(model.titans, f.name)
         words = value if isinstance(value, tuple) else (value,)
@@ -60,8 +70,9 @@ def titans_flags(preset: str, extra: list[str]) -> list[str]:
 def summarise(records: list[dict[str, Any]]) -> dict[str, Any]:
     """The stability figures of one run's per-iteration metrics (``pretrain/main.py``'s metrics
     file at ``logging.interval 1``)."""
-    norms = [(r["iteration"], r["grad_norm"]) for r in records]
-    iters = len(norms)
+    iters = len(records)
+    nonfinite = [r["iteration"] for r in records if not math.isfinite(r["grad_norm"])]
+    norms = [(r["iteration"], r["grad_norm"]) for r in records if math.isfinite(r["grad_norm"])]
     median = statistics.median(n for _, n in norms)
     top_it, top = max(norms, key=lambda p: p[1])
     late = [(it, n) for it, n in norms if it > iters / 10]
@@ -71,6 +82,7 @@ def summarise(records: list[dict[str, Any]]) -> dict[str, Any]:
     clip = max((r.get("memory_clip", 0.0) for r in records), default=0.0)
     return {
         "iterations": iters,
+        "nonfinite_grad_norm": nonfinite,
         "max_grad_norm": top,
         "max_grad_norm_iteration": top_it,
         "max_grad_norm_after_10pct": late_top,
@@ -81,23 +93,18 @@ def summarise(records: list[dict[str, Any]]) -> dict[str, Any]:
         "loss_spikes": spikes,
         "max_memory_clip_share": clip,
         "s_per_iteration": statistics.median(r["step_s"] for r in records),
-        "stable": top <= MAX_NORM and late_top <= LATE_FACTOR * median and not spikes
-        and clip < 0.5,
+        "stable": not nonfinite and top <= MAX_NORM and late_top <= LATE_FACTOR * median
+        and not spikes and clip < 0.5,
     }  # fmt: skip
 
 
 def train(preset: str, iters: int, d_model: int, layers: int, out: Path, extra: list[str]) -> int:
     """Train the reduced-width model with the preset's Titans settings; the trainer's exit code."""
-    args = [
-        sys.executable, str(ROOT / "pretrain" / "main.py"), "--config", "titans_cpu",
-        *titans_flags(preset, extra), "--model.d_model", str(d_model),
-        "--model.layers", str(layers), "--model.d_ff", str(d_model * 208 // 128),
-        "--train.micro_batch_size", "1",
-        "--train.iters", str(iters), "--train.save_interval", "0", "--eval.interval", "0",
-        "--logging.interval", "1", "--logging.metrics_file", str(out / "metrics.jsonl"),
-        "--train.save_dir", str(out / "checkpoints"), "--data.cache_dir", str(out / "cache"),
-    ]  # fmt: skip
-    return subprocess.run(args, cwd=out, stdout=subprocess.DEVNULL).returncode
+    flags = run_flags(preset, iters, d_model, out, ["--model.layers", str(layers), *extra])
+    main = ROOT / "pretrain" / "main.py"
+    return subprocess.run(
+        [sys.executable, str(main), *flags], cwd=out, stdout=subprocess.DEVNULL
+    ).returncode
 
 
 def main() -> None:

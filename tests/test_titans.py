@@ -784,20 +784,20 @@ def test_reproduction_titans_runs_train_without_gradient_spikes():
 
 @pytest.mark.slow
 def test_gpu_preset_memory_trains_stably_at_its_sequence_length(tmp_path):
-    """``titans_440m``'s sequence length and memory settings (4096 tokens, chunks of 64, a
-    1024-token window; the GPU presets' memory rule) at reduced width (d_model 256, 2 layers, the
-    ``titans_cpu`` recipe) for 40 iterations: no gradient norm above 100, none after the first
-    10 % above 10x the median, no loss spike, the loss falling
-    (``scripts/bench_titans_stability.py`` runs the same for a few hundred iterations)."""
+    """``titans_440m``'s sequence length and memory settings (4096 tokens, a 1024-token window,
+    the GPU presets' memory rule) at reduced width (d_model 256, 2 layers, the ``titans_cpu``
+    recipe) through its 30 warm-up iterations: every gradient finite, none above 100, none after
+    the first 10 % above 10x the median, no loss spike, the loss falling
+    (``scripts/bench_titans_stability.py`` runs the same for longer)."""
     import importlib.util
 
     path = Path(__file__).resolve().parents[1] / "scripts" / "bench_titans_stability.py"
     spec = importlib.util.spec_from_file_location("bench_titans_stability", path)
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
-    assert bench.train("titans_440m", 40, 256, 2, tmp_path, []) == 0
+    assert bench.train("titans_440m", 30, 256, 2, tmp_path, []) == 0
     lines = (tmp_path / "metrics.jsonl").read_text().splitlines()
     result = bench.summarise([json.loads(line) for line in lines])
     print(result)
-    assert result["iterations"] == 40 and result["stable"], result
+    assert result["iterations"] == 30 and result["stable"], result
     assert result["loss_last10"] < result["loss_first10"] - 0.5, result
