@@ -783,7 +783,7 @@ def test_reproduction_titans_runs_train_without_gradient_spikes():
 
 
 @pytest.mark.slow
-def test_gpu_preset_memory_trains_stably_at_its_sequence_length(tmp_path):
+def test_gpu_preset_memory_trains_stably_at_its_sequence_length(tmp_path, monkeypatch):
     """``titans_440m``'s sequence length and memory settings (4096 tokens, a 1024-token window,
     the GPU presets' memory rule) at reduced width (d_model 256, 2 layers, the ``titans_cpu``
     recipe) through its 30 warm-up iterations: every gradient finite, none above 100, none after
@@ -791,8 +791,11 @@ def test_gpu_preset_memory_trains_stably_at_its_sequence_length(tmp_path):
     (``scripts/bench_titans_stability.py`` runs the same for longer)."""
     import importlib.util
 
-    path = Path(__file__).resolve().parents[1] / "scripts" / "bench_titans_stability.py"
-    spec = importlib.util.spec_from_file_location("bench_titans_stability", path)
+    scripts = Path(__file__).resolve().parents[1] / "scripts"
+    monkeypatch.syspath_prepend(str(scripts))  # the script imports bench_common from its folder
+    spec = importlib.util.spec_from_file_location(
+        "bench_titans_stability", scripts / "bench_titans_stability.py"
+    )
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
     assert bench.train("titans_440m", 30, 256, 2, tmp_path, []) == 0
