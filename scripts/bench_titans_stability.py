@@ -2,7 +2,7 @@
 reduced width: the ``titans_cpu`` model and recipe (d_model 128 -> ``--d-model``, ``--layers``
 layers, the sample corpus, peak LR 3e-3 after 30 warm-up iterations) with the sequence length and
 every ``model.titans`` setting of the GPU preset (``--preset``, e.g. ``titans_440m``: 4096 tokens,
-chunks of 64, a 1024-token window), one sequence per step.
+chunks of 8, a 1024-token window), one sequence per step.
 
 Stability (the criteria Titans is held to): no non-finite gradient (a skipped step), no gradient
 norm above ``MAX_NORM`` anywhere, none after the first 10 % of iterations above ``LATE_FACTOR``
