@@ -780,3 +780,27 @@ def test_reproduction_titans_runs_train_without_gradient_spikes():
         late = [n for it, n in norms if it > r["iterations"] / 10]
         assert max(n for _, n in norms) <= 100 and max(late) <= 10 * median, r["run"]
         assert all(share < 0.5 for _, share in r.get("memory_clip", [])), r["run"]
+
+
+@pytest.mark.slow
+def test_gpu_preset_memory_trains_stably_at_its_sequence_length(tmp_path, monkeypatch):
+    """``titans_440m``'s sequence length and memory settings (4096 tokens, a 1024-token window,
+    the GPU presets' memory rule) at reduced width (d_model 256, 2 layers, the ``titans_cpu``
+    recipe) through its 30 warm-up iterations: every gradient finite, none above 100, none after
+    the first 10 % above 10x the median, no loss spike, the loss falling
+    (``scripts/bench_titans_stability.py`` runs the same for longer)."""
+    import importlib.util
+
+    scripts = Path(__file__).resolve().parents[1] / "scripts"
+    monkeypatch.syspath_prepend(str(scripts))  # the script imports bench_common from its folder
+    spec = importlib.util.spec_from_file_location(
+        "bench_titans_stability", scripts / "bench_titans_stability.py"
+    )
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    assert bench.train("titans_440m", 30, 256, 2, tmp_path, []) == 0
+    lines = (tmp_path / "metrics.jsonl").read_text().splitlines()
+    result = bench.summarise([json.loads(line) for line in lines])
+    print(result)
+    assert result["iterations"] == 30 and result["stable"], result
+    assert result["loss_last10"] < result["loss_first10"] - 0.5, result
