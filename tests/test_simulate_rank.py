@@ -107,13 +107,10 @@ def test_preset_rank_matches_plan(config, gpus, pipeline):
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(
-    strict=True,
-    reason="stage 0 peaks 0.6 % above the prediction: under tp8 sp its blocks keep up to 3.9 % "
-    "more than counted, and four micro-batches of them are in flight (not yet explained)",
-)
 def test_deep_tp_pipeline_stage_matches_plan():
-    """Stage 0 of a 30B layout the planner picked before its calibration, tp8 sp pp4 dp8."""
+    """Stage 0 of a 30B layout the planner picked before its calibration, tp8 sp pp4 dp8: at
+    tp8 under sequence parallelism a block's per-token activations are small beside RoPE's
+    rotation tables, per sequence and whole on every rank (4 MiB a layer at 30B)."""
     c = parse_layout("tp8 sp pp4 dp8 zero1 mbs1 gas16 rc-none sublayer")
     sim = simulate(load_config("transformer_30b"), c, H100, 0, 0.9 * 80 * costlib.GiB)
     check(sim, peak_slack=0.05)

@@ -66,7 +66,9 @@ Memory of stage ``j`` under 1F1B with ``M`` micro-batches (stage ``j`` of ``P`` 
   multiplies stays replicated (the all-gathered tensor the column-parallel layer keeps). With
   ``full`` recompute a block/sub-block keeps only its input per micro-batch in flight (a
   sequence shard under sequence parallelism); with ``selective`` it keeps all but its cores'
-  ``core_bytes`` (inside the TP region: sharded but ``core_replicated``).
+  ``core_bytes`` (inside the TP region: sharded but ``core_replicated``). RoPE's rotation
+  keeps one complex table per rotation (queries, keys) per micro-batch, whole on every rank
+  (:func:`rope_table_bytes`; a core's, freed under ``selective``).
 * transient: while one unit runs backward, its activation gradients (about the size of what it
   saved) live next to everything in flight; under checkpointing its recomputed activations
   live beside them too (twice the unit's activations).
@@ -399,15 +401,26 @@ def tp_local_params(c: Counts, cfg: Config, tp: int, whole: int = 0) -> float:
     return (c.params - c.kv_params - whole) / tp + whole + kv
 
 
+#: Rotations a rotary embedding applies per forward: the queries and the keys (Titans' MAC also
+#: rotates its memory tokens' keys, one window more; not counted).
+ROPE_CALLS = 2
+#: Bytes of an element of the complex rotation table (complex64).
+ROPE_TABLE_ELEMENT = 8
+
+
 @lru_cache(maxsize=4096)
-def _built(cfg: Config, module: type, args: tuple) -> tuple[int, int]:
-    """(parameters without a TP layout, buffer bytes) of a unit built on the meta device."""
+def _built(cfg: Config, module: type, args: tuple) -> tuple[int, int, int]:
+    """(parameters without a TP layout, buffer bytes, rotary table elements) of a unit built
+    on the meta device."""
     import torch
+
+    from tapered_megatron.models.layers import RotaryEmbedding
 
     with torch.device("meta"):
         built = module(cfg, *args)
     whole = sum(p.numel() for p in built.parameters() if getattr(p, "tp_layout", None) is None)
-    return whole, sum(b.numel() * b.element_size() for b in built.buffers())
+    rope = sum(m.cos.numel() for m in built.modules() if isinstance(m, RotaryEmbedding))
+    return whole, sum(b.numel() * b.element_size() for b in built.buffers()), rope
 
 
 def whole_params(unit: Unit) -> int:
@@ -420,6 +433,15 @@ def buffer_bytes(unit: Unit) -> int:
     """Bytes of ``unit``'s buffers (RoPE's fp32 tables), whole on every rank and kept in their
     own dtype (DeepSpeed casts the parameters only), from the unit built on the meta device."""
     return _built(unit.cfg, unit.module, unit.args)[1]
+
+
+def rope_table_bytes(unit: Unit) -> float:
+    """Bytes of rotation tables ``unit``'s forward keeps for backward per micro-batch, whole on
+    every TP rank and for any micro-batch size: each rotation multiplies by a complex table
+    made from the ``cos`` / ``sin`` buffers (``[seq_len, head_dim / 2]``, complex64), which
+    autograd saves for the rotation's backward (:class:`~tapered_megatron.models.layers.
+    RotaryEmbedding`), once for the queries and once for the keys."""
+    return float(ROPE_CALLS * ROPE_TABLE_ELEMENT * _built(unit.cfg, unit.module, unit.args)[2])
 
 
 def launch_time(device: Device, kind: str) -> float:
@@ -559,14 +581,17 @@ def unit_costs(
         subunits = 2 if u.kind == "layer" else 1
         whole = (1 if sp else 2) * subunits * input_bytes + c.act_replicated
         resid = min(whole, act_bytes) * tok
-        full = resid + (act_bytes * tok - resid) / shape.tp
+        # RoPE's tables: per sequence, not per token (in the measured bytes already)
+        rope = rope_table_bytes(u) if measured_act is None else 0.0
+        full = resid + (act_bytes * tok - resid) / shape.tp + rope
         # While a unit runs backward, gradients of its activations (about the size of what it
         # saved) are alive next to everything held for the micro-batches in flight; a
         # checkpointed unit first re-creates its activations, which live beside those
         # gradients: two units' worth.
         act = input_bytes * tok / (shape.tp if sp else 1) if recompute else full
         if shape.recompute == "selective" and measured_act is None:
-            act -= (c.core_replicated + (c.core_bytes - c.core_replicated) / shape.tp) * tok
+            # the cores run again in backward, RoPE's rotation with them
+            act -= (c.core_replicated + (c.core_bytes - c.core_replicated) / shape.tp) * tok + rope
         peak = 2.0 * full if recompute else full
         if u.kind in ("embedding", "head"):
             act += TOKEN_ID_BYTES * tok  # the micro-batch's input ids / labels
