@@ -319,7 +319,7 @@ def unit_setup(
         fixed += costlib.pipeline_buffer_bytes(cfg, shape, pp)
     elif zero_stage == 1 and dev.precision == "bf16":
         # BF16_Optimizer's reduce after backward, instead of the activations
-        units = sum(c.act for c in costs) + max(c.peak for c in costs)
+        units = sum(c.act for c in costs) + costlib.units_transient(costs)
         local = sum(c.local_params for c in costs)
         fixed += max(0.0, costlib.fallback_reduce_bytes(local, 2) - units)
     return costs, m, cap, fixed
