@@ -23,22 +23,16 @@ REDUCED = [
     "--model.titans.chunk_size", "64", "--model.titans.window", "64",
 ]  # fmt: skip
 H100 = costlib.get_device("h100")
-#: How far below the prediction each reduced case's simulated peak lies, at most (measured
-#: 5.5 %, 8.2 %, 19.9 %, 19.2 %; pipeline stages 14.6 % and 4.8 %). The cost model's peak is a
-#: bound: it charges every unit's activations and gradients next to the largest unit's backward
-#: transient, taken as the size of what that unit saved (two units' worth under full
-#: recompute; plus its bf16 weight gradient on a pipeline stage). With two layers that
-#: transient is a large share of the peak; how much of it really coexists with the rest (the
-#: order in which each architecture's backward frees its activations) is not modelled. At the
-#: 7B and 30B presets the bound is within 5 % (the slow tests).
-PEAK_SLACK = {
-    "transformer": 0.07,
-    "gated_attention": 0.10,
-    "titans": 0.21,
-    "hope_attention": 0.21,
-    "pipeline stage 0": 0.16,
-    "pipeline stage 1": 0.06,
-}
+#: How far below the prediction a reduced case's simulated peak may lie where it misses 5 %
+#: (measured 14.0 %, 7.5 %, 8.7 %). The transformer's and the second pipeline stage's peak is
+#: the fused loss in forward, the gated-attention one's (full recompute) BF16_Optimizer's
+#: reduce after backward: modelled, within 3.2 %. Titans' and Hope's peak is their loss too,
+#: but the model's is a block's backward: it takes the gradients of a block's memory module
+#: (the half it runs backward last, Hope's CMS first) as large as what it saved, where their
+#: hand-written backwards (Titans' scan, Hope's update window) hold a quarter to a half of
+#: that; a checkpointed block's backward (the first pipeline stage's peak) likewise. At the 7B
+#: and 30B presets the peak is within 5 % (the slow tests).
+PEAK_SLACK = {"titans": 0.15, "hope_attention": 0.08, "pipeline stage 0": 0.09}
 
 
 def check(sim, peak_slack: float) -> None:
@@ -65,7 +59,7 @@ def test_reduced_rank_matches_plan(arch, recompute):
     """Rank 1 of tp2 x dp2 under ZeRO-1 (DeepSpeed's BF16_Optimizer)."""
     cfg = load_config("quickstart", for_arch(arch, REDUCED))
     sim = simulate(cfg, Candidate(2, 1, 2, 1, 4, 1, recompute, "layer"), H100, rank=1)
-    check(sim, PEAK_SLACK[arch])
+    check(sim, PEAK_SLACK.get(arch, 0.05))
 
 
 @pytest.mark.parametrize("stage", [0, 1])
@@ -76,7 +70,7 @@ def test_reduced_pipeline_stage_matches_plan(stage):
     cfg = load_config("quickstart", for_arch("transformer", REDUCED))
     sim = simulate(cfg, Candidate(1, 2, 2, 1, 4, 2, "full", "layer"), H100, rank=2 * stage)
     assert sim.stage == stage
-    check(sim, PEAK_SLACK[f"pipeline stage {stage}"])
+    check(sim, PEAK_SLACK.get(f"pipeline stage {stage}", 0.05))
 
 
 def _planned(config: str, gpus: int, pipeline: bool) -> Candidate:
