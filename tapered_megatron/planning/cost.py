@@ -72,9 +72,8 @@ Memory of stage ``j`` under 1F1B with ``M`` micro-batches (stage ``j`` of ``P`` 
   (:func:`rope_table_bytes`; a core's, freed under ``selective``).
 * transient: while one unit runs backward, its activation gradients (about the size of what it
   saved) live next to everything in flight but what the units after it on the stage saved for
-  this micro-batch: they ran backward first and freed it. A whole block's transient is its MLP
-  half's gradients, or its mixer half's once the MLP half has freed its own activations;
-  under checkpointing its recomputed activations live beside them too.
+  this micro-batch: they ran backward first and freed it; under checkpointing its recomputed
+  activations live beside them too (twice the unit's activations).
   The head's fused loss keeps its fp32 weight gradient per micro-batch in flight and works
   through one chunk of fp32 logits at a time; no logits-sized tensor exists. Its transient
   comes in forward (:func:`loss_forward_bytes`), beside every unit's activations, and before
@@ -579,34 +578,25 @@ def unit_costs(
         # ring time) and an all-gather more for each half that runs on the whole sequence
         per_pass = TP_ALL_REDUCES[u.kind] + (0.5 * gathered[u.kind] if sp else 0)
         comm = per_pass * (passes - 1 + (f is not None)) * tp_ar
-
         # Each half's input and its norm's output are replicated on every TP rank; under
         # sequence parallelism only the input its TP region multiplies (gathered) is, the
         # norm's output is a sequence shard. Inside the mixer / MLP / head everything is
         # sharded but what the module counts as whole on every rank (``act_replicated``).
-        def saved(counts: Counts, act_bytes: float, subunits: int, input_bytes: float) -> float:
-            whole = (1 if sp else 2) * subunits * input_bytes + counts.act_replicated
-            resid = min(whole, act_bytes) * tok
-            return resid + (act_bytes * tok - resid) / shape.tp
-
+        subunits = 2 if u.kind == "layer" else 1
+        whole = (1 if sp else 2) * subunits * input_bytes + c.act_replicated
+        resid = min(whole, act_bytes) * tok
         # RoPE's tables: per sequence, not per token (in the measured bytes already)
         rope = rope_table_bytes(u) if measured_act is None else 0.0
-        full = saved(c, act_bytes, 2 if u.kind == "layer" else 1, input_bytes) + rope
+        full = resid + (act_bytes * tok - resid) / shape.tp + rope
         # While a unit runs backward, gradients of its activations (about the size of what it
         # saved) are alive next to what the micro-batches in flight hold (but the units after
-        # it: units_transient). A block runs its MLP half's backward first, then its mixer
-        # half's, after the MLP half has freed what it saved; a checkpointed unit first
-        # re-creates its activations, which live beside those gradients.
-        grads = full
-        if u.kind == "layer" and measured_act is None:
-            half = stand_in_counts(replace(u, kind="mlp", args=(u.layer, ("mlp",))), shape, elem)
-            mlp = saved(half, half.act_bytes, 1, input_bytes)
-            grads = max(mlp, full - 2.0 * mlp)
+        # it: units_transient); a checkpointed unit first re-creates its activations, which
+        # live beside those gradients: two units' worth.
         act = input_bytes * tok / (shape.tp if sp else 1) if recompute else full
         if shape.recompute == "selective" and measured_act is None:
             # the cores run again in backward, RoPE's rotation with them
             act -= (c.core_replicated + (c.core_bytes - c.core_replicated) / shape.tp) * tok + rope
-        peak = full + grads if recompute else grads
+        peak = 2.0 * full if recompute else full
         if u.kind in ("embedding", "head"):
             act += TOKEN_ID_BYTES * tok  # the micro-batch's input ids / labels
         if u.kind == "embedding" and shape.tp > 1:
