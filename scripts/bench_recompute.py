@@ -45,7 +45,7 @@ def _predicted(cfg: Any, batch: int, mode: str) -> dict[str, float]:
         pipeline=False, zero_stage=0,
     )  # fmt: skip
     units = cost.unit_costs(cfg, shape, dev, "layer")
-    act = sum(u.act for u in units) + max(u.peak for u in units)
+    act = sum(u.act for u in units) + cost.units_transient(units)
     return {"act_mib": act / 2**20, "step_s": sum(u.time for u in units)}
 
 

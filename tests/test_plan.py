@@ -240,7 +240,7 @@ def test_zero3_stage_terms() -> None:
     opt = replace(shape, dp=1, zero3=replace(z, max_reuse_distance=0, sub_group_size=10**9))
     for dev, temps in ((cpu, 2), (gpu, 1)):
         c = costlib.unit_costs(cfg, opt, dev)
-        units = sum(u.act for u in c) + max(u.peak for u in c)
+        units = sum(u.act for u in c) + costlib.units_transient(c)
         step = total * 4 * (1 + temps)
         first = 4 * c[0].local_params  # the first unit stays gathered through the step
         assert costlib.zero3_stage_bytes(cfg, c, opt, dev) == pytest.approx(
@@ -269,8 +269,9 @@ def test_teach_first_pass_costs_one_static_forward_per_unit() -> None:
 
 
 def test_recompute_modes_in_the_cost_model() -> None:
-    """Per block: ``selective`` keeps less than ``none`` (the cores' bytes, TP-sharded) and
-    more than ``full``, and costs one more forward of the cores (``full``: of the whole block)."""
+    """Per block: ``selective`` keeps less than ``none`` (the cores' bytes, TP-sharded, and
+    RoPE's tables, which the cores make) and more than ``full``, and costs one more forward of
+    the cores (``full``: of the whole block)."""
     cfg = load_config("titans_7b")
     dev = costlib.get_device("h100")
     shape = costlib.RunShape(micro_batch_size=1, seq_len=cfg.model.seq_len, tp=4)
@@ -286,7 +287,9 @@ def test_recompute_modes_in_the_cost_model() -> None:
             assert a == b
             continue
         assert counts.core_bytes > 0 and counts.core_flops > 0
-        assert b.act == pytest.approx(a.act - counts.core_bytes * shape.tokens / 4)
+        rope = costlib.rope_table_bytes(u)
+        assert rope > 0
+        assert b.act == pytest.approx(a.act - counts.core_bytes * shape.tokens / 4 - rope)
         assert c.act < b.act < a.act and a.time < b.time < c.time
 
 

@@ -23,22 +23,17 @@ REDUCED = [
     "--model.titans.chunk_size", "64", "--model.titans.window", "64",
 ]  # fmt: skip
 H100 = costlib.get_device("h100")
-#: How far below the prediction each reduced case's simulated peak lies, at most (measured
-#: 5.5 %, 8.2 %, 19.9 %, 19.2 %; pipeline stages 14.6 % and 4.8 %). The cost model's peak is a
-#: bound: it charges every unit's activations and gradients next to the largest unit's backward
-#: transient, taken as the size of what that unit saved (two units' worth under full
-#: recompute; plus its bf16 weight gradient on a pipeline stage). With two layers that
-#: transient is a large share of the peak; how much of it really coexists with the rest (the
-#: order in which each architecture's backward frees its activations) is not modelled. At the
-#: 7B and 30B presets the bound is within 5 % (the slow tests).
-PEAK_SLACK = {
-    "transformer": 0.07,
-    "gated_attention": 0.10,
-    "titans": 0.21,
-    "hope_attention": 0.21,
-    "pipeline stage 0": 0.16,
-    "pipeline stage 1": 0.06,
-}
+#: How far below the prediction a reduced case's simulated peak may lie where it misses 5 %
+#: (measured 16.7 %, 10.4 %, 14.8 %). The transformer's and the second pipeline stage's peak is
+#: the fused loss in forward, the gated-attention one's (full recompute) BF16_Optimizer's
+#: reduce after backward: modelled, within 3.2 %. Titans' and Hope's peak is their loss too,
+#: but the model's is a block's backward, whose activation gradients it takes as large as what
+#: the block saved (with the MLP half's freed before the mixer half's backward, the 7B preset's
+#: SwiGLU backward holds more than that); their memory modules' hand-written backwards
+#: (Titans' scan, Hope's update window) hold a quarter to a half of it; a checkpointed block's
+#: backward (the first pipeline stage's peak) likewise. At the 7B and 30B presets the peak is
+#: within 5 % (the slow tests).
+PEAK_SLACK = {"titans": 0.17, "hope_attention": 0.11, "pipeline stage 0": 0.15}
 
 
 def check(sim, peak_slack: float) -> None:
@@ -65,7 +60,7 @@ def test_reduced_rank_matches_plan(arch, recompute):
     """Rank 1 of tp2 x dp2 under ZeRO-1 (DeepSpeed's BF16_Optimizer)."""
     cfg = load_config("quickstart", for_arch(arch, REDUCED))
     sim = simulate(cfg, Candidate(2, 1, 2, 1, 4, 1, recompute, "layer"), H100, rank=1)
-    check(sim, PEAK_SLACK[arch])
+    check(sim, PEAK_SLACK.get(arch, 0.05))
 
 
 @pytest.mark.parametrize("stage", [0, 1])
@@ -76,7 +71,7 @@ def test_reduced_pipeline_stage_matches_plan(stage):
     cfg = load_config("quickstart", for_arch("transformer", REDUCED))
     sim = simulate(cfg, Candidate(1, 2, 2, 1, 4, 2, "full", "layer"), H100, rank=2 * stage)
     assert sim.stage == stage
-    check(sim, PEAK_SLACK[f"pipeline stage {stage}"])
+    check(sim, PEAK_SLACK.get(f"pipeline stage {stage}", 0.05))
 
 
 def _planned(config: str, gpus: int, pipeline: bool) -> Candidate:
@@ -107,13 +102,10 @@ def test_preset_rank_matches_plan(config, gpus, pipeline):
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(
-    strict=True,
-    reason="stage 0 peaks 0.6 % above the prediction: under tp8 sp its blocks keep up to 3.9 % "
-    "more than counted, and four micro-batches of them are in flight (not yet explained)",
-)
 def test_deep_tp_pipeline_stage_matches_plan():
-    """Stage 0 of a 30B layout the planner picked before its calibration, tp8 sp pp4 dp8."""
+    """Stage 0 of a 30B layout the planner picked before its calibration, tp8 sp pp4 dp8: at
+    tp8 under sequence parallelism a block's per-token activations are small beside RoPE's
+    rotation tables, per sequence and whole on every rank (4 MiB a layer at 30B)."""
     c = parse_layout("tp8 sp pp4 dp8 zero1 mbs1 gas16 rc-none sublayer")
     sim = simulate(load_config("transformer_30b"), c, H100, 0, 0.9 * 80 * costlib.GiB)
     check(sim, peak_slack=0.05)

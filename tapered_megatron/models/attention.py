@@ -132,23 +132,24 @@ class Attention(TokenMixer):
         attn_flops = 2 * 2 * d * (m.seq_len + 1) / 2
         # kept: the projections' input (d); the fused projection's output ([q | gate], k, v:
         # v is a view of it), q and k after RoPE, the attention output (also the
-        # out-projection's input) and its log-sum-exp (h); a gate adds sigmoid(g) (h g) and the
-        # gated output (the out-projection's input). RoPE's tables are per sequence, not counted.
+        # out-projection's input) and its log-sum-exp (h, fp32); a gate adds sigmoid(g) (h g)
+        # and the gated output (the out-projection's input). RoPE's tables are per sequence
+        # (the cost model's rope_table_bytes).
         inner = h * m.head_dim
-        elems = d + (inner + h * g + kv) + (inner + kv // 2) + inner + h
+        elems = d + (inner + h * g + kv) + (inner + kv // 2) + inner
         if g:
             elems += h * g + inner
         # selective recompute runs the core (RoPE, scores, weighted sum, gate) again in
         # backward: it frees q and k after RoPE, the log-sum-exp, sigmoid(g) and the ungated
         # output (the projection's output and the core's output stay)
-        core = inner + kv // 2 + h + (h * g + inner if g else 0)
-        b = dtype_bytes
+        core = inner + kv // 2 + (h * g + inner if g else 0)
+        b, lse = dtype_bytes, 4.0 * h
         return Counts(
             params,
             2.0 * params + attn_flops,
-            float(elems * b),
+            float(elems * b + lse),
             kv_params=kv_params,
-            core_bytes=float(core * b),
+            core_bytes=float(core * b + lse),
             core_flops=attn_flops,
         )
 

@@ -324,10 +324,12 @@ def unit_setup(
     if pp > 1:
         fixed += costlib.pipeline_buffer_bytes(cfg, shape, pp)
     elif zero_stage == 1 and dev.precision == "bf16":
-        # BF16_Optimizer's reduce after backward, instead of the activations
-        units = sum(c.act for c in costs) + max(c.peak for c in costs)
+        # BF16_Optimizer's reduce after backward, instead of the activations; the last
+        # micro-batch's token tensors (the batch, its ids and labels) are still alive
+        units = sum(c.act for c in costs) + costlib.units_transient(costs)
         local = sum(c.local_params for c in costs)
-        fixed += max(0.0, costlib.fallback_reduce_bytes(local, 2) - units)
+        batch = 3 * costlib.TOKEN_ID_BYTES * shape.tokens
+        fixed += max(0.0, costlib.fallback_reduce_bytes(local, 2) + batch - units)
     return costs, m, cap, fixed
 
 

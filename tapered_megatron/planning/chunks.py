@@ -105,7 +105,7 @@ def evaluate_chunks(setup: ChunkSetup, parts: Sequence[int], method: str) -> Chu
     static = rank_sums(chunk_sums([u.static for u in c], parts), ranks, setup.pp)
     peak = [0.0] * setup.pp
     for j, (a, b) in enumerate(itertools.pairwise(parts)):
-        peak[ranks[j]] = max(peak[ranks[j]], max(u.peak for u in c[a:b]))
+        peak[ranks[j]] = max(peak[ranks[j]], costlib.units_transient(c[a:b]))
     mem = [setup.overhead + static[r] + sim.peak_act[r] + peak[r] for r in range(setup.pp)]
     return ChunkPlan(
         method=method,

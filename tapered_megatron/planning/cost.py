@@ -39,7 +39,8 @@ Memory of stage ``j`` under 1F1B with ``M`` micro-batches (stage ``j`` of ``P`` 
 ``min(P - j, M)`` micro-batches of activations alive)::
 
     mem_j = overhead + sum(params) / tp * bytes_per_param(precision, zero, dp, pipeline)
-            + min(P - j, M) * sum(saved activations of one micro-batch) + max(transient)
+            + min(P - j, M) * sum(saved activations of one micro-batch)
+            + max(transient of a unit - saved activations of the units after it)
 
 * parameters per rank: the unit's count / tp, except what every rank holds whole: the
   parameters no TP layout splits (RMSNorm gains, Hope's level rates) and the key/value
@@ -66,12 +67,18 @@ Memory of stage ``j`` under 1F1B with ``M`` micro-batches (stage ``j`` of ``P`` 
   multiplies stays replicated (the all-gathered tensor the column-parallel layer keeps). With
   ``full`` recompute a block/sub-block keeps only its input per micro-batch in flight (a
   sequence shard under sequence parallelism); with ``selective`` it keeps all but its cores'
-  ``core_bytes`` (inside the TP region: sharded but ``core_replicated``).
+  ``core_bytes`` (inside the TP region: sharded but ``core_replicated``). RoPE's rotation
+  keeps one complex table per rotation (queries, keys) per micro-batch, whole on every rank
+  (:func:`rope_table_bytes`; a core's, freed under ``selective``).
 * transient: while one unit runs backward, its activation gradients (about the size of what it
-  saved) live next to everything in flight; under checkpointing its recomputed activations
-  live beside them too (twice the unit's activations).
+  saved) live next to everything in flight but what the units after it on the stage saved for
+  this micro-batch: they ran backward first and freed it; under checkpointing its recomputed
+  activations live beside them too (twice the unit's activations).
   The head's fused loss keeps its fp32 weight gradient per micro-batch in flight and works
-  through one chunk of fp32 logits at a time; no logits-sized tensor exists. Under ZeRO-3 a
+  through one chunk of fp32 logits at a time; no logits-sized tensor exists. Its transient
+  comes in forward (:func:`loss_forward_bytes`), beside every unit's activations, and before
+  any gradient of the model's dtype where BF16_Optimizer drops them between steps
+  (:func:`lp_grads_dropped`). Under ZeRO-3 a
   unit's transient also holds its full gradient (before DeepSpeed moves it into the reduce
   bucket), and the stage adds DeepSpeed's own buffers, the gathered weights and the optimizer
   step's temporaries (:func:`zero3_stage_bytes`, the steady state from the third step; within
@@ -422,15 +429,26 @@ def tp_local_params(c: Counts, cfg: Config, tp: int, whole: int = 0) -> float:
     return (c.params - c.kv_params - whole) / tp + whole + kv
 
 
+#: Rotations a rotary embedding applies per forward: the queries and the keys (Titans' MAC also
+#: rotates its memory tokens' keys, one window more; not counted).
+ROPE_CALLS = 2
+#: Bytes of an element of the complex rotation table (complex64).
+ROPE_TABLE_ELEMENT = 8
+
+
 @lru_cache(maxsize=4096)
-def _built(cfg: Config, module: type, args: tuple) -> tuple[int, int]:
-    """(parameters without a TP layout, buffer bytes) of a unit built on the meta device."""
+def _built(cfg: Config, module: type, args: tuple) -> tuple[int, int, int]:
+    """(parameters without a TP layout, buffer bytes, rotary table elements) of a unit built
+    on the meta device."""
     import torch
+
+    from tapered_megatron.models.layers import RotaryEmbedding
 
     with torch.device("meta"):
         built = module(cfg, *args)
     whole = sum(p.numel() for p in built.parameters() if getattr(p, "tp_layout", None) is None)
-    return whole, sum(b.numel() * b.element_size() for b in built.buffers())
+    rope = sum(m.cos.numel() for m in built.modules() if isinstance(m, RotaryEmbedding))
+    return whole, sum(b.numel() * b.element_size() for b in built.buffers()), rope
 
 
 def whole_params(unit: Unit) -> int:
@@ -443,6 +461,15 @@ def buffer_bytes(unit: Unit) -> int:
     """Bytes of ``unit``'s buffers (RoPE's fp32 tables), whole on every rank and kept in their
     own dtype (DeepSpeed casts the parameters only), from the unit built on the meta device."""
     return _built(unit.cfg, unit.module, unit.args)[1]
+
+
+def rope_table_bytes(unit: Unit) -> float:
+    """Bytes of rotation tables ``unit``'s forward keeps for backward per micro-batch, whole on
+    every TP rank and for any micro-batch size: each rotation multiplies by a complex table
+    made from the ``cos`` / ``sin`` buffers (``[seq_len, head_dim / 2]``, complex64), which
+    autograd saves for the rotation's backward (:class:`~tapered_megatron.models.layers.
+    RotaryEmbedding`), once for the queries and once for the keys."""
+    return float(ROPE_CALLS * ROPE_TABLE_ELEMENT * _built(unit.cfg, unit.module, unit.args)[2])
 
 
 def launch_time(device: Device, kind: str) -> float:
@@ -526,7 +553,6 @@ def unit_costs(
     """
     from tapered_megatron.architectures import resolve_architecture
     from tapered_megatron.models import blocks, units
-    from tapered_megatron.parallel.cross_entropy import CHUNK_BYTES
 
     arch = resolve_architecture(cfg.model.arch)
     gathered = {k: whole_sequence_halves(blocks(arch), k) for k in TP_ALL_REDUCES}
@@ -582,22 +608,28 @@ def unit_costs(
         subunits = 2 if u.kind == "layer" else 1
         whole = (1 if sp else 2) * subunits * input_bytes + c.act_replicated
         resid = min(whole, act_bytes) * tok
-        full = resid + (act_bytes * tok - resid) / shape.tp
+        # RoPE's tables: per sequence, not per token (in the measured bytes already)
+        rope = rope_table_bytes(u) if measured_act is None else 0.0
+        full = resid + (act_bytes * tok - resid) / shape.tp + rope
         # While a unit runs backward, gradients of its activations (about the size of what it
-        # saved) are alive next to everything held for the micro-batches in flight; a
-        # checkpointed unit first re-creates its activations, which live beside those
-        # gradients: two units' worth.
+        # saved) are alive next to what the micro-batches in flight hold (but the units after
+        # it: units_transient); a checkpointed unit first re-creates its activations, which
+        # live beside those gradients: two units' worth.
         act = input_bytes * tok / (shape.tp if sp else 1) if recompute else full
         if shape.recompute == "selective" and measured_act is None:
-            act -= (c.core_replicated + (c.core_bytes - c.core_replicated) / shape.tp) * tok
+            # the cores run again in backward, RoPE's rotation with them
+            act -= (c.core_replicated + (c.core_bytes - c.core_replicated) / shape.tp) * tok + rope
         peak = 2.0 * full if recompute else full
         if u.kind in ("embedding", "head"):
             act += TOKEN_ID_BYTES * tok  # the micro-batch's input ids / labels
+        if u.kind == "embedding" and shape.tp > 1:
+            # the vocabulary-parallel lookup keeps its slice's ids and the outside-slice mask
+            act += (TOKEN_ID_BYTES + 1) * tok
         if u.kind == "head":
-            # The fused loss keeps its fp32 weight gradient until the micro-batch's backward
-            # and works through one chunk of fp32 logits (at most CHUNK_BYTES) at a time.
+            # The fused loss keeps its fp32 weight gradient until the micro-batch's backward;
+            # its working set in forward is the head's transient (loss_forward_bytes).
             act += 4.0 * vocab_local * cfg.model.d_model
-            peak = min(float(CHUNK_BYTES), 4.0 * vocab_local * tok)
+            peak = loss_forward_bytes(cfg, shape, vocab_local)
         if (shape.zero_stage >= 3 or grads_moved) and u.kind != "head":
             # Under ZeRO-3 autograd makes the unit's full gradient before DeepSpeed copies it
             # into the reduce bucket, and a bf16 pipeline's before BF16_Optimizer's hooks move
@@ -621,7 +653,46 @@ def unit_costs(
                 peak=peak,
             )
         )
+    if lp_grads_dropped(shape):
+        # the loss runs in forward before any gradient of the step is made; the head's backward
+        # scales its two gradients (fp32 weight, input) into new tensors
+        held = elem * sum(c.local_params for c in out)
+        head = out[-1]
+        scaled = (4.0 * vocab_local + elem * tok / shape.tp) * cfg.model.d_model
+        out[-1] = replace(head, peak=max(head.peak - held, scaled))
     return out
+
+
+#: Bytes per token of the fused loss's statistics of one chunk (fp32 max, target logit and its
+#: masked copy, row sum, loss; the int64 local target and the bool outside-slice mask).
+LOSS_STAT_BYTES = 5 * 4 + 8 + 1
+
+
+def loss_forward_bytes(cfg: Config, shape: RunShape, vocab_local: float) -> float:
+    """The fused LM-head loss's working set in forward beyond what it keeps for backward
+    (:class:`~tapered_megatron.parallel.cross_entropy._LinearCEMean`): the head's input and the
+    loss's (the normed hidden states, whole in the TP region), the per-token weights, and per
+    chunk of tokens the fp32 logits buffer (at most ``CHUNK_BYTES``) with its statistics; below
+    fp32 also the chunk's logits product and its gradient cast to the model's dtype, and the
+    weight-gradient product ``g^T h`` before it is added to the fp32 sum."""
+    from tapered_megatron.parallel.cross_entropy import CHUNK_BYTES
+
+    elem, tok, d = activation_scale(shape.precision), shape.tokens, cfg.model.d_model
+    sp = shape.tp if shape.sequence_parallel and shape.tp > 1 else 1
+    chunk = max(1.0, min(tok, CHUNK_BYTES // (4 * vocab_local)))
+    out = (elem * d * (1 + 1 / sp) + 4.0) * tok + (4.0 * vocab_local + LOSS_STAT_BYTES) * chunk
+    if elem != 4:
+        out += elem * vocab_local * (chunk + d)
+    return out
+
+
+def lp_grads_dropped(shape: RunShape) -> bool:
+    """Whether no gradient of the model's dtype exists while a step's only micro-batch runs
+    forward: DeepSpeed's BF16_Optimizer outside a pipeline (bf16, ZeRO 0-1) sets them to
+    ``None`` after each step and makes them in backward (from the second micro-batch of a step
+    on they are kept, zeroed)."""
+    bf16_optimizer = shape.precision == "bf16" and shape.zero_stage <= 1
+    return bf16_optimizer and not shape.pipeline and shape.micro_batches == 1
 
 
 def pipeline_buffer_bytes(cfg: Config, shape: RunShape, stages: int) -> float:
@@ -737,7 +808,7 @@ def zero3_stage_bytes(
     step = sub * 4.0 * (1 + device.adam_temporaries)
     if elem != 4:
         step = max(step, sub * (elem + 4.0))
-    units = sum(c.act for c in costs) + max((c.peak for c in costs), default=0.0)
+    units = sum(c.act for c in costs) + units_transient(costs)
     first = params[0] * elem if params else 0.0  # gathered through the step
     return zero3_held_bytes(params, shape, device) + max(fwd_bwd - first, step - units)
 
@@ -805,6 +876,15 @@ def model_unit_costs(
     return unit_costs(cfg, shape, device, unit, prof["time"], act)
 
 
+def units_transient(costs: Sequence[UnitCost]) -> float:
+    """The most a stage of these units (in order) adds at once to the activations of its
+    micro-batches in flight: a unit's transient beside the activations of the units before it
+    (:func:`~tapered_megatron.planning.solver.stage_transient`)."""
+    from tapered_megatron.planning.solver import stage_transient
+
+    return stage_transient([c.act for c in costs], [c.peak for c in costs])
+
+
 def inflight(stages: int, micro_batches: int) -> list[int]:
     """Micro-batches whose activations stage ``j`` holds at once under 1F1B: ``min(P - j, M)``."""
     return [min(stages - j, micro_batches) for j in range(stages)]
@@ -823,7 +903,7 @@ def stage_memory(
             overhead
             + sum(u.static for u in us)
             + fl[j] * sum(u.act for u in us)
-            + max((u.peak for u in us), default=0.0)
+            + units_transient(us)
         )
     return out
 

@@ -6,12 +6,16 @@ memory ``a[u]`` per micro-batch in flight, and ``P`` stages. Stage ``j`` holds a
 non-empty range ``[lo, hi)`` and needs::
 
     time_j = sum(t[lo:hi])
-    mem_j  = fixed[j] + sum(s[lo:hi]) + inflight[j] * sum(a[lo:hi]) + max(peak[lo:hi])
+    mem_j  = fixed[j] + sum(s[lo:hi]) + inflight[j] * sum(a[lo:hi])
+             + max(peak[u] - sum(a[u + 1:hi]) for u in [lo, hi))
 
 ``inflight[j]`` is the number of micro-batches whose activations stage ``j`` holds at once,
 ``min(P - j, M)`` under 1F1B; ``peak`` is a transient working set (one unit's activation
-gradients, or its recomputed activations under checkpointing). Memory is therefore stage-aware:
-the same range costs more on an early stage than on a late one.
+gradients, or its recomputed activations under checkpointing). A unit runs backward after the
+units behind it on its stage, which have freed their activations of that micro-batch by then,
+so its transient stands beside theirs less (:func:`stage_transient`; the head's, its loss in
+forward, beside everything). Memory is therefore stage-aware: the same range costs more on an
+early stage than on a late one.
 
 :func:`solve` returns the partition minimising ``max_j time_j`` subject to ``mem_j <= cap`` and
 every stage non-empty. It is exact: a dynamic programme over prefix sums, ``f[j][k]`` = the best
@@ -99,8 +103,19 @@ class Problem:
             self.fixed[j]
             + float(sum(self.static[lo:hi]))
             + self.inflight[j] * float(sum(self.act[lo:hi]))
-            + max(self.peak[lo:hi])
+            + stage_transient(self.act[lo:hi], self.peak[lo:hi])
         )
+
+
+def stage_transient(act: Sequence[float], peak: Sequence[float]) -> float:
+    """The most a stage's units (in order; per micro-batch ``act``, transient ``peak``) add at
+    once to the activations of its micro-batches in flight: unit ``u``'s transient, less the
+    activations of the units after it, which ran backward first and freed theirs."""
+    after, most = 0.0, 0.0
+    for a, p in zip(reversed(act), reversed(peak), strict=True):
+        most = max(most, p - after)
+        after += a
+    return most
 
 
 def _prefix(x: Sequence[float]) -> np.ndarray:
@@ -135,7 +150,8 @@ def solve(problem: Problem) -> list[int]:
     tmat = st[None, :] - st[:, None]  # T[i, k] = time of [i, k)
     smat = ss[None, :] - ss[:, None]
     amat = sa[None, :] - sa[:, None]
-    pmat = _range_max(problem.peak) if any(problem.peak) else 0.0
+    # max over u in [i, k) of peak[u] - (sa[k] - sa[u + 1]): stage_transient of every range
+    pmat = _range_max(np.asarray(problem.peak) + sa[1:]) - sa[None, :] if any(problem.peak) else 0.0
     idx = np.arange(n + 1)
     valid = idx[:, None] < idx[None, :]  # non-empty ranges only
     # tolerance: the cap is a budget, not an exact number; absorb float noise of prefix sums
