@@ -72,6 +72,11 @@ def test_reduced_pipeline_stage_matches_plan(stage):
     sim = simulate(cfg, Candidate(1, 2, 2, 1, 4, 2, "full", "layer"), H100, rank=2 * stage)
     assert sim.stage == stage
     check(sim, PEAK_SLACK.get(f"pipeline stage {stage}", 0.05))
+    # the same process then simulates a ZeRO-3 world: nothing of the pipeline's world (the
+    # process-group registry DeepSpeed keeps) leaks into it
+    after = simulate(cfg, parse_layout("tp1 pp1 dp4 zero3 mbs2 gas1 rc-none layer"), H100, rank=0)
+    assert after.simulated.params == after.predicted.params
+    assert abs(after.errors()["model_state"]) <= 0.01, after.errors()
 
 
 def _planned(config: str, gpus: int, pipeline: bool) -> Candidate:

@@ -25,12 +25,15 @@ Running DeepSpeed on data-free tensors needs a few harness patches, applied only
   computes them from the same analytic costs;
 * the cost model's device ``auto`` (what the trainer's pipeline balancer asks for: the device
   it runs on) is the simulated device, not this machine's CPU, whose peak would be measured
-  on fake tensors.
+  on fake tensors;
+* DeepSpeed's process-group registry (``deepspeed.utils.groups``: the ``mpu`` and groups an
+  engine leaves there) is put back as it was, so that one process can simulate several worlds.
 """
 
 from __future__ import annotations
 
 import contextlib
+import copy
 import os
 import weakref
 from collections.abc import Callable, Iterator
@@ -121,6 +124,20 @@ def _patched(obj: Any, name: str, value: Any) -> Iterator[None]:
         setattr(obj, name, old)
 
 
+@contextlib.contextmanager
+def _registry_restored(module: Any) -> Iterator[None]:
+    """``module``'s process-group registry (its ``mpu`` and its ``_UPPER_CASE`` globals, as
+    ``deepspeed.utils.groups`` keeps them) as it was on entry: an engine built in the fake world
+    leaves its groups there, and the next world must not find them."""
+    names = ["mpu"] + [k for k in vars(module) if k.startswith("_") and k[1:2].isupper()]
+    saved = {k: copy.copy(getattr(module, k)) for k in names}
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            setattr(module, k, v)
+
+
 def _apply_in_place(original: Callable[..., Any]) -> Callable[..., Any]:
     """``nn.Module._apply`` that converts fake parameters and their gradients in place."""
 
@@ -147,6 +164,7 @@ def _patches(received: tuple[int, ...], device: Device) -> list[contextlib.Abstr
     a pipeline stage receives; ``device``: the simulated device."""
     from deepspeed.runtime.pipe import engine as pipe_engine
     from deepspeed.runtime.zero import partition_parameters, partitioned_param_coordinator, stage3
+    from deepspeed.utils import groups
 
     from tapered_megatron.parallel import pipeline
     from tapered_megatron.planning import cost
@@ -164,6 +182,7 @@ def _patches(received: tuple[int, ...], device: Device) -> list[contextlib.Abstr
         _patched(pipeline, "agree_on_parts", lambda parts, table: (parts, table)),
         _patched(pipe_engine.PipelineEngine, "_recv_tensor_meta", recv_tensor_meta),
         _patched(cost, "resolve_device", _resolving_auto_as(device, cost.resolve_device)),
+        _registry_restored(groups),
     ]
 
 
