@@ -535,6 +535,18 @@ def whole_sequence_halves(arch: Blocks, kind: str) -> int:
     return sum(not m.takes_sequence_shards for m in halves.get(kind, ()))
 
 
+def backward_share(arch: Blocks, u: Unit, elem: int) -> float:
+    """The share of what unit ``u`` saved that its backward holds at once beside it: each half's
+    ``backward_share`` (its module's), weighted by the bytes that half saves; 1 for a unit that
+    is no block or half of one."""
+    halves = {"layer": (arch.mixer, arch.mlp), "mixer": (arch.mixer,), "mlp": (arch.mlp,)}
+    modules = halves.get(u.kind, ())
+    saved = [m.counts(u.cfg, u.layer, elem).act_bytes for m in modules]
+    if not sum(saved):
+        return 1.0
+    return sum(m.backward_share * a for m, a in zip(modules, saved, strict=True)) / sum(saved)
+
+
 def unit_costs(
     cfg: Config,
     shape: RunShape,
@@ -555,7 +567,8 @@ def unit_costs(
     from tapered_megatron.models import blocks, units
 
     arch = resolve_architecture(cfg.model.arch)
-    gathered = {k: whole_sequence_halves(blocks(arch), k) for k in TP_ALL_REDUCES}
+    halves = blocks(arch)
+    gathered = {k: whole_sequence_halves(halves, k) for k in TP_ALL_REDUCES}
     table = units(cfg, unit)
     first = arch.first_pass_config(cfg)  # a first pass's forward (Hope's teach signal)
     first_units = [None] * len(table) if first is None else units(first, unit)
@@ -612,14 +625,15 @@ def unit_costs(
         rope = rope_table_bytes(u) if measured_act is None else 0.0
         full = resid + (act_bytes * tok - resid) / shape.tp + rope
         # While a unit runs backward, gradients of its activations (about the size of what it
-        # saved) are alive next to what the micro-batches in flight hold (but the units after
-        # it: units_transient); a checkpointed unit first re-creates its activations, which
-        # live beside those gradients: two units' worth.
+        # saved, less for a module whose backward says so: backward_share) are alive next to
+        # what the micro-batches in flight hold (but the units after it: units_transient); a
+        # checkpointed unit first re-creates its activations, which live beside those
+        # gradients: two units' worth.
         act = input_bytes * tok / (shape.tp if sp else 1) if recompute else full
         if shape.recompute == "selective" and measured_act is None:
             # the cores run again in backward, RoPE's rotation with them
             act -= (c.core_replicated + (c.core_bytes - c.core_replicated) / shape.tp) * tok + rope
-        peak = 2.0 * full if recompute else full
+        peak = 2.0 * full if recompute else full * backward_share(halves, u, elem)
         if u.kind in ("embedding", "head"):
             act += TOKEN_ID_BYTES * tok  # the micro-batch's input ids / labels
         if u.kind == "embedding" and shape.tp > 1:
