@@ -24,15 +24,16 @@ REDUCED = [
 ]  # fmt: skip
 H100 = costlib.get_device("h100")
 #: How far below the prediction a reduced case's simulated peak may lie where it misses 5 %
-#: (measured 6.9 %, 14.8 %). The transformer's and the second pipeline stage's peak is the fused
+#: (measured 6.9 %, 9.0 %). The transformer's and the second pipeline stage's peak is the fused
 #: loss in forward, the gated-attention one's (full recompute) BF16_Optimizer's reduce after
 #: backward, Titans' a block's backward, its scan's working set a share of what it saved
 #: (``backward_share``): modelled, within 5 %. Hope's CMS holds 40 % to 73 % of what it saved
-#: in backward by layer; the model takes the larger share for every layer. A checkpointed
-#: block's backward (the first pipeline stage's peak) holds its recomputed activations and the
-#: gradients of one half at a time, the model both halves' gradients. At the 7B and 30B presets
-#: the peak is within 5 % (the slow tests).
-PEAK_SLACK = {"hope_attention": 0.07, "pipeline stage 0": 0.15}
+#: in backward by layer; the model takes the larger share for every layer. The first pipeline
+#: stage's peak is its checkpointed block's MLP backward beside the recomputed activations:
+#: 36.7 MiB there against a modelled 42.7 MiB, which counts the whole layer's weight gradients
+#: where only the MLP's exist yet. At the 7B and 30B presets the peak is within 5 % (the slow
+#: tests).
+PEAK_SLACK = {"hope_attention": 0.07, "pipeline stage 0": 0.10}
 
 
 def check(sim, peak_slack: float) -> None:
