@@ -34,6 +34,13 @@ Protocol of the two module classes (what the block, the unit table and the count
     ``sequence_parallel=True``). Any other module gets the whole sequence from the block, as
     without sequence parallelism (the memory architectures' scans need it).
 
+``backward_share`` (class attribute, default ``1.0``)
+    The most the module's backward holds at once beyond what its forward saved, as a share of
+    those saved bytes (the cost model's transient of the module's backward). Matmul backwards
+    make gradients about as large as their saved inputs (1); a hand-written backward that walks
+    its saved tensors piece by piece holds less (measured with the simulator's tracker,
+    :mod:`tapered_megatron.planning.simulate`).
+
 ``forward(self, x: Tensor[b, s, d_model]) -> Tensor[b, s, d_model]``
     ``x`` is the normalised block input; return the branch output (the block adds the residual).
     Strictly causal along ``s``. One tensor in, one tensor out (pipeline units pass only the
@@ -146,6 +153,7 @@ class BlockPart(Recomputed, nn.Module):
     """Common base of the two halves of a block (see the protocol in the module docstring)."""
 
     takes_sequence_shards: ClassVar[bool] = False
+    backward_share: ClassVar[float] = 1.0
 
     def __init__(self, cfg: Config, layer: int) -> None:
         super().__init__()

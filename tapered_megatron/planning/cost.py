@@ -71,9 +71,10 @@ Memory of stage ``j`` under 1F1B with ``M`` micro-batches (stage ``j`` of ``P`` 
   keeps one complex table per rotation (queries, keys) per micro-batch, whole on every rank
   (:func:`rope_table_bytes`; a core's, freed under ``selective``).
 * transient: while one unit runs backward, its activation gradients (about the size of what it
-  saved) live next to everything in flight but what the units after it on the stage saved for
-  this micro-batch: they ran backward first and freed it; under checkpointing its recomputed
-  activations live beside them too (twice the unit's activations).
+  saved; a module whose backward holds less says so, ``backward_share``) live next to
+  everything in flight but what the units after it on the stage saved for this micro-batch:
+  they ran backward first and freed it; under checkpointing its recomputed activations live
+  beside the gradients of one half at a time (:func:`backward_transient`).
   The head's fused loss keeps its fp32 weight gradient per micro-batch in flight and works
   through one chunk of fp32 logits at a time; no logits-sized tensor exists. Its transient
   comes in forward (:func:`loss_forward_bytes`), beside every unit's activations, and before
@@ -527,12 +528,36 @@ def stand_in_counts(u: Unit, shape: RunShape, elem: int) -> Counts:
     return c
 
 
+def block_halves(arch: Blocks, kind: str) -> tuple[type, ...]:
+    """The modules (of an architecture's ``arch``) a unit of ``kind`` runs: a layer's mixer and
+    MLP slot, a sub-layer's one; none for the embedding and the head."""
+    return {"layer": (arch.mixer, arch.mlp), "mixer": (arch.mixer,), "mlp": (arch.mlp,)}.get(
+        kind, ()
+    )
+
+
 def whole_sequence_halves(arch: Blocks, kind: str) -> int:
     """Halves of a unit of ``kind`` of an architecture (its modules ``arch``) whose module
     runs on the whole sequence under sequence parallelism (the block gathers its input and keeps
     this rank's part of its output)."""
-    halves = {"layer": (arch.mixer, arch.mlp), "mixer": (arch.mixer,), "mlp": (arch.mlp,)}
-    return sum(not m.takes_sequence_shards for m in halves.get(kind, ()))
+    return sum(not m.takes_sequence_shards for m in block_halves(arch, kind))
+
+
+def backward_transient(arch: Blocks, u: Unit, elem: int, checkpointed: bool) -> float:
+    """Unit ``u``'s transient in backward as a share of what it saves (the activations of one
+    micro-batch it holds without recompute). Each half's backward holds its module's
+    ``backward_share`` of what that half saved; the halves' shares are weighted by the bytes
+    each saves (``Counts.act_bytes``). Without recompute the halves' working sets are summed
+    (the mixer's backward may begin before the MLP's gradients are freed); a ``checkpointed``
+    unit first re-creates all its activations (1) and then runs its halves' backwards one after
+    the other, the MLP's recomputed activations freed before the mixer's: the larger half's.
+    1 for a unit that is no block or half of one."""
+    modules = block_halves(arch, u.kind)
+    saved = [m.counts(u.cfg, u.layer, elem).act_bytes for m in modules]
+    if not sum(saved):
+        return 1.0
+    held = [m.backward_share * a / sum(saved) for m, a in zip(modules, saved, strict=True)]
+    return 1.0 + max(held) if checkpointed else sum(held)
 
 
 def unit_costs(
@@ -555,7 +580,8 @@ def unit_costs(
     from tapered_megatron.models import blocks, units
 
     arch = resolve_architecture(cfg.model.arch)
-    gathered = {k: whole_sequence_halves(blocks(arch), k) for k in TP_ALL_REDUCES}
+    halves = blocks(arch)
+    gathered = {k: whole_sequence_halves(halves, k) for k in TP_ALL_REDUCES}
     table = units(cfg, unit)
     first = arch.first_pass_config(cfg)  # a first pass's forward (Hope's teach signal)
     first_units = [None] * len(table) if first is None else units(first, unit)
@@ -612,14 +638,14 @@ def unit_costs(
         rope = rope_table_bytes(u) if measured_act is None else 0.0
         full = resid + (act_bytes * tok - resid) / shape.tp + rope
         # While a unit runs backward, gradients of its activations (about the size of what it
-        # saved) are alive next to what the micro-batches in flight hold (but the units after
-        # it: units_transient); a checkpointed unit first re-creates its activations, which
-        # live beside those gradients: two units' worth.
+        # saved, less for a module whose backward says so) are alive next to what the
+        # micro-batches in flight hold (but the units after it: units_transient); a
+        # checkpointed unit first re-creates its activations, which live beside them.
         act = input_bytes * tok / (shape.tp if sp else 1) if recompute else full
         if shape.recompute == "selective" and measured_act is None:
             # the cores run again in backward, RoPE's rotation with them
             act -= (c.core_replicated + (c.core_bytes - c.core_replicated) / shape.tp) * tok + rope
-        peak = 2.0 * full if recompute else full
+        peak = full * backward_transient(halves, u, elem, recompute)
         if u.kind in ("embedding", "head"):
             act += TOKEN_ID_BYTES * tok  # the micro-batch's input ids / labels
         if u.kind == "embedding" and shape.tp > 1:

@@ -221,6 +221,9 @@ class ContinuumMemory(MLPSlot):
     that level's weights were updated (``self.last_updates``), for tests and diagnostics.
     """
 
+    # the update windows' backward holds one window's gradients at a time
+    backward_share = 0.75
+
     def __init__(self, cfg, layer: int, d_ff: int | None = None) -> None:
         super().__init__(cfg, layer)
         h = cfg.model.hope

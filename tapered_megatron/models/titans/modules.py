@@ -257,6 +257,9 @@ class TitansMixer(TokenMixer):
     ``forward(x [B, S, d]) -> [B, S, d]`` where ``x`` is the block's normalised input.
     """
 
+    # the scan's backward (scan.py) walks the chunks, holding one chunk's state gradients
+    backward_share = 0.42
+
     def __init__(self, cfg, layer: int) -> None:
         super().__init__(cfg, layer)
         m, t = cfg.model, cfg.model.titans
