@@ -235,13 +235,18 @@ def _split_backward() -> tuple[float, float]:
     return inp / whole, wgt / whole
 
 
-def _calibrate(rank: int, world: int, tiny_cuts: dict[int, Cuts]) -> dict[str, Any]:
+def _init(world: int) -> None:
+    """This rank's gloo group and a pipeline of ``world`` stages."""
     import deepspeed
 
     from tapered_megatron.parallel import init_model_parallel
 
     deepspeed.init_distributed(dist_backend="gloo")
     init_model_parallel(tp=1, pp=world)
+
+
+def _calibrate(rank: int, world: int, tiny_cuts: dict[int, Cuts]) -> dict[str, Any]:
+    _init(world)
     return {
         "p2p": _p2p(rank),
         "opt": _optimizer_s_per_param(),
@@ -250,12 +255,7 @@ def _calibrate(rank: int, world: int, tiny_cuts: dict[int, Cuts]) -> dict[str, A
 
 
 def _measure(rank: int, world: int, cuts: Cuts, steps: int) -> list:
-    import deepspeed
-
-    from tapered_megatron.parallel import init_model_parallel
-
-    deepspeed.init_distributed(dist_backend="gloo")
-    init_model_parallel(tp=1, pp=world)
+    _init(world)
     return _rotated(MODEL, world, MICRO_BATCHES, cuts, steps)
 
 
@@ -346,7 +346,9 @@ def calibrated_device(pp: int) -> tuple[Any, dict]:
     latency, bw = _fit_p2p(raw[0]["p2p"])
     opt = max(r["opt"] for r in raw)
     bpp = costlib.bytes_per_param("fp32", 0, 1, True)
-    dev = replace(base, p2p_latency_s=latency, intra_bw=bw, mem_bw=2 * bpp / opt)
+    # mem_bw that makes the cost model's optimizer step of one parameter take ``opt``
+    unit_bw = costlib.optimizer_time(1, bpp, replace(base, mem_bw=1.0))
+    dev = replace(base, p2p_latency_s=latency, intra_bw=bw, mem_bw=unit_bw / opt)
     tiny = {m: [r["tiny"][m] for r in raw] for m in FIT_MICRO_BATCHES}
     dev = replace(dev, schedule_overhead=_fit_overhead(dev, pp, tiny_cuts, tiny))
     fit = {
@@ -388,9 +390,9 @@ def main(argv: list[str] | None = None) -> int:
             **stamp(),
         }
     )
+    bare = replace(dev, schedule_overhead={}, p2p_latency_s=0.0, intra_bw=float("inf"))
     for pp in [*a.pp, *a.predict]:
         plans = {s: _plan(MODEL, pp, s, v, MICRO_BATCHES, dev) for s, v in LAYOUTS}
-        bare = replace(dev, schedule_overhead={}, p2p_latency_s=0.0, intra_bw=float("inf"))
         compute, profiled = {}, {}
         for s, v in LAYOUTS:
             parts = plans[s][1].parts
