@@ -86,13 +86,8 @@ def describe(cfg: Config) -> str:
 # The memory rule of every GPU preset, `cpu`'s (below) at 4096-token sequences: the normalised
 # step without a per-token clip, the step size capped at 0.1, the outer gradient cut every 64
 # tokens, in chunks of 8: a chunk's tokens all step from its start weights, so one chunk can move
-# a read-out by up to chunk_size x max_step of its error. At reduced width (d_model 256, 2 layers,
-# `cpu`'s recipe; scripts/bench_titans_stability.py) in chunks of 8: gradient norm 5.9 at
-# iteration 1, at most 1.2 (1.9x the median) after iteration 15 of 150. In chunks of 64 cut
-# every chunk the memory diverges within the sequence (read-out error 1e11-1e14, NaN gradients at
-# iterations 21-22); cut every 16 chunks (one window): 4.3e5 at iteration 1, median 1351; the
-# earlier settings (plain step, clip 1, uncapped gates, no cut): 1e9-1.6e12, no learning
-# (docs/memory_architectures.md).
+# a read-out by up to chunk_size x max_step of its error; in chunks of 64 the memory diverges
+# within a sequence (measurements: docs/memory_architectures.md, scripts/bench_titans_stability.py).
 GPU = {
     "chunk_size": 8,
     "window": 1024,
