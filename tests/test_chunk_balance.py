@@ -164,6 +164,14 @@ def test_planner_replays_schedules_on_a_pipeline_layout() -> None:
     inter = with_schedule(cfg, c, dev, cap, "interleaved", 2)
     assert not isinstance(one, str) and not isinstance(inter, str)
     assert one.parts == c.parts and one.step_s == pytest.approx(c.step_s, rel=0.02)
+    # a runtime cost per action moves the closed form as it moves the replay
+    slow = replace(dev, schedule_overhead={"1f1b": 5e-3})
+    cs = evaluate(cfg, Candidate(1, 2, 1, 1, 1, 8, "none", "layer"), slow, cap)
+    ones = with_schedule(cfg, cs, slow, cap, "1f1b", 1)
+    assert not isinstance(cs, str) and not isinstance(ones, str)
+    grown = cs.breakdown["pipeline_s"] - c.breakdown["pipeline_s"]
+    assert grown == pytest.approx(2 * 5e-3 * (8 + 1), rel=1e-6)  # (m + pp - 1) F/B pairs
+    assert ones.step_s == pytest.approx(cs.step_s, rel=0.02)
     assert inter.step_s < one.step_s and len(inter.parts) == 5  # 2 ranks x 2 chunks
     assert overrides(cfg, inter)[-4:] == [
         "--parallel.schedule", "interleaved", "--parallel.virtual_stages", "2",

@@ -206,7 +206,10 @@ def evaluate(
     pp_bw = dev.intra_bw if c.dp * c.tp < dev.gpus_per_node else dev.inter_bw
     # 1/tp each: DeepSpeed's pipe_partitioned, or the sequence shards under sequence parallelism
     p2p = costlib.p2p_time(act_bytes / c.tp, pp_bw, dev) if c.pp > 1 else 0.0
-    stage_times = [t + (2 * p2p if c.pp > 1 else 0.0) for t in r.stage_times]
+    # DeepSpeed's 1F1B engine: per micro-batch and stage a forward and a backward action, each
+    # with its send and the runtime's own cost per action (as the schedule replay charges them)
+    action = dev.schedule_overhead.get("1f1b", 0.0) if c.pp > 1 else 0.0
+    stage_times = [t + (2 * (p2p + action) if c.pp > 1 else 0.0) for t in r.stage_times]
     pipe_s = costlib.step_time(stage_times, c.grad_accum)
     # Data parallel: gradients of the heaviest stage (bf16 grads / fp32) over dp, overlapped
     # with backward where DeepSpeed overlaps them (cost.dp_comm)
