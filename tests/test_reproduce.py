@@ -411,87 +411,89 @@ def _check_budget_table(rows: list[list[str]], recs: list[dict], archs: list[lis
     return checked
 
 
-def check_results(results_dir: Path) -> int:
-    """Recompute RESULTS.md under ``results_dir`` from its saved files; return cells checked."""
-    text = (results_dir / "RESULTS.md").read_text()
-    meta = json.loads((results_dir / "results" / "meta.json").read_text())
-    recs = records.load_records(results_dir / "results" / "runs")
-    # 1. the whole document (tables, reading, links) is what the saved files give
-    assert report.render(recs, meta) == text
-    # 2. every number, recomputed independently of the report's code
-    tables = _tables(text)
-    checked = 0
-    base = [r for r in recs if not r.get("size") and not r.get("corpus")]
-    uni = grid.UNIFORM.key
-    if base:
-        r0 = next((r for r in base if r["arch"] == "transformer"), base[0])
-        m0 = r0["model"]
-        assert f"d_model {m0['d_model']}, {m0['layers']} layers, baseline d_ff {m0['d_ff']}" in text
-        assert f"{r0['iterations'] * r0['tokens_per_iteration']:,} training tokens" in text
-        for r in base:  # each architecture's own dimensions are named in the setup line
-            m = r["model"]
-            if m["d_ff"] != m0["d_ff"]:
-                assert f"{r['arch']}: d_ff {m['d_ff']}" in text, r["arch"]
-            if m["seq_len"] != m0["seq_len"]:
-                assert f"sequence {m['seq_len']}" in text.split(f"{r['arch']}: ")[1], r["arch"]
-        moved = "the last evaluation interval still moved the validation loss "
-        late = _late_drop_range(base)
-        if late:
-            assert f"not at convergence: {moved}{late} of the largest" in text
-        else:
-            assert "- Training length" not in text
-        on_corpus = _late_drop_range([r for r in recs if r.get("corpus")])
-        if on_corpus:
-            corpus_line = f"on this corpus: not at convergence: {moved}{on_corpus} of the largest"
-            assert corpus_line in text
-        large = [r for r in recs if r.get("size")]
-        if large:  # the (g) intro: the second size's LR and how far from converged it stopped
-            intro = next(x for x in text.splitlines() if x.startswith("The (c) comparisons of"))
-            assert {r["lr"] for r in large} == {large[0]["lr"]}
-            assert f"training tokens per run, peak LR {large[0]['lr']:g})" in intro
-            late = _late_drop_range(large)
-            assert (f"At this size too, {moved}{late} of the largest" in intro) == bool(late)
-        by_config: dict[str, list[float]] = {}
-        for r in recs:
-            by_config.setdefault(r["variant"], []).append(r["wall_s"])
-        short = [  # a resumed run whose earlier invocations were not counted
-            r["run"]
-            for r in recs
-            if len(by_config[r["variant"]]) > 2
-            and r["wall_s"] < 0.5 * statistics.median(by_config[r["variant"]])
-        ]
-        walls = statistics.fmean(r["wall_s"] for r in recs if r["run"] not in short)
-        assert f"Runs: {len(recs)} finished of {meta['runs_planned']} planned" in text
-        assert f"; {walls:.0f} s wall per training run" in text
-        assert (f"leaving out {', '.join(short)}: under half" in text) == bool(short)
-        kept = results_dir / "results" / "driver_wall.json"
-        if kept.is_file():  # the driver's wall file, committed with the records, gives the sum
-            assert round(sum(json.loads(kept.read_text())), 1) == meta["wall_s"]
-        assert f"{meta['wall_s'] / 60:.1f} min over {meta['invocations']} invocation" in text
-        rerun = results_dir / "results" / "rerun.json"
-        if rerun.is_file():
-            r = json.loads(rerun.read_text())
-            assert meta["rerun"] == r
-            said = f"{r['run']} trained twice from scratch for {r['iterations']} iterations gave "
-            assert said + ("bitwise-equal" if r["bitwise_equal"] else "losses up to") in text
-            assert r["cpu"] in text
-        uni_ppl = list(_ppl(recs, grid.UNIFORM.key).values())
-        if len(uni_ppl) > 1:
-            assert f"seed-to-seed std: {statistics.stdev(uni_ppl):.2f} ppl" in text
-        else:
-            assert "seed-to-seed std" not in text
-        cpus = [[e.get("cpu") for e in (r.get("provenance") or [{}])] for r in recs]
-        none = sum(c == [None] for c in cpus)  # runs trained before the CPU was recorded
-        assert (f"CPU not recorded ({none} runs)" in text) == (none > 0)
-        for c in filter(None, itertools.chain(*cpus)):
-            assert f"{c['model']}, torch kernels {c['torch_kernels']}" in text
-        unrecorded = sum(not r.get("provenance") for r in recs)
-        assert (f"not recorded ({unrecorded} runs)" in text) == (unrecorded > 0)
-        for r in recs:
-            for e in r.get("provenance") or []:
-                assert e["commit"][:12] in text and f"torch {e['torch']}" in text
-        checked += 4
-    groups: dict[int, list[str]] = {}  # per experiment its fewest seeds, as run
+def _check_training_length(text: str, recs: list[dict], base: list[dict]) -> None:
+    """The setup line's model, each architecture's own dimensions, and how far from converged
+    the first size, the second corpus and the second size stopped."""
+    r0 = next((r for r in base if r["arch"] == "transformer"), base[0])
+    m0 = r0["model"]
+    assert f"d_model {m0['d_model']}, {m0['layers']} layers, baseline d_ff {m0['d_ff']}" in text
+    assert f"{r0['iterations'] * r0['tokens_per_iteration']:,} training tokens" in text
+    for r in base:  # each architecture's own dimensions are named in the setup line
+        m = r["model"]
+        if m["d_ff"] != m0["d_ff"]:
+            assert f"{r['arch']}: d_ff {m['d_ff']}" in text, r["arch"]
+        if m["seq_len"] != m0["seq_len"]:
+            assert f"sequence {m['seq_len']}" in text.split(f"{r['arch']}: ")[1], r["arch"]
+    moved = "the last evaluation interval still moved the validation loss "
+    late = _late_drop_range(base)
+    if late:
+        assert f"not at convergence: {moved}{late} of the largest" in text
+    else:
+        assert "- Training length" not in text
+    on_corpus = _late_drop_range([r for r in recs if r.get("corpus")])
+    if on_corpus:
+        corpus_line = f"on this corpus: not at convergence: {moved}{on_corpus} of the largest"
+        assert corpus_line in text
+    large = [r for r in recs if r.get("size")]
+    if large:  # the (g) intro: the second size's LR and how far from converged it stopped
+        intro = next(x for x in text.splitlines() if x.startswith("The (c) comparisons of"))
+        assert {r["lr"] for r in large} == {large[0]["lr"]}
+        assert f"training tokens per run, peak LR {large[0]['lr']:g})" in intro
+        late = _late_drop_range(large)
+        assert (f"At this size too, {moved}{late} of the largest" in intro) == bool(late)
+
+
+def _check_wall_and_rerun(text: str, recs: list[dict], meta: dict, results_dir: Path) -> None:
+    """The Runs line's counts and mean wall time (undercounted resumed runs left out), the
+    driver's summed wall time, the rerun check and the uniform seed spread."""
+    by_config: dict[str, list[float]] = {}
+    for r in recs:
+        by_config.setdefault(r["variant"], []).append(r["wall_s"])
+    short = [  # a resumed run whose earlier invocations were not counted
+        r["run"]
+        for r in recs
+        if len(by_config[r["variant"]]) > 2
+        and r["wall_s"] < 0.5 * statistics.median(by_config[r["variant"]])
+    ]
+    walls = statistics.fmean(r["wall_s"] for r in recs if r["run"] not in short)
+    assert f"Runs: {len(recs)} finished of {meta['runs_planned']} planned" in text
+    assert f"; {walls:.0f} s wall per training run" in text
+    assert (f"leaving out {', '.join(short)}: under half" in text) == bool(short)
+    kept = results_dir / "results" / "driver_wall.json"
+    if kept.is_file():  # the driver's wall file, committed with the records, gives the sum
+        assert round(sum(json.loads(kept.read_text())), 1) == meta["wall_s"]
+    assert f"{meta['wall_s'] / 60:.1f} min over {meta['invocations']} invocation" in text
+    rerun = results_dir / "results" / "rerun.json"
+    if rerun.is_file():
+        r = json.loads(rerun.read_text())
+        assert meta["rerun"] == r
+        said = f"{r['run']} trained twice from scratch for {r['iterations']} iterations gave "
+        assert said + ("bitwise-equal" if r["bitwise_equal"] else "losses up to") in text
+        assert r["cpu"] in text
+    uni_ppl = list(_ppl(recs, grid.UNIFORM.key).values())
+    if len(uni_ppl) > 1:
+        assert f"seed-to-seed std: {statistics.stdev(uni_ppl):.2f} ppl" in text
+    else:
+        assert "seed-to-seed std" not in text
+
+
+def _check_provenance(text: str, recs: list[dict]) -> None:
+    """Every run's CPU, commit and torch version are named, and the runs without them counted."""
+    cpus = [[e.get("cpu") for e in (r.get("provenance") or [{}])] for r in recs]
+    none = sum(c == [None] for c in cpus)  # runs trained before the CPU was recorded
+    assert (f"CPU not recorded ({none} runs)" in text) == (none > 0)
+    for c in filter(None, itertools.chain(*cpus)):
+        assert f"{c['model']}, torch kernels {c['torch_kernels']}" in text
+    unrecorded = sum(not r.get("provenance") for r in recs)
+    assert (f"not recorded ({unrecorded} runs)" in text) == (unrecorded > 0)
+    for r in recs:
+        for e in r.get("provenance") or []:
+            assert e["commit"][:12] in text and f"torch {e['torch']}" in text
+
+
+def _check_seed_counts(text: str, recs: list[dict]) -> None:
+    """Per experiment its fewest seeds, as run: in the Runs line and with its t quantile."""
+    groups: dict[int, list[str]] = {}
     for e in grid.EXPERIMENTS:
         ns = [len(_ppl(recs, v.key)) for v in grid.experiment_variants(e) if _ppl(recs, v.key)]
         if ns:
@@ -503,18 +505,27 @@ def check_results(results_dir: Path) -> int:
         assert (said in text) == (n > 1), said
         if n > 1:
             assert f"{n} seeds{where}" in text.split("- Runs:")[1].split("\n")[0], n
-    if "controlled" in meta["only"]:
+
+
+def _check_comparisons(
+    text: str, tables: dict[str, list[list[str]]], recs: list[dict], only: list[str]
+) -> int:
+    """The comparison tables of (a), (b), (c) with its budget table, and (h); (c)'s
+    architectures without runs named as such in the Reading."""
+    checked = 0
+    uni = grid.UNIFORM.key
+    if "controlled" in only:
         for row, v in zip(tables["(a)"], grid.experiment_variants("controlled"), strict=True):
             assert row[0] == v.label and row[1] == _widths(recs, v.key), row
             assert row[-6:] == _expected_row(recs, v.key, uni), row
             checked += 7
-    if "sweep" in meta["only"]:
+    if "sweep" in only:
         for row, v in zip(tables["(b)"], grid.experiment_variants("sweep"), strict=True):
             assert row[-6:] == _expected_row(recs, v.key, uni), row
             if v.schedule != "uniform":
                 assert row[:2] == [v.schedule, f"{v.ratio[0]:g}/{v.ratio[1]:g}"]
             checked += 6
-    if "archs" in meta["only"]:
+    if "archs" in only:
         for row, v in zip(tables["(c)"], grid.experiment_variants("archs"), strict=True):
             assert row[:2] == [v.arch, v.label]
             assert row[-6:] == _expected_row(recs, v.key, grid.Variant(v.arch).key), row
@@ -524,34 +535,61 @@ def check_results(results_dir: Path) -> int:
         for a in grid.ARCHS:  # an architecture without runs is named as such in the Reading
             none = not any(r["arch"] == a and not r.get("size") for r in recs)
             assert (f"  - {a}: no run finished yet" in text) == none, a
-    if "(e)" in tables:
-        uni_v, tap_v = grid.experiment_variants("alignment")
-        seeds = [
-            sum(1 for r in recs if r["variant"] == v.key and r.get("alignment"))
-            for v in (uni_v, tap_v)
-        ]
-        assert f"mean ± std over seeds (uniform {seeds[0]}, tapered {seeds[1]})" in text
-        for row in tables["(e)"]:
-            layer = int(row[0])
-            for cell, v, key in zip(
-                row[1:],
-                (uni_v, tap_v, uni_v, tap_v),
-                ("rho_block", "rho_block", "rho_mlp", "rho_mlp"),
-                strict=True,
-            ):
-                xs = [
-                    r["alignment"]["layers"][layer][key]
-                    for r in recs
-                    if r["variant"] == v.key and r.get("alignment")
-                ]
-                assert cell == _fmt(xs, digits=3)
-                checked += 1
-    if "corpus" in meta["only"]:
+    if "corpus" in only:
         vs = grid.experiment_variants("corpus")
         for row, v in zip(tables["(h)"], vs, strict=True):
             assert row[:2] == [v.arch, v.label]
             assert row[-6:] == _expected_row(recs, v.key, vs[0].key), row
             checked += 6
+    return checked
+
+
+def _check_alignment(text: str, rows: list[list[str]], recs: list[dict]) -> int:
+    """(e): the seeds per configuration and each layer's ρ cells."""
+    uni_v, tap_v = grid.experiment_variants("alignment")
+    seeds = [
+        sum(1 for r in recs if r["variant"] == v.key and r.get("alignment")) for v in (uni_v, tap_v)
+    ]
+    assert f"mean ± std over seeds (uniform {seeds[0]}, tapered {seeds[1]})" in text
+    checked = 0
+    for row in rows:
+        layer = int(row[0])
+        for cell, v, key in zip(
+            row[1:],
+            (uni_v, tap_v, uni_v, tap_v),
+            ("rho_block", "rho_block", "rho_mlp", "rho_mlp"),
+            strict=True,
+        ):
+            xs = [
+                r["alignment"]["layers"][layer][key]
+                for r in recs
+                if r["variant"] == v.key and r.get("alignment")
+            ]
+            assert cell == _fmt(xs, digits=3)
+            checked += 1
+    return checked
+
+
+def check_results(results_dir: Path) -> int:
+    """Recompute RESULTS.md under ``results_dir`` from its saved files; return cells checked."""
+    text = (results_dir / "RESULTS.md").read_text()
+    meta = json.loads((results_dir / "results" / "meta.json").read_text())
+    recs = records.load_records(results_dir / "results" / "runs")
+    # 1. the whole document (tables, reading, links) is what the saved files give
+    assert report.render(recs, meta) == text
+    # 2. every number, recomputed independently of the report's code
+    tables = _tables(text)
+    checked = 0
+    base = [r for r in recs if not r.get("size") and not r.get("corpus")]
+    if base:
+        _check_training_length(text, recs, base)
+        _check_wall_and_rerun(text, recs, meta, results_dir)
+        _check_provenance(text, recs)
+        checked += 4
+    _check_seed_counts(text, recs)
+    checked += _check_comparisons(text, tables, recs, meta["only"])
+    if "(e)" in tables:
+        checked += _check_alignment(text, tables["(e)"], recs)
     if "(f)" in tables:
         checked += _check_zeroshot(text, tables["(f)"], recs, meta)
         checked += _check_zeroshot_items(text, recs)
@@ -912,111 +950,122 @@ def _rise(recs: list[dict], key: str) -> list[float]:
     return out
 
 
+def _estimate(d: list[float]) -> tuple | int:
+    """``(mean, lo, hi, p)`` of the paired t over ``d``; below two values, how many there are."""
+    return (statistics.fmean(d), *_ttest(d)) if len(d) >= 2 else len(d)
+
+
+def _ppl_estimate(recs: list[dict], a: str, b: str) -> tuple | int:
+    """:func:`_estimate` of the per-seed perplexity differences of variant ``a`` minus ``b``."""
+    return _estimate(_paired(_ppl(recs, a), _ppl(recs, b)))
+
+
+def _family_archs(recs: list[dict], corpus: bool) -> tuple[str, list[tuple]]:
+    """(c): cosine 1.5/0.5 minus uniform per architecture, with ``corpus`` also the
+    Transformer's on the second corpus."""
+    archs = grid.experiment_variants("archs")
+    comps = [
+        (f"{v.arch} Δ", _ppl_estimate(recs, v.key, archs[i - 1].key), -1, "ppl", 2)
+        for i, v in enumerate(archs)
+        if i % 3 == 1
+    ]
+    if corpus:  # the first claim holds the second corpus's comparison too
+        u, c, _ = (v.key for v in grid.experiment_variants("corpus"))
+        comps.append(
+            (f"transformer on {grid.SECOND_CORPUS} Δ", _ppl_estimate(recs, c, u), -1, "ppl", 2)
+        )
+    return "(c)", comps
+
+
+def _family_controlled(recs: list[dict]) -> tuple[str, list[tuple]]:
+    """(a): the three adjacent steps of the paper's order."""
+    u, e, m, late = (v.key for v in grid.experiment_variants("controlled"))
+    return "(a)", [
+        ("early − uniform", _ppl_estimate(recs, e, u), -1, "ppl", 2),
+        ("middle − uniform", _ppl_estimate(recs, m, u), 1, "ppl", 2),
+        ("late − middle", _ppl_estimate(recs, late, m), 1, "ppl", 2),
+    ]
+
+
+def _families_sweep(recs: list[dict]) -> list[tuple[str, list[tuple]]]:
+    """(b)'s two claims: cosine below linear and sigmoid at each ratio, and cosine 1.5/0.5
+    below cosine at each other ratio."""
+    key = "transformer-{}-{:g}-{:g}".format
+    best = [
+        (
+            f"{a:g}/{b:g} cosine − {o}",
+            _ppl_estimate(recs, key("cosine", a, b), key(o, a, b)),
+            -1,
+            "ppl",
+            2,
+        )
+        for a, b in grid.SWEEP_RATIOS
+        for o in ("linear", "sigmoid")
+    ]
+    ratio = [
+        (
+            f"1.5/0.5 − {a:g}/{b:g}",
+            _ppl_estimate(recs, key("cosine", 1.5, 0.5), key("cosine", a, b)),
+            -1,
+            "ppl",
+            2,
+        )
+        for a, b in grid.SWEEP_RATIOS
+        if (a, b) != (1.5, 0.5)
+    ]
+    return [("(b)", best), ("(b)", ratio)]
+
+
+def _family_zeroshot(recs: list[dict]) -> tuple[str, list[tuple]]:
+    """(f): average accuracy of cosine 1.5/0.5 minus uniform per architecture, by the paired
+    bootstrap over items and seeds where the runs saved items, else the paired t over seeds."""
+    archs = grid.experiment_variants("archs")
+    comps = []
+    for i in range(1, len(archs), 3):
+        v, u = archs[i], archs[i - 1]
+        boot: tuple | int | None = _bootstrap(_items(recs, v.key), _items(recs, u.key))
+        if boot is None:
+            boot = _estimate(
+                _paired(_per_seed(recs, v.key, _acc(None)), _per_seed(recs, u.key, _acc(None)))
+            )
+        comps.append((f"{v.arch} Δ", boot, 1, "points", 2))
+    return "(f)", comps
+
+
+def _family_alignment(recs: list[dict]) -> tuple[str, list[tuple]]:
+    """(e): ρ_block's late rise in the uniform and the tapered Transformer."""
+    return "(e)", [
+        (f"{v.label} rise", _estimate(_rise(recs, v.key)), 1, "", 3)
+        for v in grid.experiment_variants("alignment")
+    ]
+
+
+def _family_scale(recs: list[dict]) -> tuple[str, list[tuple]]:
+    """(g): cosine 1.5/0.5 minus uniform per (g) architecture at the second size."""
+    big = grid.scale_variants(grid.SECOND)
+    return "(g)", [
+        (f"{v.arch} Δ", _ppl_estimate(recs, v.key, big[i - 1].key), -1, "ppl", 2)
+        for i, v in enumerate(big)
+        if i % 3 == 1
+    ]
+
+
 def _families(recs: list[dict], only: list[str]) -> list[tuple[str, list[tuple]]]:
     """Each claim's comparisons, recomputed: ``(label, (mean, lo, hi, p) or None, expected
     sign, unit, digits)``."""
-
-    def t(d: list[float]) -> tuple | int:  # below two values: how many there are
-        return (statistics.fmean(d), *_ttest(d)) if len(d) >= 2 else len(d)
-
-    def ppl(a: str, b: str) -> tuple | None:
-        return t(_paired(_ppl(recs, a), _ppl(recs, b)))
-
     fams: list[tuple[str, list[tuple]]] = []
-    archs = grid.experiment_variants("archs")
     if "archs" in only:
-        fams.append(
-            (
-                "(c)",
-                [
-                    (f"{v.arch} Δ", ppl(v.key, archs[i - 1].key), -1, "ppl", 2)
-                    for i, v in enumerate(archs)
-                    if i % 3 == 1
-                ],
-            )
-        )
-        if "corpus" in only:  # the first claim holds the second corpus's comparison too
-            u, c, _ = (v.key for v in grid.experiment_variants("corpus"))
-            fams[-1][1].append((f"transformer on {grid.SECOND_CORPUS} Δ", ppl(c, u), -1, "ppl", 2))
+        fams.append(_family_archs(recs, "corpus" in only))
     if "controlled" in only:
-        u, e, m, late = (v.key for v in grid.experiment_variants("controlled"))
-        fams.append(
-            (
-                "(a)",
-                [
-                    ("early − uniform", ppl(e, u), -1, "ppl", 2),
-                    ("middle − uniform", ppl(m, u), 1, "ppl", 2),
-                    ("late − middle", ppl(late, m), 1, "ppl", 2),
-                ],
-            )
-        )
+        fams.append(_family_controlled(recs))
     if "sweep" in only:
-        key = "transformer-{}-{:g}-{:g}".format
-        fams.append(
-            (
-                "(b)",
-                [
-                    (
-                        f"{a:g}/{b:g} cosine − {o}",
-                        ppl(key("cosine", a, b), key(o, a, b)),
-                        -1,
-                        "ppl",
-                        2,
-                    )
-                    for a, b in grid.SWEEP_RATIOS
-                    for o in ("linear", "sigmoid")
-                ],
-            )
-        )
-        fams.append(
-            (
-                "(b)",
-                [
-                    (
-                        f"1.5/0.5 − {a:g}/{b:g}",
-                        ppl(key("cosine", 1.5, 0.5), key("cosine", a, b)),
-                        -1,
-                        "ppl",
-                        2,
-                    )
-                    for a, b in grid.SWEEP_RATIOS
-                    if (a, b) != (1.5, 0.5)
-                ],
-            )
-        )
+        fams += _families_sweep(recs)
     if "archs" in only:
-        comps = []
-        for i in range(1, len(archs), 3):
-            v, u = archs[i], archs[i - 1]
-            boot: tuple | int | None = _bootstrap(_items(recs, v.key), _items(recs, u.key))
-            if boot is None:
-                boot = t(
-                    _paired(_per_seed(recs, v.key, _acc(None)), _per_seed(recs, u.key, _acc(None)))
-                )
-            comps.append((f"{v.arch} Δ", boot, 1, "points", 2))
-        fams.append(("(f)", comps))
+        fams.append(_family_zeroshot(recs))
     if "alignment" in only:
-        fams.append(
-            (
-                "(e)",
-                [
-                    (f"{v.label} rise", t(_rise(recs, v.key)), 1, "", 3)
-                    for v in grid.experiment_variants("alignment")
-                ],
-            )
-        )
+        fams.append(_family_alignment(recs))
     if "scale" in only:
-        big = grid.scale_variants(grid.SECOND)
-        fams.append(
-            (
-                "(g)",
-                [
-                    (f"{v.arch} Δ", ppl(v.key, big[i - 1].key), -1, "ppl", 2)
-                    for i, v in enumerate(big)
-                    if i % 3 == 1
-                ],
-            )
-        )
+        fams.append(_family_scale(recs))
     return fams
 
 
