@@ -801,7 +801,7 @@ def _check_pooled(rows: list[list[str]], recs: list[dict], only: list[str]) -> i
     for i in (1, 2) if "archs" in only else ():
         d = []
         for a in grid.ARCHS:
-            vs = [v for v in grid.experiment_variants("archs") if v.arch == a]
+            vs = grid.arch_variants(a)
             d += _paired(_ppl(recs, vs[i].key), _ppl(recs, vs[0].key))
         if d:
             expected.append(_pooled_cells(d, "architecture × seed"))

@@ -111,6 +111,12 @@ class Variant:
 UNIFORM = Variant()
 
 
+def arch_variants(arch: str) -> tuple[Variant, Variant, Variant]:
+    """Experiment (c)'s three configurations of ``arch``: uniform, the default taper, reversed."""
+    sched, ratio = DEFAULT_TAPER
+    return Variant(arch), Variant(arch, sched, ratio), Variant(arch, sched, ratio, True)
+
+
 def experiment_variants(name: str) -> list[Variant]:
     """The configurations one experiment compares (its first entry is the uniform baseline)."""
     if name == "controlled":
@@ -120,12 +126,7 @@ def experiment_variants(name: str) -> list[Variant]:
             Variant("transformer", s, r) for r in SWEEP_RATIOS for s in SWEEP_SCHEDULES
         ]
     if name == "archs":
-        sched, ratio = DEFAULT_TAPER
-        return [
-            v
-            for a in ARCHS
-            for v in (Variant(a), Variant(a, sched, ratio), Variant(a, sched, ratio, True))
-        ]
+        return [v for a in ARCHS for v in arch_variants(a)]
     if name == "alignment":
         sched, ratio = DEFAULT_TAPER
         return [UNIFORM, Variant("transformer", sched, ratio)]

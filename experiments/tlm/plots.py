@@ -95,7 +95,7 @@ def _archs(plt: Any, by: dict) -> Any:
     """(c): perplexity of uniform, cosine 1.5/0.5 and reverse, one panel per architecture."""
     fig, axes = plt.subplots(1, len(grid.ARCHS), figsize=(10, 3.6))
     for ax, a in zip(axes, grid.ARCHS, strict=True):
-        vs = [v for v in grid.experiment_variants("archs") if v.arch == a]
+        vs = grid.arch_variants(a)
         _dots(
             ax,
             ["uniform", "cosine 1.5/0.5", "reverse"],

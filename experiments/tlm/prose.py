@@ -151,7 +151,7 @@ def _archs_reading(by: dict) -> list[str]:
     perplexity, and the memory probe."""
     lines = []
     for a in grid.ARCHS:
-        uni, cos, rev = [v for v in grid.experiment_variants("archs") if v.arch == a]
+        uni, cos, rev = grid.arch_variants(a)
         if by.get(uni.key) and by.get(cos.key):
             d = ppl_diffs(by, cos, uni)
             text = f"  - {a}: cosine 1.5/0.5 vs uniform: {verdict(d, True)} ({_diff_text(d)})"
@@ -244,7 +244,7 @@ def _zeroshot_gains(by: dict) -> tuple[int, int, dict[str, list[str]]]:
     up = total = 0
     sure: dict[str, list[str]] = {"above": [], "below": []}
     for a in grid.ARCHS:
-        uni, cos, _ = [v for v in grid.experiment_variants("archs") if v.arch == a]
+        uni, cos, _ = grid.arch_variants(a)
         d = Paired(zs_stat(by.get(cos.key)), zs_stat(by.get(uni.key))).diffs
         if d.n:
             total += 1
@@ -342,7 +342,7 @@ def _probe_reading(by: dict) -> list[str]:
     """The memory probe of (c)'s memory architectures against :data:`MEMORY_WORK_NATS`."""
     parts, reach = [], []
     for a in grid.MEMORY_ARCHS:
-        configs = [by.get(v.key) for v in grid.experiment_variants("archs") if v.arch == a]
+        configs = [by.get(v.key) for v in grid.arch_variants(a)]
         short = [s for s in (probe_stat(c, 0) for c in configs) if s.n]
         if not short:
             continue

@@ -142,7 +142,7 @@ def claim_per_architecture(by: dict, second_corpus: bool = False) -> Claim:
     ``second_corpus`` also the Transformer on the (h) second corpus."""
     comps = []
     for a in grid.ARCHS:
-        uni, cos, _ = [v for v in grid.experiment_variants("archs") if v.arch == a]
+        uni, cos, _ = grid.arch_variants(a)
         comps.append(Comparison(f"{a} Δ", ppl_diffs(by, cos, uni), -1))
     if second_corpus:
         uni, cos, _ = grid.experiment_variants("corpus")
@@ -213,7 +213,7 @@ def claim_zeroshot(by: dict) -> Claim:
     over seeds."""
     comps, items = [], True
     for a in grid.ARCHS:
-        uni, cos, _ = [v for v in grid.experiment_variants("archs") if v.arch == a]
+        uni, cos, _ = grid.arch_variants(a)
         est: Estimate = ItemPaired(item_outcomes(by.get(cos.key)), item_outcomes(by.get(uni.key)))
         if not est.n:
             items = False
