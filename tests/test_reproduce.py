@@ -1167,6 +1167,22 @@ def test_committed_results_are_recomputed_from_saved_metrics() -> None:
         assert drops[-1] < 0.2 * max(drops), rec["run"]
 
 
+def test_a_configuration_without_a_seed_in_common_with_its_baseline_is_reported() -> None:
+    """A report written while runs are missing (``--report-only``) where a configuration and
+    its uniform baseline have finished different seeds: said in words, no crash."""
+    recs = records.load_records(DOCS / "results" / "runs")
+    first = {r["seed"] for r in recs if r["arch"] == "titans"}
+    early = set(sorted(first)[:3])
+    kept = [
+        r
+        for r in recs
+        if r["arch"] != "titans" or (r["seed"] in early) == (r["schedule"] == "uniform")
+    ]
+    meta = json.loads((DOCS / "results" / "meta.json").read_text())
+    text = report.render(kept, meta)
+    assert "titans: cosine 1.5/0.5 vs uniform: not measured (no seed in common" in text
+
+
 def test_zeroshot_items_give_item_level_tests_and_the_verdict(tmp_path: Path) -> None:
     """Runs with per-item zero-shot outputs: (f)'s paired bootstrap over items and seeds and
     McNemar counts, and the verdict table's (f) row resting on them, rendered and recomputed

@@ -55,6 +55,9 @@ def verdict(d: Stat, expect_negative: bool) -> str:
 
 
 def _diff_text(d: Stat) -> str:
+    """A paired difference in words: its mean, and with two seeds or more its interval."""
+    if not d.n:
+        return "no seed in common with the baseline yet"
     if d.n < 2:
         return f"Δ {signed(d.mean)} ppl"
     return f"Δ {signed(d.mean)} ppl, 95 % CI {ci_text(d)}, p {p_text(d.p)}"
