@@ -83,6 +83,36 @@ def held_products(c: int, seq: int, window: int) -> float:
     return total / seq
 
 
+def window_backward_elems(
+    d: int, h: int, c: int, n: int, final: bool, first: bool, teach: bool
+) -> tuple[float, float]:
+    """Elements :class:`_UpdatingWindow`'s backward holds at its peak (its end) beyond what its
+    forward saved, for a window of ``n`` tokens of a level of width ``h`` (this rank's) and
+    period ``c``: per sequence, and once for the batch (the window-start ``W_2``, shared by the
+    sequences in the ``first`` window). Per token the gradient buffers of ``D``, ``E``, ``A``,
+    the pre-activations, ``e W_2``, the output, the input and the targets (``4 d + 5 h``; no
+    target under ``teach``) and silu's chain-rule terms (``5 h``); the ``x X^T`` gradient; the
+    last periods' temporaries (the first period's update, the second's products, and where
+    that one updated, its concatenated factors); ``W_2``'s gradient: two products and their
+    sum, per sequence, or once beside the weight's cast, and in a final window (its last
+    period makes no update) the update tokens' error and activation gradients copied to
+    multiply them."""
+    periods = -(-n // c)
+    last = (periods - 1) * c
+    per_seq = n * (4 * d + 11 * h - d * teach) + (n - c) * last
+    if periods > 1 or not final:
+        per_seq += c * (d + 3 * h)
+    if periods > 1:
+        per_seq += c * c
+    if periods > 1 + final:
+        per_seq += 2 * c * (d + h) + 5 * c * c
+    if not first:
+        return per_seq + 3 * d * h, 0.0
+    if final:
+        per_seq += last * (d + h)
+    return per_seq, 4.0 * d * h
+
+
 @dataclass(frozen=True, eq=False)
 class _WindowSpec:
     """What one :class:`_UpdatingWindow` does besides its tensors."""
