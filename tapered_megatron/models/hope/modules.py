@@ -297,13 +297,12 @@ class ContinuumMemory(MLPSlot):
         :class:`~tapered_megatron.models.mlp.SwiGLU`'s; an updating level's its largest window's
         (:func:`window_backward_elems`) beside the gradients of the level's whole-sequence
         inputs, in fp32 (fp64 stays fp64): of its output, its input (the windows' slices summed
-        into it), the association targets and the pre-activations (``3 d + 2 h`` per token).
-        Every gradient counted made."""
+        into it), the association targets (the teach signal has none: counted alike) and the
+        pre-activations (``3 d + 2 h`` per token). Every gradient counted made."""
         m, h = cfg.model, cfg.model.hope
         d, s = m.d_model, m.seq_len
         widths = level_widths(cfg.taper_plan.widths[layer], h.levels, cfg.taper_plan.unit)
         f = max(4, dtype_bytes)
-        teach = h.update == "teach"
         out = []
         for w, c in zip(widths, h.periods):
             if not (c > 0 and h.lr > 0 and s > c):
@@ -312,10 +311,10 @@ class ContinuumMemory(MLPSlot):
                 continue
             win, hl = fold_window(d, w, c, s), w / tp
             windows = [
-                window_backward_elems(d, hl, c, min(win, s - w0), w0 + win >= s, w0 == 0, teach)
+                window_backward_elems(d, hl, c, min(win, s - w0), w0 + win >= s, w0 == 0)
                 for w0 in range(0, s, win)
             ]
-            glue = s * ((3 - teach) * d + 2 * hl)
+            glue = s * (3 * d + 2 * hl)
             held = max(batch * (e + glue) + once for e, once in windows)
             out.append((f * held, 1.0))
         return out

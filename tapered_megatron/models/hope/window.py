@@ -84,22 +84,22 @@ def held_products(c: int, seq: int, window: int) -> float:
 
 
 def window_backward_elems(
-    d: int, h: int, c: int, n: int, final: bool, first: bool, teach: bool
+    d: int, h: int, c: int, n: int, final: bool, first: bool
 ) -> tuple[float, float]:
     """Elements :class:`_UpdatingWindow`'s backward holds at its peak (its end) beyond what its
     forward saved, for a window of ``n`` tokens of a level of width ``h`` (this rank's) and
     period ``c``: per sequence, and once for the batch (the window-start ``W_2``, shared by the
     sequences in the ``first`` window). Per token the gradient buffers of ``D``, ``E``, ``A``,
-    the pre-activations, ``e W_2``, the output, the input and the targets (``4 d + 5 h``; no
-    target under ``teach``) and silu's chain-rule terms (``5 h``); the ``x X^T`` gradient; the
-    last periods' temporaries (the first period's update, the second's products, and where
-    that one updated, its concatenated factors); ``W_2``'s gradient: two products and their
-    sum, per sequence, or once beside the weight's cast, and in a final window (its last
-    period makes no update) the update tokens' error and activation gradients copied to
-    multiply them."""
+    the pre-activations, ``e W_2``, the output, the input and the association targets
+    (``4 d + 5 h``; the teach signal takes no gradient: counted alike) and silu's chain-rule
+    terms (``5 h``); the ``x X^T`` gradient; the last periods' temporaries (the first period's
+    update, the second's products, and where that one updated, its concatenated factors);
+    ``W_2``'s gradient: two products and their sum, per sequence, or once beside the weight's
+    cast, and in a final window (its last period makes no update) the update tokens' error and
+    activation gradients copied to multiply them."""
     periods = -(-n // c)
     last = (periods - 1) * c
-    per_seq = n * (4 * d + 11 * h - d * teach) + (n - c) * last
+    per_seq = n * (4 * d + 11 * h) + (n - c) * last
     if periods > 1 or not final:
         per_seq += c * (d + 3 * h)
     if periods > 1:
