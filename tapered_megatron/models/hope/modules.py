@@ -295,10 +295,12 @@ class ContinuumMemory(MLPSlot):
     ) -> list[tuple[float, float]]:
         """One moment per level, its backward's end: a static level's as
         :class:`~tapered_megatron.models.mlp.SwiGLU`'s; an updating level's its largest window's
-        (:func:`window_backward_elems`) beside the gradients of the level's whole-sequence
-        inputs, in fp32 (fp64 stays fp64): of its output, its input (the windows' slices summed
-        into it), the association targets (the teach signal has none: counted alike) and the
-        pre-activations (``3 d + 2 h`` per token). Every gradient counted made."""
+        (:func:`window_backward_elems`) beside, in fp32 (fp64 stays fp64), the gradient of the
+        level's output and, where the level runs more than one window, those its windows' slices
+        are summed into: of its input, the association targets (the teach signal has none:
+        counted alike), the pre-activations and the rates and norms (``2 d + 2 h + 3`` per
+        token); and the chain's input gradient in the activations' dtype. Every gradient
+        counted made."""
         m, h = cfg.model, cfg.model.hope
         d, s = m.d_model, m.seq_len
         widths = level_widths(cfg.taper_plan.widths[layer], h.levels, cfg.taper_plan.unit)
@@ -310,13 +312,14 @@ class ContinuumMemory(MLPSlot):
                 out.append((max(b for b, _ in static), 1.0))
                 continue
             win, hl = fold_window(d, w, c, s), w / tp
+            starts = range(0, s, win)
             windows = [
-                window_backward_elems(d, hl, c, min(win, s - w0), w0 + win >= s, w0 == 0)
-                for w0 in range(0, s, win)
+                window_backward_elems(d, hl, c, min(win, s - w0), w0 + win >= s, w0 == 0, tp > 1)
+                for w0 in starts
             ]
-            glue = s * (3 * d + 2 * hl)
-            held = max(batch * (e + glue) + once for e, once in windows)
-            out.append((f * held, 1.0))
+            glue = s * (d + (2 * d + 2 * hl + 3) * (len(starts) > 1))
+            held = max(f * (batch * (e + glue) + once) for e, once in windows)
+            out.append((held + batch * s * d * dtype_bytes, 1.0))
         return out
 
     def forward(self, u: torch.Tensor) -> torch.Tensor:
