@@ -554,11 +554,12 @@ def backward_transient(
     each half's module names the moments of its backward that may hold the most
     (:meth:`~tapered_megatron.models.base.BlockPart.backward_peaks`), given what the half saved
     (its ``Counts.act_bytes``' share of the unit's, of ``full``), and by then the halves after
-    it have freed what they saved. Without recompute the unit's whole gradient counts beside
-    them; a checkpointed unit first re-creates all its activations (``full``), which live
-    beside its backward, and the gradients count as made: the halves' after it and, of its
-    own, those its module has made by that moment. ``full``, and the gradient, for a unit that
-    is no block or half of one."""
+    it have freed what they saved. Under selective recompute a half's cores run again in its
+    backward: their activations (``core_bytes``, RoPE's tables) live beside it. Without
+    recompute the unit's whole gradient counts beside them; a checkpointed unit first
+    re-creates all its activations (``full``), which live beside its backward, and the
+    gradients count as made: the halves' after it and, of its own, those its module has made
+    by that moment. ``full``, and the gradient, for a unit that is no block or half of one."""
     elem = activation_scale(shape.precision)
     grad_bytes = local * elem if grads else 0.0
     modules = block_halves(arch, u.kind)
@@ -571,10 +572,14 @@ def backward_transient(
         c = m.counts(cfg, layer, elem)
         saved = full * c.act_bytes / total
         peaks = m.backward_peaks(cfg, layer, elem, shape.micro_batch_size, shape.tp, saved)
+        again = 0.0
+        if shape.recompute == "selective":
+            core = c.core_replicated + (c.core_bytes - c.core_replicated) / shape.tp
+            again = core * shape.tokens + rope_table_bytes(u)
         half = 0.0
         if checkpointed and grads:
             half = tp_local_params(c, cfg, shape.tp, _built(cfg, m, (layer,))[0]) * elem
-        most = max(most, *(b + share * half + made - freed for b, share in peaks))
+        most = max(most, *(b + share * half + again + made - freed for b, share in peaks))
         freed, made = freed + saved, made + half
     return most + (full if checkpointed else grad_bytes)
 
