@@ -26,6 +26,7 @@ learns through the updates). Design and measurements: docs/memory_architectures.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 
 import torch
 from torch.autograd.function import once_differentiable
@@ -39,6 +40,7 @@ NORM_EPS = 1e-2  # added to a squared input norm before it divides a step (modul
 FOLD_DEPTH = 160
 
 
+@lru_cache(maxsize=1024)  # the cost model asks for every unit of every layout
 def fold_window(d: int, h: int, c: int, seq: int) -> int:
     """Tokens per window of a level of width ``h`` (all TP ranks) and period ``c`` over a
     sequence of ``seq``: the whole number of periods with the fewest multiply-adds per token
