@@ -80,7 +80,8 @@ Memory of stage ``j`` under 1F1B with ``M`` micro-batches (stage ``j`` of ``P`` 
   through one chunk of fp32 logits at a time; no logits-sized tensor exists. Its transient
   comes in forward (:func:`loss_forward_bytes`), beside every unit's activations, and before
   any gradient of the model's dtype where BF16_Optimizer drops them between steps
-  (:func:`lp_grads_dropped`). Under ZeRO-3 a
+  (:func:`lp_grads_dropped`), or in backward, where it scales its two saved gradients
+  (:func:`loss_backward_bytes`). Under ZeRO-3 a
   unit's transient also holds its full gradient (before DeepSpeed moves it into the reduce
   bucket), and the stage adds DeepSpeed's own buffers, the gathered weights and the optimizer
   step's temporaries (:func:`zero3_stage_bytes`, the steady state from the third step; within
@@ -682,9 +683,12 @@ def unit_costs(
             act += (TOKEN_ID_BYTES + 1) * tok
         if u.kind == "head":
             # The fused loss keeps its fp32 weight gradient until the micro-batch's backward;
-            # its working set in forward is the head's transient (loss_forward_bytes).
+            # the head's transient is its working set in forward or in backward.
             act += 4.0 * vocab_local * cfg.model.d_model
-            peak = loss_forward_bytes(cfg, shape, vocab_local)
+            peak = max(
+                loss_forward_bytes(cfg, shape, vocab_local),
+                loss_backward_bytes(cfg, shape, vocab_local, cast=True),
+            )
         # buffers keep their dtype (fp32), but zero.Init casts them to the model's
         buffers = buffer_bytes(u) * (elem / 4 if shape.zero_stage >= 3 else 1)
         out.append(
@@ -703,12 +707,12 @@ def unit_costs(
             )
         )
     if lp_grads_dropped(shape):
-        # the loss runs in forward before any gradient of the step is made; the head's backward
-        # scales its two gradients (fp32 weight, input) into new tensors
+        # the loss runs in forward before any gradient of the step is made; in backward the
+        # weight gradient's cast becomes the parameter's gradient (model state)
         held = elem * sum(c.local_params for c in out)
-        head = out[-1]
-        scaled = (4.0 * vocab_local + elem * tok / shape.tp) * cfg.model.d_model
-        out[-1] = replace(head, peak=max(head.peak - held, scaled))
+        forward = loss_forward_bytes(cfg, shape, vocab_local) - held
+        scaled = loss_backward_bytes(cfg, shape, vocab_local, cast=False)
+        out[-1] = replace(out[-1], peak=max(forward, scaled))
     return out
 
 
@@ -732,6 +736,18 @@ def loss_forward_bytes(cfg: Config, shape: RunShape, vocab_local: float) -> floa
     out = (elem * d * (1 + 1 / sp) + 4.0) * tok + (4.0 * vocab_local + LOSS_STAT_BYTES) * chunk
     if elem != 4:
         out += elem * vocab_local * (chunk + d)
+    return out
+
+
+def loss_backward_bytes(cfg: Config, shape: RunShape, vocab_local: float, cast: bool) -> float:
+    """The fused LM-head loss's working set in backward beyond what it kept
+    (:class:`~tapered_megatron.parallel.cross_entropy._LinearCEMean`): its two saved gradients
+    scaled into new tensors, the fp32 weight gradient and the input's, and with ``cast`` (below
+    fp32) the weight gradient's cast to the model's dtype beside the fp32 one."""
+    elem, d = activation_scale(shape.precision), cfg.model.d_model
+    out = (4.0 * vocab_local + elem * shape.tokens / shape.tp) * d
+    if cast and elem != 4:
+        out += elem * vocab_local * d
     return out
 
 
