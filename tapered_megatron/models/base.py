@@ -34,12 +34,17 @@ Protocol of the two module classes (what the block, the unit table and the count
     ``sequence_parallel=True``). Any other module gets the whole sequence from the block, as
     without sequence parallelism (the memory architectures' scans need it).
 
-``backward_share`` (class attribute, default ``1.0``)
-    The most the module's backward holds at once beyond what its forward saved, as a share of
-    those saved bytes (the cost model's transient of the module's backward). Matmul backwards
-    make gradients about as large as their saved inputs (1); a hand-written backward that walks
-    its saved tensors piece by piece holds less (measured with the simulator's tracker,
-    :mod:`tapered_megatron.planning.simulate`).
+``backward_peaks(cls, cfg, layer, dtype_bytes, batch, tp, saved) -> list[(bytes, grads)]``
+    The moments of the module's backward that may hold the most at once (the cost model's
+    transient of the module's backward): each the bytes it holds then beyond what its forward
+    saved, on one of ``tp`` TP ranks for a micro-batch of ``batch`` sequences, and the share of
+    its parameters whose gradients it has made by then. The default is one moment at the end:
+    ``backward_share`` (class attribute, default ``1.0``) of ``saved``, the bytes its forward
+    saved on that rank, with every gradient made. Matmul backwards make gradients about as
+    large as their saved inputs (1); a hand-written backward that walks its saved tensors
+    piece by piece holds less (measured with the simulator's tracker,
+    :mod:`tapered_megatron.planning.simulate`); a module whose working set follows its shapes
+    counts it from them.
 
 ``forward(self, x: Tensor[b, s, d_model]) -> Tensor[b, s, d_model]``
     ``x`` is the normalised block input; return the branch output (the block adds the residual).
@@ -164,6 +169,16 @@ class BlockPart(Recomputed, nn.Module):
     def counts(cls, cfg: Config, layer: int, dtype_bytes: int = 2) -> Counts:
         """Parameters, forward FLOPs per token and activation bytes per token (full model)."""
         raise NotImplementedError(f"{cls.__name__}.counts")
+
+    @classmethod
+    def backward_peaks(
+        cls, cfg: Config, layer: int, dtype_bytes: int, batch: int, tp: int, saved: float
+    ) -> list[tuple[float, float]]:
+        """The moments of the backward that may hold the most at once: (bytes beyond what the
+        forward saved on one of ``tp`` TP ranks for ``batch`` sequences, share of the
+        parameters whose gradients exist then); ``saved``: the bytes the forward saved on that
+        rank. Default: ``backward_share`` of them at the end, every gradient made."""
+        return [(cls.backward_share * saved, 1.0)]
 
 
 class TokenMixer(BlockPart):

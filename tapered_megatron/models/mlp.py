@@ -98,3 +98,23 @@ class SwiGLU(MLPSlot):
         params = 3 * d * f
         # kept for backward: input (d), gate, up, silu(gate) and the product fed to W2 (4 f)
         return Counts(params, 2.0 * params, float((d + 4 * f) * dtype_bytes))
+
+    @classmethod
+    def backward_peaks(
+        cls,
+        cfg: Config,
+        layer: int,
+        dtype_bytes: int,
+        batch: int,
+        tp: int,
+        saved: float,
+        d_ff: int | None = None,
+    ) -> list[tuple[float, float]]:
+        """:class:`_SwiGLUFn`'s backward on one of ``tp`` ranks (width ``f = d_ff / tp``) for
+        ``batch`` sequences: with ``W2``'s gradient made, the product's gradient (f), the fused
+        projection's (2 f) and silu's input gradient (f); at the end, with every gradient, the
+        product's and the projection's gradients and the input's (d, whole)."""
+        d = cfg.model.d_model
+        f = (d_ff if d_ff is not None else cfg.taper_plan.widths[layer]) / tp
+        tokens = batch * cfg.model.seq_len * dtype_bytes
+        return [(4 * f * tokens, 1 / 3), ((3 * f + d) * tokens, 1.0)]

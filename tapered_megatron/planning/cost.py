@@ -70,16 +70,18 @@ Memory of stage ``j`` under 1F1B with ``M`` micro-batches (stage ``j`` of ``P`` 
   ``core_bytes`` (inside the TP region: sharded but ``core_replicated``). RoPE's rotation
   keeps one complex table per rotation (queries, keys) per micro-batch, whole on every rank
   (:func:`rope_table_bytes`; a core's, freed under ``selective``).
-* transient: while one unit runs backward, its activation gradients (about the size of what it
-  saved; a module whose backward holds less says so, ``backward_share``) live next to
-  everything in flight but what the units after it on the stage saved for this micro-batch:
-  they ran backward first and freed it; under checkpointing its recomputed activations live
-  beside the gradients of one half at a time (:func:`backward_transient`).
+* transient: while one unit runs backward, its activation gradients and working buffers (what
+  each half's module says its backward holds at its fullest moments, ``backward_peaks``: a
+  share of what it saved, or counted from its shapes) live next to everything in flight but
+  what the units after it on the stage saved for this micro-batch: they ran backward first and
+  freed it; so do a block's halves, the MLP slot's before the mixer's; under checkpointing its
+  recomputed activations live beside them (:func:`backward_transient`).
   The head's fused loss keeps its fp32 weight gradient per micro-batch in flight and works
   through one chunk of fp32 logits at a time; no logits-sized tensor exists. Its transient
   comes in forward (:func:`loss_forward_bytes`), beside every unit's activations, and before
   any gradient of the model's dtype where BF16_Optimizer drops them between steps
-  (:func:`lp_grads_dropped`). Under ZeRO-3 a
+  (:func:`lp_grads_dropped`), or in backward, where it scales its two saved gradients
+  (:func:`loss_backward_bytes`). Under ZeRO-3 a
   unit's transient also holds its full gradient (before DeepSpeed moves it into the reduce
   bucket), and the stage adds DeepSpeed's own buffers, the gathered weights and the optimizer
   step's temporaries (:func:`zero3_stage_bytes`, the steady state from the third step; within
@@ -543,21 +545,44 @@ def whole_sequence_halves(arch: Blocks, kind: str) -> int:
     return sum(not m.takes_sequence_shards for m in block_halves(arch, kind))
 
 
-def backward_transient(arch: Blocks, u: Unit, elem: int, checkpointed: bool) -> float:
-    """Unit ``u``'s transient in backward as a share of what it saves (the activations of one
-    micro-batch it holds without recompute). Each half's backward holds its module's
-    ``backward_share`` of what that half saved; the halves' shares are weighted by the bytes
-    each saves (``Counts.act_bytes``). Without recompute the halves' working sets are summed
-    (the mixer's backward may begin before the MLP's gradients are freed); a ``checkpointed``
-    unit first re-creates all its activations (1) and then runs its halves' backwards one after
-    the other, the MLP's recomputed activations freed before the mixer's: the larger half's.
-    1 for a unit that is no block or half of one."""
+def backward_transient(
+    arch: Blocks, u: Unit, shape: RunShape, full: float, local: float, grads: bool
+) -> float:
+    """Unit ``u``'s transient in backward on one TP rank: ``full`` the activations one
+    micro-batch of it saves without recompute, ``local`` its TP-local parameters, ``grads``
+    whether their gradients count (ZeRO-3, a bf16 pipeline: autograd makes each before
+    DeepSpeed moves it). Its halves run backward one after the other, the MLP slot's first;
+    each half's module names the moments of its backward that may hold the most
+    (:meth:`~tapered_megatron.models.base.BlockPart.backward_peaks`), given what the half saved
+    (its ``Counts.act_bytes``' share of the unit's, of ``full``), and by then the halves after
+    it have freed what they saved. Under selective recompute a half's cores run again in its
+    backward: their activations (``core_bytes``, RoPE's tables) live beside it. Without
+    recompute the unit's whole gradient counts beside them; a checkpointed unit first
+    re-creates all its activations (``full``), which live beside its backward, and the
+    gradients count as made: the halves' after it and, of its own, those its module has made
+    by that moment. ``full``, and the gradient, for a unit that is no block or half of one."""
+    elem = activation_scale(shape.precision)
+    grad_bytes = local * elem if grads else 0.0
     modules = block_halves(arch, u.kind)
-    saved = [m.counts(u.cfg, u.layer, elem).act_bytes for m in modules]
-    if not sum(saved):
-        return 1.0
-    held = [m.backward_share * a / sum(saved) for m, a in zip(modules, saved, strict=True)]
-    return 1.0 + max(held) if checkpointed else sum(held)
+    if not modules:
+        return full + grad_bytes
+    cfg, layer, total = u.cfg, u.layer, u.counts(elem).act_bytes
+    checkpointed = shape.recompute == "full"
+    most, freed, made = 0.0, 0.0, 0.0
+    for m in reversed(modules):
+        c = m.counts(cfg, layer, elem)
+        saved = full * c.act_bytes / total
+        peaks = m.backward_peaks(cfg, layer, elem, shape.micro_batch_size, shape.tp, saved)
+        again = 0.0
+        if shape.recompute == "selective":
+            core = c.core_replicated + (c.core_bytes - c.core_replicated) / shape.tp
+            again = core * shape.tokens + rope_table_bytes(u)
+        half = 0.0
+        if checkpointed and grads:
+            half = tp_local_params(c, cfg, shape.tp, _built(cfg, m, (layer,))[0]) * elem
+        most = max(most, *(b + share * half + again + made - freed for b, share in peaks))
+        freed, made = freed + saved, made + half
+    return most + (full if checkpointed else grad_bytes)
 
 
 def unit_costs(
@@ -637,15 +662,20 @@ def unit_costs(
         # RoPE's tables: per sequence, not per token (in the measured bytes already)
         rope = rope_table_bytes(u) if measured_act is None else 0.0
         full = resid + (act_bytes * tok - resid) / shape.tp + rope
-        # While a unit runs backward, gradients of its activations (about the size of what it
-        # saved, less for a module whose backward says so) are alive next to what the
-        # micro-batches in flight hold (but the units after it: units_transient); a
-        # checkpointed unit first re-creates its activations, which live beside them.
+        # While a unit runs backward, gradients of its activations (what its modules'
+        # backward_peaks say) are alive next to what the micro-batches in flight hold (but the
+        # units after it: units_transient); a checkpointed unit first re-creates its
+        # activations, which live beside them.
         act = input_bytes * tok / (shape.tp if sp else 1) if recompute else full
         if shape.recompute == "selective" and measured_act is None:
             # the cores run again in backward, RoPE's rotation with them
             act -= (c.core_replicated + (c.core_bytes - c.core_replicated) / shape.tp) * tok + rope
-        peak = full * backward_transient(halves, u, elem, recompute)
+        # Under ZeRO-3 autograd makes each gradient before DeepSpeed copies it into the reduce
+        # bucket, and a bf16 pipeline's before BF16_Optimizer's hooks move it into the fp32
+        # buffer (the head's fp32 one is already in ``act``); ZeRO-3's gathered weights are
+        # counted for the stage (zero3_stage_bytes).
+        grads = (shape.zero_stage >= 3 or grads_moved) and u.kind != "head"
+        peak = backward_transient(halves, u, shape, full, local, grads)
         if u.kind in ("embedding", "head"):
             act += TOKEN_ID_BYTES * tok  # the micro-batch's input ids / labels
         if u.kind == "embedding" and shape.tp > 1:
@@ -653,15 +683,12 @@ def unit_costs(
             act += (TOKEN_ID_BYTES + 1) * tok
         if u.kind == "head":
             # The fused loss keeps its fp32 weight gradient until the micro-batch's backward;
-            # its working set in forward is the head's transient (loss_forward_bytes).
+            # the head's transient is its working set in forward or in backward.
             act += 4.0 * vocab_local * cfg.model.d_model
-            peak = loss_forward_bytes(cfg, shape, vocab_local)
-        if (shape.zero_stage >= 3 or grads_moved) and u.kind != "head":
-            # Under ZeRO-3 autograd makes the unit's full gradient before DeepSpeed copies it
-            # into the reduce bucket, and a bf16 pipeline's before BF16_Optimizer's hooks move
-            # it into the fp32 buffer (the head's fp32 one is already in ``act``); ZeRO-3's
-            # gathered weights are counted for the stage (zero3_stage_bytes).
-            peak += local * elem
+            peak = max(
+                loss_forward_bytes(cfg, shape, vocab_local),
+                loss_backward_bytes(cfg, shape, vocab_local, cast=True),
+            )
         # buffers keep their dtype (fp32), but zero.Init casts them to the model's
         buffers = buffer_bytes(u) * (elem / 4 if shape.zero_stage >= 3 else 1)
         out.append(
@@ -680,12 +707,12 @@ def unit_costs(
             )
         )
     if lp_grads_dropped(shape):
-        # the loss runs in forward before any gradient of the step is made; the head's backward
-        # scales its two gradients (fp32 weight, input) into new tensors
+        # the loss runs in forward before any gradient of the step is made; in backward the
+        # weight gradient's cast becomes the parameter's gradient (model state)
         held = elem * sum(c.local_params for c in out)
-        head = out[-1]
-        scaled = (4.0 * vocab_local + elem * tok / shape.tp) * cfg.model.d_model
-        out[-1] = replace(head, peak=max(head.peak - held, scaled))
+        forward = loss_forward_bytes(cfg, shape, vocab_local) - held
+        scaled = loss_backward_bytes(cfg, shape, vocab_local, cast=False)
+        out[-1] = replace(out[-1], peak=max(forward, scaled))
     return out
 
 
@@ -709,6 +736,18 @@ def loss_forward_bytes(cfg: Config, shape: RunShape, vocab_local: float) -> floa
     out = (elem * d * (1 + 1 / sp) + 4.0) * tok + (4.0 * vocab_local + LOSS_STAT_BYTES) * chunk
     if elem != 4:
         out += elem * vocab_local * (chunk + d)
+    return out
+
+
+def loss_backward_bytes(cfg: Config, shape: RunShape, vocab_local: float, cast: bool) -> float:
+    """The fused LM-head loss's working set in backward beyond what it kept
+    (:class:`~tapered_megatron.parallel.cross_entropy._LinearCEMean`): its two saved gradients
+    scaled into new tensors, the fp32 weight gradient and the input's, and with ``cast`` (below
+    fp32) the weight gradient's cast to the model's dtype beside the fp32 one."""
+    elem, d = activation_scale(shape.precision), cfg.model.d_model
+    out = (4.0 * vocab_local + elem * shape.tokens / shape.tp) * d
+    if cast and elem != 4:
+        out += elem * vocab_local * d
     return out
 
 

@@ -42,6 +42,7 @@ from tapered_megatron.models.hope.window import (
     _WindowSpec,
     fold_window,
     held_products,
+    window_backward_elems,
     window_macs,
 )
 from tapered_megatron.models.mlp import SwiGLU
@@ -221,9 +222,6 @@ class ContinuumMemory(MLPSlot):
     that level's weights were updated (``self.last_updates``), for tests and diagnostics.
     """
 
-    # the update windows' backward holds one window's gradients at a time
-    backward_share = 0.75
-
     def __init__(self, cfg, layer: int, d_ff: int | None = None) -> None:
         super().__init__(cfg, layer)
         h = cfg.model.hope
@@ -290,6 +288,39 @@ class ContinuumMemory(MLPSlot):
                     base = base + Counts(gate, 0.0, 0.0)
             total = total + replace(base, act_replicated=float(whole))
         return total
+
+    @classmethod
+    def backward_peaks(
+        cls, cfg, layer: int, dtype_bytes: int, batch: int, tp: int, saved: float
+    ) -> list[tuple[float, float]]:
+        """One moment per level, its backward's end: a static level's as
+        :class:`~tapered_megatron.models.mlp.SwiGLU`'s; an updating level's its largest window's
+        (:func:`window_backward_elems`) beside, in fp32 (fp64 stays fp64), the gradient of the
+        level's output and, where the level runs more than one window, those its windows' slices
+        are summed into: of its input, the association targets (the teach signal has none:
+        counted alike), the pre-activations and the rates and norms (``2 d + 2 h + 3`` per
+        token); and the chain's input gradient in the activations' dtype. Every gradient
+        counted made."""
+        m, h = cfg.model, cfg.model.hope
+        d, s = m.d_model, m.seq_len
+        widths = level_widths(cfg.taper_plan.widths[layer], h.levels, cfg.taper_plan.unit)
+        f = max(4, dtype_bytes)
+        out = []
+        for w, c in zip(widths, h.periods):
+            if not (c > 0 and h.lr > 0 and s > c):
+                static = SwiGLU.backward_peaks(cfg, layer, dtype_bytes, batch, tp, saved, d_ff=w)
+                out.append((max(b for b, _ in static), 1.0))
+                continue
+            win, hl = fold_window(d, w, c, s), w / tp
+            starts = range(0, s, win)
+            windows = [
+                window_backward_elems(d, hl, c, min(win, s - w0), w0 + win >= s, w0 == 0, tp > 1)
+                for w0 in starts
+            ]
+            glue = s * (d + (2 * d + 2 * hl + 3) * (len(starts) > 1))
+            held = max(f * (batch * (e + glue) + once) for e, once in windows)
+            out.append((held + batch * s * d * dtype_bytes, 1.0))
+        return out
 
     def forward(self, u: torch.Tensor) -> torch.Tensor:
         teach = self.teach_signal if self.update == "teach" else None

@@ -26,6 +26,7 @@ learns through the updates). Design and measurements: docs/memory_architectures.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 
 import torch
 from torch.autograd.function import once_differentiable
@@ -39,6 +40,7 @@ NORM_EPS = 1e-2  # added to a squared input norm before it divides a step (modul
 FOLD_DEPTH = 160
 
 
+@lru_cache(maxsize=1024)  # the cost model asks for every unit of every layout
 def fold_window(d: int, h: int, c: int, seq: int) -> int:
     """Tokens per window of a level of width ``h`` (all TP ranks) and period ``c`` over a
     sequence of ``seq``: the whole number of periods with the fewest multiply-adds per token
@@ -81,6 +83,41 @@ def held_products(c: int, seq: int, window: int) -> float:
         total += max(n - c, 0) * (periods - 1) * c
         total += sum(2 * min(c, n - j * c) * j * c for j in range(1, periods))
     return total / seq
+
+
+def window_backward_elems(
+    d: int, h: int, c: int, n: int, final: bool, first: bool, tp: bool
+) -> tuple[float, float]:
+    """Elements :class:`_UpdatingWindow`'s backward holds at its peak (its end) beyond what its
+    forward saved, for a window of ``n`` tokens of a level of width ``h`` (this rank's) and
+    period ``c``: per sequence, and once for the batch (the window-start ``W_2``, shared by the
+    sequences in the ``first`` window). Per token the gradient buffers of ``D``, ``E``, ``A``,
+    the pre-activations, ``e W_2``, the output, the input and the association targets
+    (``4 d + 5 h``; the teach signal takes no gradient: counted alike), silu's chain-rule
+    terms (``5 h``) and the per-token scalars (norms, rates, step scales and their gradients:
+    at most 16); the ``x X^T`` gradient; the last periods' temporaries (the first period's
+    update, with ``tp`` its all-reduced error gradient; the second's products, and where that
+    one updated, its concatenated factors); unless ``final``, the gradients of the factors
+    ``D`` and the folded ``W_2`` the later windows gave it; ``W_2``'s gradient: two products
+    and their sum, per sequence, or once beside the weight's cast, and in a final window (its
+    last period makes no update) the update tokens' error and activation gradients copied to
+    multiply them."""
+    periods = -(-n // c)
+    last = (periods - 1) * c
+    per_seq = n * (4 * d + 11 * h + 16) + (n - c) * last
+    if periods > 1 or not final:
+        per_seq += c * (d * (1 + tp) + 3 * h)
+    if periods > 1:
+        per_seq += c * c
+    if periods > 1 + final:
+        per_seq += 2 * c * (d + h) + 5 * c * c
+    if not final:
+        per_seq += n * 2 * h + d * h
+    if not first:
+        return per_seq + 3 * d * h, 0.0
+    if final:
+        per_seq += last * (d + h)
+    return per_seq, 4.0 * d * h
 
 
 @dataclass(frozen=True, eq=False)
