@@ -380,6 +380,9 @@ class UnitCost:
     static: float  # weights + grads + optimizer state
     act: float  # saved activations of one micro-batch in flight
     peak: float  # transient working set (checkpointed recompute)
+    # bytes beside the model state once the step's backward is done, instead of the activations
+    # (a bf16 pipeline's gradient reduce: :func:`pipeline_reduce_bytes`)
+    after: float = 0.0
 
 
 def bytes_per_param(precision: str, zero: int, dp: int, pipeline: bool) -> float:
@@ -704,6 +707,7 @@ def unit_costs(
                 static=local * bpp + buffers,
                 act=act,
                 peak=peak,
+                after=pipeline_reduce_bytes(local, shape),
             )
         )
     if lp_grads_dropped(shape):
@@ -964,12 +968,8 @@ def stage_memory(
     out = []
     for j in range(p):
         us = costs[parts[j] : parts[j + 1]]
-        out.append(
-            overhead
-            + sum(u.static for u in us)
-            + fl[j] * sum(u.act for u in us)
-            + units_transient(us)
-        )
+        working = fl[j] * sum(u.act for u in us) + units_transient(us)
+        out.append(overhead + sum(u.static for u in us) + max(working, sum(u.after for u in us)))
     return out
 
 
@@ -1027,6 +1027,17 @@ def overlap_bucket_bytes(stage_params: float, elem: int, zero_stage: int) -> flo
 #: Gradient elements DeepSpeed's engine flattens at once when it all-reduces them itself
 #: (``MEMORY_OPT_ALLREDUCE_SIZE`` of ``deepspeed/runtime/engine.py``).
 FALLBACK_REDUCE_ELEMS = 500_000_000
+
+
+def pipeline_reduce_bytes(local_params: float, shape: RunShape) -> float:
+    """What a unit of ``local_params`` adds to the gradient reduce after a bf16 pipeline
+    stage's last backward: the engine's ``_bf16_reduce_grads`` runs the same flattening all-reduce
+    as :func:`fallback_reduce_bytes` (at any data-parallel size), summed over the stage's units
+    (its :data:`FALLBACK_REDUCE_ELEMS` cap not applied: never below). Outside a bf16 pipeline,
+    0 (a single stage's reduce is counted for the stage, :func:`balance.analyse`)."""
+    if not (shape.pipeline and shape.precision == "bf16" and shape.zero_stage <= 1):
+        return 0.0
+    return fallback_reduce_bytes(local_params, activation_scale(shape.precision))
 
 
 def fallback_reduce_bytes(stage_params: float, elem: int) -> float:

@@ -30,6 +30,9 @@ Running DeepSpeed on data-free tensors needs a few harness patches, applied only
 * the cost model's device ``auto`` (what the trainer's pipeline balancer asks for: the device
   it runs on) is the simulated device, not this machine's CPU, whose peak would be measured
   on fake tensors;
+* torch's Adam/AdamW takes the simulated device's path: its multi-tensor (foreach) one where
+  :attr:`~tapered_megatron.planning.cost.Device.adam_temporaries` is 1 (the default on a GPU),
+  not the single-tensor one torch picks for fake CPU tensors, whose temporaries differ;
 * DeepSpeed's process-group registry (``deepspeed.utils.groups``: the ``mpu`` and groups an
   engine leaves there) is put back as it was, so that one process can simulate several worlds.
 """
@@ -172,6 +175,7 @@ def _patches(received: tuple[int, ...], device: Device) -> list[contextlib.Abstr
     from deepspeed.runtime.pipe import engine as pipe_engine
     from deepspeed.runtime.zero import partition_parameters, partitioned_param_coordinator, stage3
     from deepspeed.utils import groups
+    from torch.optim import adam
 
     from tapered_megatron.parallel import pipeline
     from tapered_megatron.planning import cost
@@ -197,6 +201,9 @@ def _patches(received: tuple[int, ...], device: Device) -> list[contextlib.Abstr
             real = torch.tensor(_partition_meta(received, group), dtype=torch.long)
         return from_meta(real, local_part, group, **kw)
 
+    def fused_or_foreach(params: Any, differentiable: bool, use_fused: bool = False) -> Any:
+        return False, not differentiable and device.adam_temporaries == 1
+
     zero3 = (partition_parameters, partitioned_param_coordinator, stage3)
     return [
         _patched(nn.Module, "_apply", _apply_in_place(nn.Module._apply)),
@@ -205,6 +212,7 @@ def _patches(received: tuple[int, ...], device: Device) -> list[contextlib.Abstr
         _patched(pipeline, "agree_on_parts", lambda parts, table: (parts, table)),
         _patched(pipe_engine.PipelineEngine, "_recv_tensor_meta", recv_tensor_meta),
         _patched(PartitionedTensor, "from_meta", classmethod(partition_from_meta)),
+        _patched(adam, "_default_to_fused_or_foreach", fused_or_foreach),
         _patched(cost, "resolve_device", _resolving_auto_as(device, cost.resolve_device)),
         _registry_restored(groups),
     ]
