@@ -149,6 +149,7 @@ def problem_for(
         fixed=[overhead] * pp,
         cap=cap,
         after=[c.after for c in costs],
+        after_cap=costlib.AFTER_CAP,
     )
 
 

@@ -107,6 +107,7 @@ def evaluate_chunks(setup: ChunkSetup, parts: Sequence[int], method: str) -> Chu
     for j, (a, b) in enumerate(itertools.pairwise(parts)):
         peak[ranks[j]] = max(peak[ranks[j]], costlib.units_transient(c[a:b]))
     after = rank_sums(chunk_sums([u.after for u in c], parts), ranks, setup.pp)
+    after = [min(a, costlib.AFTER_CAP) for a in after]
     mem = [
         setup.overhead + static[r] + max(sim.peak_act[r] + peak[r], after[r])
         for r in range(setup.pp)

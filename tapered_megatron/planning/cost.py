@@ -969,7 +969,7 @@ def stage_memory(
     for j in range(p):
         us = costs[parts[j] : parts[j + 1]]
         working = fl[j] * sum(u.act for u in us) + units_transient(us)
-        out.append(overhead + sum(u.static for u in us) + max(working, sum(u.after for u in us)))
+        out.append(overhead + sum(u.static for u in us) + max(working, stage_after(us)))
     return out
 
 
@@ -1033,11 +1033,17 @@ def pipeline_reduce_bytes(local_params: float, shape: RunShape) -> float:
     """What a unit of ``local_params`` adds to the gradient reduce after a bf16 pipeline
     stage's last backward: the engine's ``_bf16_reduce_grads`` runs the same flattening all-reduce
     as :func:`fallback_reduce_bytes` (at any data-parallel size), summed over the stage's units
-    (its :data:`FALLBACK_REDUCE_ELEMS` cap not applied: never below). Outside a bf16 pipeline,
-    0 (a single stage's reduce is counted for the stage, :func:`balance.analyse`)."""
+    (at most :data:`AFTER_CAP` a stage). Outside a bf16 pipeline, 0 (a single stage's reduce
+    is counted for the stage, :func:`balance.analyse`)."""
     if not (shape.pipeline and shape.precision == "bf16" and shape.zero_stage <= 1):
         return 0.0
     return fallback_reduce_bytes(local_params, activation_scale(shape.precision))
+
+
+def stage_after(units: Sequence[UnitCost]) -> float:
+    """What a stage of ``units`` holds beside its model state after its last backward
+    (:attr:`UnitCost.after` summed, at most :data:`AFTER_CAP`)."""
+    return min(sum(u.after for u in units), AFTER_CAP)
 
 
 def fallback_reduce_bytes(stage_params: float, elem: int) -> float:
@@ -1047,6 +1053,11 @@ def fallback_reduce_bytes(stage_params: float, elem: int) -> float:
     activations are gone by then, so it is an alternative to the forward/backward working
     set, not an addition."""
     return min(stage_params, FALLBACK_REDUCE_ELEMS) * (4.0 + elem)
+
+
+#: The most a stage holds after its last backward: a bf16 pipeline's reduce flattens at most
+#: :data:`FALLBACK_REDUCE_ELEMS` gradients at a time (:func:`pipeline_reduce_bytes`).
+AFTER_CAP = fallback_reduce_bytes(FALLBACK_REDUCE_ELEMS, 2)
 
 
 def dp_bandwidth(device: Device, tp: int, dp: int) -> float:

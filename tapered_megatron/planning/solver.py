@@ -53,6 +53,7 @@ class Problem:
     fixed: tuple[float, ...]  # one per stage: bytes every stage j pays regardless of its units
     cap: float = float("inf")
     after: tuple[float, ...] = ()  # per unit: bytes after backward instead of the activations
+    after_cap: float = float("inf")  # the most of ``after`` a stage holds at once
 
     @classmethod
     def make(
@@ -67,6 +68,7 @@ class Problem:
         fixed: Sequence[float] | None = None,
         cap: float | None = None,
         after: Sequence[float] | None = None,
+        after_cap: float = float("inf"),
     ) -> Problem:
         """Build a problem; missing memory terms are zero, ``inflight`` defaults to 1F1B's
         ``P - j`` (callers pass ``min(P - j, M)`` when they know the micro-batch count)."""
@@ -82,6 +84,7 @@ class Problem:
             fixed=tuple(float(x) for x in fixed) if fixed is not None else (0.0,) * stages,
             cap=float("inf") if cap is None else float(cap),
             after=tuple(float(x) for x in after) if after is not None else zeros,
+            after_cap=float(after_cap),
         )
 
     @property
@@ -105,7 +108,7 @@ class Problem:
         working = self.inflight[j] * float(sum(self.act[lo:hi])) + stage_transient(
             self.act[lo:hi], self.peak[lo:hi]
         )
-        after = float(sum(self.after[lo:hi]))
+        after = min(float(sum(self.after[lo:hi])), self.after_cap)
         return self.fixed[j] + float(sum(self.static[lo:hi])) + max(working, after)
 
 
@@ -153,7 +156,7 @@ def solve(problem: Problem) -> list[int]:
     smat = ss[None, :] - ss[:, None]
     amat = sa[None, :] - sa[:, None]
     sf = _prefix(problem.after or (0.0,) * n)
-    fmat = sf[None, :] - sf[:, None]  # what each range holds after its backward
+    fmat = np.minimum(sf[None, :] - sf[:, None], problem.after_cap)  # after its backward
     # max over u in [i, k) of peak[u] - (sa[k] - sa[u + 1]): stage_transient of every range
     pmat = _range_max(np.asarray(problem.peak) + sa[1:]) - sa[None, :] if any(problem.peak) else 0.0
     idx = np.arange(n + 1)
