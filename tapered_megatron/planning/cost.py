@@ -86,6 +86,13 @@ Memory of stage ``j`` under 1F1B with ``M`` micro-batches (stage ``j`` of ``P`` 
   bucket), and the stage adds DeepSpeed's own buffers, the gathered weights and the optimizer
   step's temporaries (:func:`zero3_stage_bytes`, the steady state from the third step; within
   2.9 % of measured ranks at three 760M-derived shapes, docs/BENCHMARKS.md).
+* after backward: the activations are gone and BF16_Optimizer's gradient reduce flattens the
+  fp32 gradients and casts the flat copy (:func:`fallback_reduce_bytes`), at any DP size; a
+  stage holds the larger of that and its forward/backward working set (a single stage in
+  :func:`balance.analyse`'s fixed bytes, a pipeline stage per stage: :attr:`UnitCost.after`,
+  :func:`stage_after`). AdamW's step temporaries come after it and are not counted: on a GPU
+  (:attr:`Device.adam_temporaries`: one, 4 bytes a parameter of this rank's partition) they
+  are the smaller but where a partition holds over 3/4 of :data:`FALLBACK_REDUCE_ELEMS`.
 
 A published run of another code base (the calibration's) is costed as the planner's transformer
 at its shape, with what that model lacks (:class:`StandIn`: a GeLU MLP's activations, a tied
