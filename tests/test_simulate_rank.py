@@ -48,7 +48,7 @@ HOPE_FULL = pytest.mark.xfail(
     strict=True, reason="the peak is 5.8 % below the prediction (the checkpointed CMS backward)"
 )
 HOPE_SELECTIVE = pytest.mark.xfail(
-    strict=True, reason="the blocks keep 24-28 % more than predicted under selective recompute"
+    strict=True, reason="the blocks keep 22-28 % more than predicted under selective recompute"
 )
 
 
