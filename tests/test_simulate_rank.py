@@ -38,16 +38,35 @@ def check(sim) -> None:
     assert abs(err["model_state"]) <= 0.01, err
     assert len(sim.simulated.block_act) == len(sim.predicted.block_act)
     assert abs(err["block_act"]) <= 0.05, (sim.predicted, sim.simulated)
-    assert -0.05 <= err["peak"] <= 1e-4, err  # 1e-4: RNG states, a loss scalar
+    # never above but for a loss scalar and the RNG states each checkpoint stashes (the CPU
+    # generator's and the tracker's, 5 KiB each; selective recompute makes one per core)
+    assert sim.simulated.peak <= sim.predicted.peak + 64 * 1024, err
+    assert err["peak"] >= -0.05, err
+
+
+HOPE_FULL = pytest.mark.xfail(
+    strict=True, reason="the peak is 5.8 % below the prediction (the checkpointed CMS backward)"
+)
+HOPE_SELECTIVE = pytest.mark.xfail(
+    strict=True, reason="the blocks keep 22-28 % more than predicted under selective recompute"
+)
 
 
 @pytest.mark.parametrize(
     ("arch", "recompute"),
     [
         ("transformer", "none"),
+        ("transformer", "full"),
+        ("transformer", "selective"),
+        ("gated_attention", "none"),
         ("gated_attention", "full"),
+        ("gated_attention", "selective"),
         ("titans", "none"),
+        ("titans", "full"),
+        pytest.param("titans", "selective", marks=pytest.mark.slow),
         ("hope_attention", "none"),
+        pytest.param("hope_attention", "full", marks=HOPE_FULL),
+        pytest.param("hope_attention", "selective", marks=[pytest.mark.slow, HOPE_SELECTIVE]),
     ],
 )
 def test_reduced_rank_matches_plan(arch, recompute):
@@ -71,6 +90,18 @@ def test_reduced_pipeline_stage_matches_plan(stage):
     after = simulate(cfg, parse_layout("tp1 pp1 dp4 zero3 mbs2 gas1 rc-none layer"), H100, rank=0)
     assert after.simulated.params == after.predicted.params
     assert abs(after.errors()["model_state"]) <= 0.01, after.errors()
+
+
+@pytest.mark.parametrize("stage", [0, 1])
+def test_reduced_tp_pipeline_without_dp_matches_plan(stage):
+    """Each stage of tp2 x pp2 without data parallelism or sequence parallelism (DeepSpeed's
+    ``pipe_partitioned``: a stage sends its TP rank's part of the activation), full recompute:
+    the gradient reduce after backward, at dp 1 too, is the stages' peak."""
+    cfg = load_config("quickstart", for_arch("transformer", REDUCED))
+    c = parse_layout("tp2 pp2 dp1 zero1 mbs2 gas4 rc-full layer")
+    sim = simulate(cfg, c, H100, rank=2 * stage)
+    assert sim.stage == stage
+    check(sim)
 
 
 def _planned(config: str, gpus: int, pipeline: bool) -> Candidate:

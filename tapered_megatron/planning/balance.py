@@ -148,6 +148,8 @@ def problem_for(
         inflight=costlib.inflight(pp, micro_batches),
         fixed=[overhead] * pp,
         cap=cap,
+        after=[c.after for c in costs],
+        after_cap=costlib.AFTER_CAP,
     )
 
 

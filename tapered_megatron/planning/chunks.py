@@ -106,7 +106,12 @@ def evaluate_chunks(setup: ChunkSetup, parts: Sequence[int], method: str) -> Chu
     peak = [0.0] * setup.pp
     for j, (a, b) in enumerate(itertools.pairwise(parts)):
         peak[ranks[j]] = max(peak[ranks[j]], costlib.units_transient(c[a:b]))
-    mem = [setup.overhead + static[r] + sim.peak_act[r] + peak[r] for r in range(setup.pp)]
+    after = rank_sums(chunk_sums([u.after for u in c], parts), ranks, setup.pp)
+    after = [min(a, costlib.AFTER_CAP) for a in after]
+    mem = [
+        setup.overhead + static[r] + max(sim.peak_act[r] + peak[r], after[r])
+        for r in range(setup.pp)
+    ]
     return ChunkPlan(
         method=method,
         parts=tuple(int(x) for x in parts),

@@ -86,6 +86,13 @@ Memory of stage ``j`` under 1F1B with ``M`` micro-batches (stage ``j`` of ``P`` 
   bucket), and the stage adds DeepSpeed's own buffers, the gathered weights and the optimizer
   step's temporaries (:func:`zero3_stage_bytes`, the steady state from the third step; within
   2.9 % of measured ranks at three 760M-derived shapes, docs/BENCHMARKS.md).
+* after backward: the activations are gone and BF16_Optimizer's gradient reduce flattens the
+  fp32 gradients and casts the flat copy (:func:`fallback_reduce_bytes`), at any DP size; a
+  stage holds the larger of that and its forward/backward working set (a single stage in
+  :func:`balance.analyse`'s fixed bytes, a pipeline stage per stage: :attr:`UnitCost.after`,
+  :func:`stage_after`). AdamW's step temporaries come after it and are not counted: on a GPU
+  (:attr:`Device.adam_temporaries`: one, 4 bytes a parameter of this rank's partition) they
+  are the smaller but where a partition holds over 3/4 of :data:`FALLBACK_REDUCE_ELEMS`.
 
 A published run of another code base (the calibration's) is costed as the planner's transformer
 at its shape, with what that model lacks (:class:`StandIn`: a GeLU MLP's activations, a tied
@@ -380,6 +387,9 @@ class UnitCost:
     static: float  # weights + grads + optimizer state
     act: float  # saved activations of one micro-batch in flight
     peak: float  # transient working set (checkpointed recompute)
+    # bytes beside the model state once the step's backward is done, instead of the activations
+    # (a bf16 pipeline's gradient reduce: :func:`pipeline_reduce_bytes`)
+    after: float = 0.0
 
 
 def bytes_per_param(precision: str, zero: int, dp: int, pipeline: bool) -> float:
@@ -704,6 +714,7 @@ def unit_costs(
                 static=local * bpp + buffers,
                 act=act,
                 peak=peak,
+                after=pipeline_reduce_bytes(local, shape),
             )
         )
     if lp_grads_dropped(shape):
@@ -964,12 +975,8 @@ def stage_memory(
     out = []
     for j in range(p):
         us = costs[parts[j] : parts[j + 1]]
-        out.append(
-            overhead
-            + sum(u.static for u in us)
-            + fl[j] * sum(u.act for u in us)
-            + units_transient(us)
-        )
+        working = fl[j] * sum(u.act for u in us) + units_transient(us)
+        out.append(overhead + sum(u.static for u in us) + max(working, stage_after(us)))
     return out
 
 
@@ -1029,6 +1036,23 @@ def overlap_bucket_bytes(stage_params: float, elem: int, zero_stage: int) -> flo
 FALLBACK_REDUCE_ELEMS = 500_000_000
 
 
+def pipeline_reduce_bytes(local_params: float, shape: RunShape) -> float:
+    """What a unit of ``local_params`` adds to the gradient reduce after a bf16 pipeline
+    stage's last backward: the engine's ``_bf16_reduce_grads`` runs the same flattening all-reduce
+    as :func:`fallback_reduce_bytes` (at any data-parallel size), summed over the stage's units
+    (at most :data:`AFTER_CAP` a stage). Outside a bf16 pipeline, 0 (a single stage's reduce
+    is counted for the stage, :func:`balance.analyse`)."""
+    if not (shape.pipeline and shape.precision == "bf16" and shape.zero_stage <= 1):
+        return 0.0
+    return fallback_reduce_bytes(local_params, activation_scale(shape.precision))
+
+
+def stage_after(units: Sequence[UnitCost]) -> float:
+    """What a stage of ``units`` holds beside its model state after its last backward
+    (:attr:`UnitCost.after` summed, at most :data:`AFTER_CAP`)."""
+    return min(sum(u.after for u in units), AFTER_CAP)
+
+
 def fallback_reduce_bytes(stage_params: float, elem: int) -> float:
     """The transient of ``BF16_Optimizer``'s gradient reduce (bf16 with ZeRO-1): after the last
     backward the engine flattens the fp32 gradients, up to :data:`FALLBACK_REDUCE_ELEMS` of
@@ -1036,6 +1060,11 @@ def fallback_reduce_bytes(stage_params: float, elem: int) -> float:
     activations are gone by then, so it is an alternative to the forward/backward working
     set, not an addition."""
     return min(stage_params, FALLBACK_REDUCE_ELEMS) * (4.0 + elem)
+
+
+#: The most a stage holds after its last backward: a bf16 pipeline's reduce flattens at most
+#: :data:`FALLBACK_REDUCE_ELEMS` gradients at a time (:func:`pipeline_reduce_bytes`).
+AFTER_CAP = fallback_reduce_bytes(FALLBACK_REDUCE_ELEMS, 2)
 
 
 def dp_bandwidth(device: Device, tp: int, dp: int) -> float:

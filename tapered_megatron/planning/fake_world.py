@@ -19,13 +19,20 @@ Running DeepSpeed on data-free tensors needs a few harness patches, applied only
 * ZeRO-3's checks that every rank holds the same parameters (an all-gathered value compared
   with this rank's) are skipped: a fake all-gather returns no values;
 * the pipeline engine's receive of the first activation's metadata (shape and dtype sent by the
-  previous stage) is answered locally with the shape the caller gives;
+  previous stage) is answered locally with the shape the caller gives; under TP without
+  sequence parallelism (DeepSpeed's ``pipe_partitioned``: a stage sends its TP rank's part of
+  the activation and a metadata tensor of the whole one's shape and partition), the buffers of
+  that pair, and the metadata read back (``PartitionedTensor.from_meta``, which a fake tensor
+  answers with zeros) is the caller's shape split as DeepSpeed splits it;
 * :func:`tapered_megatron.parallel.pipeline.agree_on_parts` (an object broadcast, which the
   fake group cannot carry) keeps this rank's own boundaries, which are rank 0's: every rank
   computes them from the same analytic costs;
 * the cost model's device ``auto`` (what the trainer's pipeline balancer asks for: the device
   it runs on) is the simulated device, not this machine's CPU, whose peak would be measured
   on fake tensors;
+* torch's Adam/AdamW takes the simulated device's path: its multi-tensor (foreach) one where
+  :attr:`~tapered_megatron.planning.cost.Device.adam_temporaries` is 1 (the default on a GPU),
+  not the single-tensor one torch picks for fake CPU tensors, whose temporaries differ;
 * DeepSpeed's process-group registry (``deepspeed.utils.groups``: the ``mpu`` and groups an
   engine leaves there) is put back as it was, so that one process can simulate several worlds.
 """
@@ -34,6 +41,8 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import inspect
+import math
 import os
 import weakref
 from collections.abc import Callable, Iterator
@@ -42,9 +51,10 @@ from typing import TYPE_CHECKING, Any
 import deepspeed
 import torch
 import torch.distributed as dist
+from deepspeed.runtime.utils import PartitionedTensor, partition_uniform
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 from torch.utils._pytree import tree_map_only
 
 from tapered_megatron import parallel
@@ -116,7 +126,7 @@ def _scalar(dtype: torch.dtype) -> float | int | bool:
 
 @contextlib.contextmanager
 def _patched(obj: Any, name: str, value: Any) -> Iterator[None]:
-    old = getattr(obj, name)
+    old = inspect.getattr_static(obj, name)  # a class's classmethod itself, not bound
     setattr(obj, name, value)
     try:
         yield
@@ -165,6 +175,7 @@ def _patches(received: tuple[int, ...], device: Device) -> list[contextlib.Abstr
     from deepspeed.runtime.pipe import engine as pipe_engine
     from deepspeed.runtime.zero import partition_parameters, partitioned_param_coordinator, stage3
     from deepspeed.utils import groups
+    from torch.optim import adam
 
     from tapered_megatron.parallel import pipeline
     from tapered_megatron.planning import cost
@@ -172,7 +183,26 @@ def _patches(received: tuple[int, ...], device: Device) -> list[contextlib.Abstr
 
     def recv_tensor_meta(engine: Any, send_stage: int) -> Any:
         dtype = engine.communication_data_type
-        return engine._allocate_or_extend_buffers(0, list(received), dtype)
+        if not engine.is_pipe_partitioned:
+            return engine._allocate_or_extend_buffers(0, list(received), dtype)
+        meta = _partition_meta(received, engine.grid.get_slice_parallel_group())
+        parts, rank = meta[1 + len(received) : 3 + len(received)]
+        bounds = meta[-parts - 1 :]
+        local = bounds[rank + 1] - bounds[rank]
+        return (
+            engine._allocate_or_extend_buffers(0, [len(meta)], torch.long),
+            engine._allocate_or_extend_buffers(1, [local], dtype),
+        )
+
+    from_meta = PartitionedTensor.from_meta
+
+    def partition_from_meta(cls: type, meta: Any, local_part: Any, group: Any, **kw: Any) -> Any:
+        with _disable_current_modes():  # a real tensor: from_meta reads its values
+            real = torch.tensor(_partition_meta(received, group), dtype=torch.long)
+        return from_meta(real, local_part, group, **kw)
+
+    def fused_or_foreach(params: Any, differentiable: bool, use_fused: bool = False) -> Any:
+        return False, not differentiable and device.adam_temporaries == 1
 
     zero3 = (partition_parameters, partitioned_param_coordinator, stage3)
     return [
@@ -181,9 +211,18 @@ def _patches(received: tuple[int, ...], device: Device) -> list[contextlib.Abstr
         _patched(optim, "skip_nonfinite_steps", lambda engine: None),
         _patched(pipeline, "agree_on_parts", lambda parts, table: (parts, table)),
         _patched(pipe_engine.PipelineEngine, "_recv_tensor_meta", recv_tensor_meta),
+        _patched(PartitionedTensor, "from_meta", classmethod(partition_from_meta)),
+        _patched(adam, "_default_to_fused_or_foreach", fused_or_foreach),
         _patched(cost, "resolve_device", _resolving_auto_as(device, cost.resolve_device)),
         _registry_restored(groups),
     ]
+
+
+def _partition_meta(shape: tuple[int, ...], group: Any) -> list[int]:
+    """What DeepSpeed's ``PartitionedTensor.to_meta`` encodes for a tensor of ``shape`` split
+    over ``group``: its dimensions, the parts, this rank, the parts' bounds (flat)."""
+    parts, rank = dist.get_world_size(group), dist.get_rank(group)
+    return [len(shape), *shape, parts, rank, *partition_uniform(math.prod(shape), parts)]
 
 
 def _resolving_auto_as(device: Device, resolve: Callable[[str], Device]) -> Callable[..., Device]:

@@ -52,6 +52,8 @@ class Problem:
     inflight: tuple[float, ...]  # one per stage
     fixed: tuple[float, ...]  # one per stage: bytes every stage j pays regardless of its units
     cap: float = float("inf")
+    after: tuple[float, ...] = ()  # per unit: bytes after backward instead of the activations
+    after_cap: float = float("inf")  # the most of ``after`` a stage holds at once
 
     @classmethod
     def make(
@@ -65,6 +67,8 @@ class Problem:
         inflight: Sequence[float] | None = None,
         fixed: Sequence[float] | None = None,
         cap: float | None = None,
+        after: Sequence[float] | None = None,
+        after_cap: float = float("inf"),
     ) -> Problem:
         """Build a problem; missing memory terms are zero, ``inflight`` defaults to 1F1B's
         ``P - j`` (callers pass ``min(P - j, M)`` when they know the micro-batch count)."""
@@ -79,6 +83,8 @@ class Problem:
             inflight=inf if inf is not None else tuple(float(stages - j) for j in range(stages)),
             fixed=tuple(float(x) for x in fixed) if fixed is not None else (0.0,) * stages,
             cap=float("inf") if cap is None else float(cap),
+            after=tuple(float(x) for x in after) if after is not None else zeros,
+            after_cap=float(after_cap),
         )
 
     @property
@@ -99,12 +105,11 @@ class Problem:
         """Memory of units ``[lo, hi)`` placed on stage ``j``."""
         if hi <= lo:
             return self.fixed[j]
-        return (
-            self.fixed[j]
-            + float(sum(self.static[lo:hi]))
-            + self.inflight[j] * float(sum(self.act[lo:hi]))
-            + stage_transient(self.act[lo:hi], self.peak[lo:hi])
+        working = self.inflight[j] * float(sum(self.act[lo:hi])) + stage_transient(
+            self.act[lo:hi], self.peak[lo:hi]
         )
+        after = min(float(sum(self.after[lo:hi])), self.after_cap)
+        return self.fixed[j] + float(sum(self.static[lo:hi])) + max(working, after)
 
 
 def stage_transient(act: Sequence[float], peak: Sequence[float]) -> float:
@@ -150,6 +155,8 @@ def solve(problem: Problem) -> list[int]:
     tmat = st[None, :] - st[:, None]  # T[i, k] = time of [i, k)
     smat = ss[None, :] - ss[:, None]
     amat = sa[None, :] - sa[:, None]
+    sf = _prefix(problem.after or (0.0,) * n)
+    fmat = np.minimum(sf[None, :] - sf[:, None], problem.after_cap)  # after its backward
     # max over u in [i, k) of peak[u] - (sa[k] - sa[u + 1]): stage_transient of every range
     pmat = _range_max(np.asarray(problem.peak) + sa[1:]) - sa[None, :] if any(problem.peak) else 0.0
     idx = np.arange(n + 1)
@@ -159,7 +166,7 @@ def solve(problem: Problem) -> list[int]:
 
     feas = []
     for j in range(p):
-        mem = problem.fixed[j] + smat + problem.inflight[j] * amat + pmat
+        mem = problem.fixed[j] + smat + np.maximum(problem.inflight[j] * amat + pmat, fmat)
         feas.append(valid & (mem <= cap))
 
     def run(objective: str, bound: float) -> tuple[float, list[np.ndarray]]:

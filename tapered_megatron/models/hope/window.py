@@ -278,10 +278,13 @@ class _UpdatingWindow(torch.autograd.Function):
             torch.mul(e, s2[..., None], out=ej)
             if spec.record is not None and bool(dj.abs().amax() + ej.abs().amax() > 0):
                 spec.record.append(spec.start + t)
-        ctx.spec, ctx.held, ctx.tgt_len = spec, held, tgt.shape[1]
+        # the held products too go through save_for_backward (never a ctx attribute): a
+        # checkpoint around the window (recompute) drops only what its saved-tensor hooks see
+        ctx.spec, ctx.tgt_len = spec, tgt.shape[1]
         ctx.save_for_backward(
-            xw, w2_own, r13, r2, xsq, gv0, dgvs, fac_d, fac_a, fac_e, errs, das, norms, xx
-        )
+            xw, w2_own, r13, r2, xsq, gv0, dgvs, fac_d, fac_a, fac_e, errs, das, norms, xx,
+            *(t for pair in held for t in pair),
+        )  # fmt: skip
         if spec.final:
             return out
         return out, fac_d, w2 - fac_e.mT @ fac_a  # W_2 folded
@@ -289,10 +292,11 @@ class _UpdatingWindow(torch.autograd.Function):
     @staticmethod
     @once_differentiable
     def backward(ctx, dout, dfac_d=None, dw2n=None):
-        spec, held = ctx.spec, ctx.held
-        xw, w2, r13, r2, xsq, gvs, dgv, fac_d, fac_a, fac_e, errs, das, norms, xx = (
+        spec = ctx.spec
+        xw, w2, r13, r2, xsq, gvs, dgv, fac_d, fac_a, fac_e, errs, das, norms, xx, *flat = (
             ctx.saved_tensors
         )
+        held = list(zip(flat[::2], flat[1::2], strict=True))  # per period: (a A^T, e E^T)
         w2 = w2.to(xw.dtype)  # exact: the forward's cast again
         bsz, n, d = xw.shape
         h, c = w2.shape[-1], spec.period
