@@ -372,11 +372,14 @@ def test_bf16_autocast_updates_match_fp64_at_4096():
     assert err <= 0.01 and effect > 2 * err
 
 
+@pytest.mark.parametrize("recompute", ["none", "selective"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_cms_keeps_what_its_counts_say(dtype, monkeypatch):
+def test_cms_keeps_what_its_counts_say(dtype, recompute, monkeypatch):
     """On real tensors over several fold windows, the bytes a CMS slot's forward leaves alive
     for backward (its output and the weights excepted) are its counted activations within 5 %:
-    no copy of the earlier windows' factors, no wider copy of a bf16 weight."""
+    no copy of the earlier windows' factors, no wider copy of a bf16 weight; under selective
+    recompute those less its core (the windows' inputs stay: no fp32 copy of the targets, no
+    whole-sequence product kept for the first window's slice of it)."""
     from tapered_megatron.models.hope import modules
     from tapered_megatron.planning.fake_world import LiveBytes
 
@@ -385,6 +388,7 @@ def test_cms_keeps_what_its_counts_say(dtype, monkeypatch):
         "hope_attention",
         *("--model.d_model", "64", "--model.d_ff", "192", "--model.seq_len", "128"),
         *("--taper.schedule", "uniform", "--model.hope.periods", "0", "16", "8"),
+        *("--train.recompute", recompute),
     )
     cms = build_model(cfg).layers[0].mlp.to(dtype)
     u = torch.randn(2, 128, 64, generator=torch.Generator().manual_seed(1)).to(dtype)
@@ -395,5 +399,6 @@ def test_cms_keeps_what_its_counts_say(dtype, monkeypatch):
     weights = {id(p.untyped_storage()) for p in cms.parameters()}
     made = [(r, n) for r, n in live.log if r() is not y.untyped_storage()]
     kept = LiveBytes.alive([(r, n) for r, n in made if id(r()) not in weights])
-    counted = ContinuumMemory.counts(cfg, 0, dtype.itemsize).act_bytes * u.shape[:2].numel()
-    assert kept == pytest.approx(counted, rel=0.05)
+    c = ContinuumMemory.counts(cfg, 0, dtype.itemsize)
+    per_token = c.act_bytes - (c.core_bytes if recompute == "selective" else 0)
+    assert kept == pytest.approx(per_token * u.shape[:2].numel(), rel=0.05)

@@ -46,6 +46,11 @@ Protocol of the two module classes (what the block, the unit table and the count
     :mod:`tapered_megatron.planning.simulate`); a module whose working set follows its shapes
     counts it from them.
 
+``recomputed_core(cls, cfg, layer, dtype_bytes, tp) -> float``
+    Under ``train.recompute = selective``, the bytes per token of the core that its backward
+    re-creates and holds at once. The default is the whole core (one :meth:`recomputed` call
+    per forward); a module that recomputes its core piece by piece returns its largest piece.
+
 ``forward(self, x: Tensor[b, s, d_model]) -> Tensor[b, s, d_model]``
     ``x`` is the normalised block input; return the branch output (the block adds the residual).
     Strictly causal along ``s``. One tensor in, one tensor out (pipeline units pass only the
@@ -146,10 +151,16 @@ class Recomputed:
     selective_recompute: bool = False
     training: bool
 
+    @property
+    def recomputing(self) -> bool:
+        """Whether :meth:`recomputed` drops what its function saves (and keeps its inputs
+        instead): selective recompute, in training with gradients."""
+        return self.selective_recompute and self.training and torch.is_grad_enabled()
+
     def recomputed(self, fn: Callable[..., Any], *args: Any) -> Any:
         """``fn(*args)``; under selective recompute, in training with gradients, its saved
         activations are dropped and recomputed in backward (the same random numbers)."""
-        if self.selective_recompute and self.training and torch.is_grad_enabled():
+        if self.recomputing:
             return recompute(fn, *args)
         return fn(*args)
 
@@ -179,6 +190,14 @@ class BlockPart(Recomputed, nn.Module):
         parameters whose gradients exist then); ``saved``: the bytes the forward saved on that
         rank. Default: ``backward_share`` of them at the end, every gradient made."""
         return [(cls.backward_share * saved, 1.0)]
+
+    @classmethod
+    def recomputed_core(cls, cfg: Config, layer: int, dtype_bytes: int, tp: int) -> float:
+        """Bytes per token, on one of ``tp`` TP ranks, of the core (``Counts.core_bytes``) that
+        selective recompute re-creates and holds at once in this half's backward. Default: all
+        of it (one recompute)."""
+        c = cls.counts(cfg, layer, dtype_bytes)
+        return c.core_replicated + (c.core_bytes - c.core_replicated) / tp
 
 
 class TokenMixer(BlockPart):

@@ -585,7 +585,7 @@ def backward_transient(
         peaks = m.backward_peaks(cfg, layer, elem, shape.micro_batch_size, shape.tp, saved)
         again = 0.0
         if shape.recompute == "selective":
-            core = c.core_replicated + (c.core_bytes - c.core_replicated) / shape.tp
+            core = m.recomputed_core(cfg, layer, elem, shape.tp)
             again = core * shape.tokens + rope_table_bytes(u)
         half = 0.0
         if checkpointed and grads:

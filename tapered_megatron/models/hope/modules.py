@@ -158,9 +158,10 @@ class CMSLevel(SwiGLU):
         r2 = self.rates(u, eta, w2=True) if self.step_norm == "split" else rate
         tgt = u[:, 1:] if teach is None else teach.to(u.dtype)  # association targets u_{t+1}
         # in fp32 whatever the autocast dtype (fp64 stays fp64): the per-sequence weights
-        # accumulate small updates over thousands of tokens, which bf16 rounds away
+        # accumulate small updates over thousands of tokens, which bf16 rounds away (the
+        # targets are cast per window, by _replayed)
         dtype = torch.float64 if u.dtype == torch.float64 else torch.float32
-        xs, tgt, r13, r2, xsq = (t.to(dtype) for t in (ul, tgt, r13, r2, x_sq / d))
+        xs, r13, r2, xsq = (t.to(dtype) for t in (ul, r13, r2, x_sq / d))
         w2 = self.w2.weight  # cast by the first window (the weights are kept in their dtype)
         out_dtype = autocast_dtype(u) or u.dtype
         window = fold_window(d, w2.shape[-1] * get_tensor_model_parallel_world_size(), c, seq)
@@ -173,6 +174,8 @@ class CMSLevel(SwiGLU):
                 # product per window: autograd keeps the factors the windows made, no copy)
                 win = slice(w0, w0 + window)
                 gv = gv_all[:, win]
+                if w0 == 0 and window < seq and self.recomputing:
+                    gv = gv.clone()  # the recompute keeps its input: a view keeps all of gv_all
                 for k, fac_d in enumerate(factors):
                     held = xs[:, k * window : (k + 1) * window]
                     gv = torch.baddbmm(gv, xs[:, win] @ held.mT, fac_d, alpha=-1)
@@ -201,12 +204,17 @@ class CMSLevel(SwiGLU):
 
 def _replayed(spec: _WindowSpec) -> Callable[..., Any]:
     """:class:`_UpdatingWindow` of ``spec`` as a function that selective recompute may run
-    twice: the run in backward records no update positions (the first one did)."""
+    twice: the run in backward records no update positions (the first one did). It takes the
+    association targets in the activations' dtype and casts them to the window's inputs' (the
+    recompute keeps the targets it was given, not an fp32 copy)."""
     quiet, runs = replace(spec, record=None), []
 
-    def window(*tensors: torch.Tensor) -> Any:
+    def window(xw: torch.Tensor, gv: torch.Tensor, w2: torch.Tensor, tgt: torch.Tensor,
+               *rest: torch.Tensor) -> Any:  # fmt: skip
         runs.append(None)
-        return _UpdatingWindow.apply(spec if len(runs) == 1 else quiet, *tensors)
+        return _UpdatingWindow.apply(
+            spec if len(runs) == 1 else quiet, xw, gv, w2, tgt.to(xw.dtype), *rest
+        )
 
     return window
 
@@ -241,12 +249,22 @@ class ContinuumMemory(MLPSlot):
     @classmethod
     def counts(cls, cfg, layer: int, dtype_bytes: int = 2, d_ff: int | None = None) -> Counts:
         """Full-model params (``3 d d_ff(l)`` plus ``d + 1`` per learned rate gate), forward
-        FLOPs/token, activation bytes."""
+        FLOPs/token, activation bytes: the sum of :meth:`level_counts`."""
+        total = Counts(0, 0.0, 0.0)
+        for c in cls.level_counts(cfg, layer, dtype_bytes, d_ff):
+            total = total + c
+        return total
+
+    @classmethod
+    def level_counts(
+        cls, cfg, layer: int, dtype_bytes: int = 2, d_ff: int | None = None
+    ) -> list[Counts]:
+        """:meth:`counts` of each level, in the chain's order."""
         m, h = cfg.model, cfg.model.hope
         d = m.d_model
         d_ff = cfg.taper_plan.widths[layer] if d_ff is None else d_ff
         widths = level_widths(d_ff, h.levels, cfg.taper_plan.unit)
-        total = Counts(0, 0.0, 0.0)
+        out = []
         for i, (w, period) in enumerate(zip(widths, h.periods)):
             base = SwiGLU.counts(cfg, layer, dtype_bytes, d_ff=w)
             # a later level's input u_{i-1} (d) is every TP rank's whole (the first's is the
@@ -286,8 +304,22 @@ class ContinuumMemory(MLPSlot):
                     )  # fmt: skip
                 else:
                     base = base + Counts(gate, 0.0, 0.0)
-            total = total + replace(base, act_replicated=float(whole))
-        return total
+            out.append(replace(base, act_replicated=float(whole)))
+        return out
+
+    @classmethod
+    def recomputed_core(cls, cfg, layer: int, dtype_bytes: int, tp: int) -> float:
+        """Selective recompute re-runs one window of one updating level at a time: the
+        largest window's share of its level's core."""
+        m, h = cfg.model, cfg.model.hope
+        widths = level_widths(cfg.taper_plan.widths[layer], h.levels, cfg.taper_plan.unit)
+        most = 0.0
+        for c, w, period in zip(cls.level_counts(cfg, layer, dtype_bytes), widths, h.periods):
+            if c.core_bytes:  # an updating level
+                share = min(fold_window(m.d_model, w, period, m.seq_len), m.seq_len) / m.seq_len
+                local = c.core_replicated + (c.core_bytes - c.core_replicated) / tp
+                most = max(most, share * local)
+        return most
 
     @classmethod
     def backward_peaks(
@@ -299,17 +331,20 @@ class ContinuumMemory(MLPSlot):
         level's output and, where the level runs more than one window, those its windows' slices
         are summed into: of its input, the association targets (the teach signal has none:
         counted alike), the pre-activations and the rates and norms (``2 d + 2 h + 3`` per
-        token); and the chain's input gradient in the activations' dtype. Every gradient
-        counted made."""
+        token); and the chain's input gradient in the activations' dtype. The levels run
+        backward last first: by a level's moment the levels after it have freed what they
+        saved (their :meth:`level_counts` share of ``saved``). Every gradient counted made."""
         m, h = cfg.model, cfg.model.hope
         d, s = m.d_model, m.seq_len
         widths = level_widths(cfg.taper_plan.widths[layer], h.levels, cfg.taper_plan.unit)
+        acts = [c.act_bytes for c in cls.level_counts(cfg, layer, dtype_bytes)]
         f = max(4, dtype_bytes)
         out = []
-        for w, c in zip(widths, h.periods):
+        for i, (w, c) in enumerate(zip(widths, h.periods)):
+            freed = saved * sum(acts[i + 1 :]) / sum(acts)
             if not (c > 0 and h.lr > 0 and s > c):
                 static = SwiGLU.backward_peaks(cfg, layer, dtype_bytes, batch, tp, saved, d_ff=w)
-                out.append((max(b for b, _ in static), 1.0))
+                out.append((max(b for b, _ in static) - freed, 1.0))
                 continue
             win, hl = fold_window(d, w, c, s), w / tp
             starts = range(0, s, win)
@@ -319,7 +354,7 @@ class ContinuumMemory(MLPSlot):
             ]
             glue = s * (d + (2 * d + 2 * hl + 3) * (len(starts) > 1))
             held = max(f * (batch * (e + glue) + once) for e, once in windows)
-            out.append((held + batch * s * d * dtype_bytes, 1.0))
+            out.append((held + batch * s * d * dtype_bytes - freed, 1.0))
         return out
 
     def forward(self, u: torch.Tensor) -> torch.Tensor:
