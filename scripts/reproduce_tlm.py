@@ -161,6 +161,8 @@ def main(argv: list[str] | None = None) -> int:
         vocab_size=vocab,
         smoke=a.smoke,
         threads=max(1, cores // jobs) if plain and scale.name == "cpu" else 0,
+        # evaluations run in one python process each, beside the other jobs, on any launcher
+        eval_threads=max(1, cores // jobs) if scale.name == "cpu" else 0,
         env=provenance.environment(driver.REPO),
         allow_mixed_commits=a.allow_mixed_commits,
     )

@@ -187,6 +187,16 @@ def test_every_planned_run_is_a_valid_budget_preserving_config(smoke: bool) -> N
             assert all(a >= b for a, b in itertools.pairwise(w)), v.key
 
 
+def test_evaluations_pin_their_threads_behind_any_launcher(tmp_path, monkeypatch) -> None:
+    """A launcher that is not plain python leaves the training jobs' threads alone, but each
+    evaluation (one python process beside the other jobs) gets its share of the cores."""
+    monkeypatch.setenv("OMP_NUM_THREADS", "7")
+    s = driver.Settings(tmp_path, grid.SCALES["cpu"], ["env", "python"], threads=0, eval_threads=1)
+    assert s.job_env()["OMP_NUM_THREADS"] == "7"
+    assert s.job_env(evaluation=True)["OMP_NUM_THREADS"] == "1"
+    assert s.job_env(evaluation=True)["MKL_NUM_THREADS"] == "1"
+
+
 def test_run_command_is_a_plain_pretrain_job_behind_the_launcher(tmp_path: Path) -> None:
     s = driver.Settings(tmp_path, grid.SCALES["cpu"], ["deepspeed", "--num_gpus", "8"])
     run = grid.Run(grid.Variant("titans", "cosine", (1.5, 0.5), True), 2)

@@ -57,6 +57,7 @@ class Settings:
     vocab_size: int = 0
     smoke: bool = False
     threads: int = 0  # OMP_NUM_THREADS per job; 0: leave the environment alone
+    eval_threads: int = 0  # the same for the evaluations (plain python processes)
     env: dict[str, Any] | None = None  # provenance.environment() of this checkout
     allow_mixed_commits: bool = False
 
@@ -81,12 +82,14 @@ class Settings:
         ``<out>/cache`` with the scale's vocabulary on first use."""
         return corpus.prepare_python_docs(self.out / "cache", self.scale_vocab())
 
-    def job_env(self) -> dict[str, str]:
-        """Environment of a job: this checkout first on PYTHONPATH, the thread count pinned."""
+    def job_env(self, evaluation: bool = False) -> dict[str, str]:
+        """Environment of a training job (or with ``evaluation`` an evaluation): this checkout
+        first on PYTHONPATH, the thread count pinned."""
         env = dict(os.environ)
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH", "")]))
-        if self.threads:
-            env["OMP_NUM_THREADS"] = env["MKL_NUM_THREADS"] = str(self.threads)
+        threads = self.eval_threads if evaluation else self.threads
+        if threads:
+            env["OMP_NUM_THREADS"] = env["MKL_NUM_THREADS"] = str(threads)
         return env
 
     def run_dir(self, run: Run) -> Path:
@@ -452,7 +455,7 @@ def evaluate_run(settings: Settings, run: Run, phase: str, log: Callable[[str], 
         target.unlink()
     if target.exists():
         return "skipped"
-    env = settings.job_env()
+    env = settings.job_env(evaluation=True)
     p = subprocess.run([sys.executable, *args], capture_output=True, text=True, env=env, cwd=str(d))
     out = p.stdout + p.stderr
     (d / f"{phase}.log").write_text(out)
