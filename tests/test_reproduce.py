@@ -616,7 +616,7 @@ def check_results(results_dir: Path) -> int:
 def _acc(task: str | None):
     def get(r: dict) -> float | None:
         z = r.get("zeroshot")
-        if not z:
+        if not z or (task is not None and task not in z["tasks"]):
             return None
         return 100 * (z["average_acc"] if task is None else z["tasks"][task]["acc"])
 
@@ -662,9 +662,8 @@ def _check_zeroshot_items(text: str, recs: list[dict]) -> int:
 
 def _check_zeroshot(text: str, rows: list[list[str]], recs: list[dict], meta: dict) -> int:
     tasks = sorted({t for r in recs if r.get("zeroshot") for t in r["zeroshot"]["tasks"]})
-    used = {
-        t: min(r["zeroshot"]["tasks"][t]["n"] for r in recs if r.get("zeroshot")) for t in tasks
-    }
+    evaluated = [r["zeroshot"]["tasks"] for r in recs if r.get("zeroshot")]
+    used = {t: min(z[t]["n"] for z in evaluated if t in z) for t in tasks}
     shipped = _task_chance()
     if meta["zeroshot_tasks"]:  # what the report was given agrees with the task files
         assert {t: (i["items"], i["chance"]) for t, i in meta["zeroshot_tasks"].items()} == shipped
@@ -883,7 +882,8 @@ def _check_reading(
 
 def _check_probe_reading(reading: str, recs: list[dict]) -> str:
     """The Reading's memory-probe sentence recomputed from the records (configuration means of
-    the gaps, runs above 0, configurations at the bar); returns the Reading without it."""
+    the gaps, runs above 0, configurations and runs at the bar); returns the Reading without
+    it."""
     parts, reach = [], []
     bar = tables_mod.MEMORY_WORK_NATS
     for a in grid.MEMORY_ARCHS:
@@ -901,14 +901,17 @@ def _check_probe_reading(reading: str, recs: list[dict]) -> str:
             f"({sum(x > 0 for x in runs)} of {len(runs)} runs above 0) and "
             f"{far[0]:.3f}-{far[-1]:.3f} at 4x it"
         )
-        reach.append(f"{a} in {sum(m >= bar for m in means)} of {len(means)}")
+        reach.append(
+            f"{a} in {sum(m >= bar for m in means)} of {len(means)} configurations "
+            f"({sum(x >= bar for x in runs)} of {len(runs)} runs)"
+        )
     if not parts:
         assert "Memory probe" not in reading
         return reading
     line = (
         "  - Memory probe ((c), the budget table): switching the in-context memory off costs, in "
         f"the configurations' means, {'; '.join(parts)}. A memory counts as doing measurable work "
-        f"from {bar} nats: {', '.join(reach)} configurations reach it.\n"
+        f"from {bar} nats: {', '.join(reach)} reach it.\n"
     )
     assert line in reading
     return reading.replace(line, "")

@@ -357,11 +357,14 @@ def _probe_reading(by: dict) -> list[str]:
             f"({sum(x > 0 for x in runs)} of {len(runs)} runs above 0) and "
             f"{far[0]:.3f}-{far[-1]:.3f} at 4x it"
         )
-        reach.append(f"{a} in {sum(m >= MEMORY_WORK_NATS for m in means)} of {len(means)}")
+        reach.append(
+            f"{a} in {sum(m >= MEMORY_WORK_NATS for m in means)} of {len(means)} "
+            f"configurations ({sum(x >= MEMORY_WORK_NATS for x in runs)} of {len(runs)} runs)"
+        )
     if not parts:
         return []
     return [
         "  - Memory probe ((c), the budget table): switching the in-context memory off costs, "
         f"in the configurations' means, {'; '.join(parts)}. A memory counts as doing "
-        f"measurable work from {MEMORY_WORK_NATS} nats: {', '.join(reach)} configurations reach it."
+        f"measurable work from {MEMORY_WORK_NATS} nats: {', '.join(reach)} reach it."
     ]

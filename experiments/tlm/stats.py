@@ -255,13 +255,13 @@ def rho_stats(by: dict, v: grid.Variant, key: str) -> list[Stat]:
 
 
 def zs_stat(runs: dict[int, dict[str, Any]] | None, task: str | None = None) -> Stat:
-    """Zero-shot accuracy per seed in percent (``task=None``: the average over tasks)."""
+    """Zero-shot accuracy per seed in percent (``task=None``: the average over tasks; seeds
+    whose evaluation lacks ``task`` left out)."""
     vals = {}
     for s, r in (runs or {}).items():
         z = r.get("zeroshot")
-        if z:
-            acc = z["average_acc"] if task is None else z["tasks"][task]["acc"]
-            vals[s] = 100.0 * acc
+        if z and (task is None or task in z["tasks"]):
+            vals[s] = 100.0 * (z["average_acc"] if task is None else z["tasks"][task]["acc"])
     return Stat(vals)
 
 

@@ -147,8 +147,12 @@ def zeroshot_tasks(records: list[dict[str, Any]]) -> list[str]:
 
 
 def items_used(records: list[dict[str, Any]], task: str) -> int:
-    """The fewest items of ``task`` any run's zero-shot evaluation used."""
-    return min(r["zeroshot"]["tasks"][task]["n"] for r in records if r.get("zeroshot"))
+    """The fewest items of ``task`` any run's zero-shot evaluation of it used."""
+    return min(
+        r["zeroshot"]["tasks"][task]["n"]
+        for r in records
+        if task in (r.get("zeroshot") or {}).get("tasks", {})
+    )
 
 
 def table_zeroshot(
@@ -241,11 +245,11 @@ ARCH_NOTES = {
     "gated_attention": "G1 sigmoid output gate per head (Qiu et al. 2025); the MLP width shrunk "
     "to give the gate's parameters back.",
     "titans": "MAG: sliding-window attention with 4 persistent tokens, the memory rule re-derived "
-    "from the paper's equations; ours: chunk-start (mini-batch) gradients, at the cpu scale "
-    "each token's memory step normalised by the memory's curvature along its error (NLMS, no "
-    "per-token clip; runs trained before it: the plain step clipped to 0.25), forgetting "
-    "half-lives spread over heads, the step size capped (max_step, cpu scale); the MLP width "
-    "shrunk to give the memory branch's parameters back.",
+    "from the paper's equations; ours: chunk-start (mini-batch) gradients, each token's memory "
+    "step normalised by the memory's curvature along its error (NLMS, no per-token clip), the "
+    "step size capped at 0.1 and the outer gradient cut every 16 chunks (64 tokens) at the cpu "
+    "scale, forgetting half-lives spread over heads; the MLP width shrunk to give the memory "
+    "branch's parameters back.",
     "hope_attention": "attention + a Continuum Memory System of SwiGLU levels splitting the MLP "
     "width; ours: updates inside the sequence at period boundaries, every level taught by the "
     "final layer's error signal (teach; not each level's own), normalised, clipped steps; "
