@@ -277,7 +277,8 @@ def test_archs_subset_keeps_the_whole_plan_in_the_report(tmp_path: Path) -> None
     meta = json.loads((report / "results" / "meta.json").read_text())
     assert meta["runs_planned"] == 12 and kept.read_bytes() == saved
     assert "while 1 of 12 runs had finished" in meta["note"]  # the saved record counts
-    assert "| hope_attention | uniform | 99.48 |" in (report / "RESULTS.md").read_text()
+    ppl = math.exp(json.loads(saved)["final_val_loss"])
+    assert f"| hope_attention | uniform | {ppl:.2f} |" in (report / "RESULTS.md").read_text()
 
 
 # ----------------------------------------------------------------------------- RESULTS.md checks
@@ -455,7 +456,8 @@ def _check_training_length(text: str, recs: list[dict], base: list[dict]) -> Non
 
 def _check_wall_and_rerun(text: str, recs: list[dict], meta: dict, results_dir: Path) -> None:
     """The Runs line's counts and mean wall time (undercounted resumed runs left out), the
-    driver's summed wall time, the rerun check and the uniform seed spread."""
+    driver's summed wall time, the rerun check, the runs trained on two machines and the
+    uniform seed spread."""
     by_config: dict[str, list[float]] = {}
     for r in recs:
         by_config.setdefault(r["variant"], []).append(r["wall_s"])
@@ -480,6 +482,19 @@ def _check_wall_and_rerun(text: str, recs: list[dict], meta: dict, results_dir: 
         said = f"{r['run']} trained twice from scratch for {r['iterations']} iterations gave "
         assert said + ("bitwise-equal" if r["bitwise_equal"] else "losses up to") in text
         assert r["cpu"] in text
+    cross = meta.get("cross_machine") or []
+    by_run = {r["run"]: r for r in recs}
+    for e in cross:  # the second training of each is the record
+        rec = by_run[e["run"]]
+        assert rec["final_val_loss"] == e["val_loss"][1]
+        assert provenance.cpu_label(rec["provenance"][0]) == e["cpu"][1]
+        assert rec["provenance"][0]["commit"].startswith(e["commit"])
+    if cross:
+        gaps = [abs(math.exp(e["val_loss"][1]) - math.exp(e["val_loss"][0])) for e in cross]
+        assert (
+            f"final perplexities differ by a median of {statistics.median(gaps):.2f} ppl (at most "
+            f"{max(gaps):.2f})"
+        ) in text
     uni_ppl = list(_ppl(recs, grid.UNIFORM.key).values())
     if len(uni_ppl) > 1:
         assert f"seed-to-seed std: {statistics.stdev(uni_ppl):.2f} ppl" in text
@@ -863,19 +878,29 @@ def _check_reading(
                 total += 1
                 near += lo <= 100 * chance[t][1] <= hi
         assert f"{near} of {total} per-task accuracies have a Wilson interval" in reading
+        # the verdict's estimates: the item-level table's where every architecture has
+        # per-item outputs (Δ and reading in columns 3 and 6), else the seed-paired (f) table's
+        item_rows = _all_tables(text)["(f)"][1] if len(_all_tables(text)["(f)"]) > 1 else []
+        tapered = [r for r in item_rows if r[1] == "cosine 1.5/0.5"]
+        if tapered and all(r[3] != "—" for r in tapered):
+            over, rows, delta, words = "items and seeds", tapered, 3, 6
+        else:
+            over, delta, words = "seeds", 4, 7
+            rows = [r for r in tables["(f)"][1:] if r[1] == "cosine 1.5/0.5"]
         up, sure = 0, {"above": [], "below": []}
-        for row in tables["(f)"][1:]:
-            if row[1] == "cosine 1.5/0.5" and row[4] != "—":
-                up += float(row[4]) > 0
-                if "excludes 0" in row[7]:
-                    sure["above" if float(row[4]) > 0 else "below"].append(row[0])
-        n = sum(row[1] == "cosine 1.5/0.5" and row[4] != "—" for row in tables["(f)"][1:])
+        for row in rows:
+            if row[delta] != "—":
+                up += float(row[delta]) > 0
+                if "excludes 0" in row[words]:
+                    sure["above" if float(row[delta]) > 0 else "below"].append(row[0])
+        n = sum(row[delta] != "—" for row in rows)
         sides = " and ".join(
             f"{len(v)} {k}" + (f" ({', '.join(v)})" if v else "") for k, v in sure.items()
         )
         assert (
             f"tapered above uniform in mean average accuracy for {up} of {n} architectures "
-            f"(paper: 8/8 at 760M/1.3B); the paired 95 % interval excludes 0 for {sides}."
+            f"(paper: 8/8 at 760M/1.3B); the paired 95 % interval over {over} excludes 0 for "
+            f"{sides}."
         ) in reading
     return len(found)
 

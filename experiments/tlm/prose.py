@@ -7,7 +7,7 @@ from typing import Any
 
 from experiments.tlm import grid
 from experiments.tlm.stats import (
-    Paired,
+    ItemPaired,
     Stat,
     ci_text,
     direction,
@@ -241,19 +241,18 @@ def _alignment_reading(by: dict) -> list[str]:
     return out
 
 
-def _zeroshot_gains(by: dict) -> tuple[int, int, dict[str, list[str]]]:
+def _zeroshot_gains(claim: Claim) -> tuple[int, int, dict[str, list[str]]]:
     """(f): the architectures whose taper is above uniform in mean average accuracy, those
-    with an average, and those whose paired interval excludes 0 on each side."""
+    with an average, and those whose paired interval excludes 0 on each side, from the
+    verdict's comparisons (over items and seeds where the runs saved per-item outputs)."""
     up = total = 0
     sure: dict[str, list[str]] = {"above": [], "below": []}
-    for a in grid.ARCHS:
-        uni, cos, _ = grid.arch_variants(a)
-        d = Paired(zs_stat(by.get(cos.key)), zs_stat(by.get(uni.key))).diffs
-        if d.n:
+    for a, c in zip(grid.ARCHS, claim.comparisons, strict=True):
+        if c.est.n:
             total += 1
-            up += d.mean > 0
-            if excludes_zero(d):
-                sure["above" if d.mean > 0 else "below"].append(a)
+            up += c.est.mean > 0
+            if excludes_zero(c.est):
+                sure["above" if c.est.mean > 0 else "below"].append(a)
     return up, total, sure
 
 
@@ -279,17 +278,21 @@ def _zeroshot_reading(
 ) -> list[str]:
     """(f): tapered against uniform in zero-shot accuracy, accuracies near chance, and the
     verdict table's outcome."""
-    up, total, sure = _zeroshot_gains(by)
+    claim = claim_zeroshot(by)
+    up, total, sure = _zeroshot_gains(claim)
     near, cells = _near_chance(by, records, info)
+    items = all(isinstance(c.est, ItemPaired) for c in claim.comparisons)
+    over = "items and seeds" if items else "seeds"
     return [
         f"- (f) Zero-shot: tapered above uniform in mean average accuracy for {up} of {total} "
-        f"architectures (paper: 8/8 at 760M/1.3B); the paired 95 % interval excludes 0 for "
+        f"architectures (paper: 8/8 at 760M/1.3B); the paired 95 % interval over {over} "
+        "excludes 0 for "
         + " and ".join(
             f"{len(names)} {side}" + (f" ({', '.join(names)})" if names else "")
             for side, names in sure.items()
         )
         + f". {near} of {cells} per-task accuracies have a Wilson interval that includes the "
-        "task's chance level (first row of (f)). " + _claim_sentence(claim_zeroshot(by))
+        "task's chance level (first row of (f)). " + _claim_sentence(claim)
     ]
 
 

@@ -118,19 +118,34 @@ def rerun_text(meta: dict[str, Any], by: dict) -> str:
             f"Rerun gap{spread}: the same-machine check (the driver's rerun.json) is not in "
             "these records yet."
         )
-    return same + " " + OTHER_MACHINE
+    return " ".join(
+        filter(None, [same, cross_machine_text(meta.get("cross_machine")), OTHER_MACHINE])
+    )
+
+
+def cross_machine_text(entries: list[dict[str, Any]] | None) -> str:
+    """The gap between two machines at one commit: runs trained on both (``meta``'s
+    ``cross_machine``: per run its commit, the two CPUs and the two final validation losses;
+    the records hold the second)."""
+    if not entries:
+        return ""
+    gaps = sorted(abs(math.exp(e["val_loss"][1]) - math.exp(e["val_loss"][0])) for e in entries)
+    commits = sorted({e["commit"] for e in entries})
+    cpus = entries[0]["cpu"]
+    return (
+        f"Across machines at one commit ({', '.join(commits)}): {len(entries)} runs "
+        f"({', '.join(e['run'] for e in entries)}) trained on {cpus[0]} and again on {cpus[1]} "
+        f"(the records are the second): final perplexities differ by a median of "
+        f"{statistics.median(gaps):.2f} ppl (at most {gaps[-1]:.2f})."
+    )
 
 
 # Measured before these records were regenerated, by hand, not recomputed from these files.
 OTHER_MACHINE = (
     "On another 2-core machine (measured before, by hand, not from these files), retraining two "
-    "recorded runs at their recorded commits matched the first iterations to about 1e-7 and then "
-    "drifted: final perplexities 0.8 apart, about half the uniform seed-to-seed spread; that "
-    "retrain at a later main was bitwise equal to the one at the recorded commit. Retraining 32 "
-    "recorded (c) runs (Transformer, gated and Hope attention, seeds 1-4) at a later main, one "
-    "thread each as recorded, on the machine of the check above (also measured by hand): final "
-    "perplexities differ from the records by a median of 0.97 ppl (at most 6.56, a Hope run); "
-    "those records name no CPU, so the machine cannot be told apart from the code as the cause."
+    "then-recorded runs at their recorded commits matched the first iterations to about 1e-7 and "
+    "then drifted: final perplexities 0.8 apart; that retrain at a later main was bitwise equal "
+    "to the one at the recorded commit."
 )
 
 
