@@ -566,11 +566,12 @@ def backward_transient(
     (:meth:`~tapered_megatron.models.base.BlockPart.backward_peaks`), given what the half saved
     (its ``Counts.act_bytes``' share of the unit's, of ``full``), and by then the halves after
     it have freed what they saved. Under selective recompute a half's cores run again in its
-    backward: their activations (``core_bytes``, RoPE's tables) live beside it. Without
-    recompute the unit's whole gradient counts beside them; a checkpointed unit first
-    re-creates all its activations (``full``), which live beside its backward, and the
-    gradients count as made: the halves' after it and, of its own, those its module has made
-    by that moment. ``full``, and the gradient, for a unit that is no block or half of one."""
+    backward: their activations (what the module's ``recomputed_core`` holds at once, RoPE's
+    tables) live beside it. Without recompute the unit's whole gradient counts beside them; a
+    checkpointed unit first re-creates all its activations (``full``), which live beside its
+    backward, and the gradients count as made: the halves' after it and, of its own, those its
+    module has made by that moment. ``full``, and the gradient, for a unit that is no block or
+    half of one."""
     elem = activation_scale(shape.precision)
     grad_bytes = local * elem if grads else 0.0
     modules = block_halves(arch, u.kind)
