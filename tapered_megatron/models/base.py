@@ -133,6 +133,10 @@ class Counts:
             self.act_replicated + other.act_replicated,
         )
 
+    def local_core(self, tp: int) -> float:
+        """``core_bytes`` on one of ``tp`` TP ranks: the replicated part whole, the rest split."""
+        return self.core_replicated + (self.core_bytes - self.core_replicated) / tp
+
 
 def sequence_parallel(cfg: Config) -> bool:
     """Whether modules built now split the sequence outside the TP regions:
@@ -196,8 +200,7 @@ class BlockPart(Recomputed, nn.Module):
         """Bytes per token, on one of ``tp`` TP ranks, of the core (``Counts.core_bytes``) that
         selective recompute re-creates and holds at once in this half's backward. Default: all
         of it (one recompute)."""
-        c = cls.counts(cfg, layer, dtype_bytes)
-        return c.core_replicated + (c.core_bytes - c.core_replicated) / tp
+        return cls.counts(cfg, layer, dtype_bytes).local_core(tp)
 
 
 class TokenMixer(BlockPart):

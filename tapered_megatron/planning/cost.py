@@ -680,7 +680,7 @@ def unit_costs(
         act = input_bytes * tok / (shape.tp if sp else 1) if recompute else full
         if shape.recompute == "selective" and measured_act is None:
             # the cores run again in backward, RoPE's rotation with them
-            act -= (c.core_replicated + (c.core_bytes - c.core_replicated) / shape.tp) * tok + rope
+            act -= c.local_core(shape.tp) * tok + rope
         # Under ZeRO-3 autograd makes each gradient before DeepSpeed copies it into the reduce
         # bucket, and a bf16 pipeline's before BF16_Optimizer's hooks move it into the fp32
         # buffer (the head's fp32 one is already in ``act``); ZeRO-3's gathered weights are

@@ -317,8 +317,7 @@ class ContinuumMemory(MLPSlot):
         for c, w, period in zip(cls.level_counts(cfg, layer, dtype_bytes), widths, h.periods):
             if c.core_bytes:  # an updating level
                 share = min(fold_window(m.d_model, w, period, m.seq_len), m.seq_len) / m.seq_len
-                local = c.core_replicated + (c.core_bytes - c.core_replicated) / tp
-                most = max(most, share * local)
+                most = max(most, share * c.local_core(tp))
         return most
 
     @classmethod

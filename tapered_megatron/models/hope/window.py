@@ -51,6 +51,7 @@ def fold_window(d: int, h: int, c: int, seq: int) -> int:
     return best * c
 
 
+@lru_cache(maxsize=4096)  # as fold_window: asked per level of every unit costed
 def window_macs(d: int, h: int, c: int, seq: int, window: int, fold_depth: int = 0) -> float:
     """Forward multiply-adds per token of an updating level of width ``h`` and period ``c``
     beyond its static ``3 d h``, with windows of ``window`` tokens over a sequence of ``seq``:
@@ -71,6 +72,7 @@ def window_macs(d: int, h: int, c: int, seq: int, window: int, fold_depth: int =
     return d * h + total / seq
 
 
+@lru_cache(maxsize=4096)
 def held_products(c: int, seq: int, window: int) -> float:
     """Elements per token of the dual-form products a window of a level of period ``c`` keeps
     for backward, over a sequence of ``seq`` in windows of ``window`` tokens: per window of
