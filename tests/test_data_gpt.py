@@ -186,7 +186,7 @@ def _build_in_process(args):
 
 def test_concurrent_processes_build_once(data, tmp_path):
     cache = str(tmp_path / "cache")
-    with mp.get_context("fork").Pool(3) as pool:
+    with mp.get_context("spawn").Pool(3) as pool:
         out = pool.map(_build_in_process, [(data, cache, 400)] * 3)
     assert out[0] == out[1] == out[2]
     assert len([p for p in (tmp_path / "cache/gpt_indices").iterdir() if p.is_dir()]) == 1
@@ -220,7 +220,7 @@ def _prepare(cache):
 def test_sample_corpus_prepared_once(tmp_path):
     cache = str(tmp_path / "cache")
     t0 = time.perf_counter()
-    with mp.get_context("fork").Pool(2) as pool:
+    with mp.get_context("spawn").Pool(2) as pool:
         a, b = pool.map(_prepare, [cache, cache])
     assert a == b
     assert time.perf_counter() - t0 < 60

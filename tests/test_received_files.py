@@ -537,7 +537,7 @@ def test_an_export_config_including_a_base_is_never_followed(tmp_path, capsys):
     raw["tapered_config"]["base"] = str(defaults)
     (out / "config.json").write_text(json.dumps(raw))
     write_manifest(out)
-    why = f"'base: {str(defaults)!r}' is not followed"
+    why = f"'base: {str(defaults)!r:.80}' is not followed"  # the message keeps 80 characters
     with pytest.raises(ExportError, match=re.escape(why)):
         load_model(model=out)
     capsys.readouterr()
