@@ -65,6 +65,7 @@ setup(
         # scipy: the reproduction's statistics are checked against it.
         "dev": [
             "pytest>=7",
+            "pytest-xdist>=3.5",  # the default set runs on two workers (README)
             "scipy>=1.10",
             "hypothesis>=6.80",
             "ruff>=0.5",
